@@ -1,0 +1,186 @@
+"""MPI transport: the only module that knows MPI datatypes, ops and pickles.
+
+Buffers go through mpi4py's uppercase (buffer) calls; Python objects are
+pickled here and moved as byte buffers in chunks, so objects beyond MPI's
+2 GiB count limit work whatever the MPI library supports.
+"""
+
+import pickle
+
+import numpy
+from mpi4py import MPI
+
+from mnopt import grad_buffer
+
+
+class LayoutMismatchError(ValueError):
+    """Ranks tried to reduce gradient sets that do not line up."""
+
+
+#: Objects are moved in pieces of at most this many bytes (tests shrink it
+#: to exercise the chunking on small objects).
+OBJ_CHUNK_BYTES = 1 << 30
+
+
+# --------------------------------------------------------------- wire sums
+
+def _float16_sum(inbuf, inoutbuf, datatype):
+    a = numpy.frombuffer(inbuf, numpy.float16)
+    b = numpy.frombuffer(inoutbuf, numpy.float16)
+    numpy.add(a, b, out=b)
+
+
+def _bfloat16_sum(inbuf, inoutbuf, datatype):
+    a = grad_buffer.bfloat16_bits_to_float32(numpy.frombuffer(inbuf, numpy.uint16))
+    b = numpy.frombuffer(inoutbuf, numpy.uint16)
+    total = a + grad_buffer.bfloat16_bits_to_float32(b)
+    b[...] = grad_buffer.float32_to_bfloat16_bits(total)
+
+
+_MPI_TYPES = {'float32': MPI.FLOAT, 'float64': MPI.DOUBLE,
+              'float16': MPI.UINT16_T, 'bfloat16': MPI.UINT16_T}
+_SUM_FUNCS = {'float16': _float16_sum, 'bfloat16': _bfloat16_sum}
+_sum_ops = {}
+
+
+def wire_sum(wire):
+    """(MPI datatype, MPI op) that sum ``wire`` values.
+
+    MPI has no 16-bit float types, so float16 and bfloat16 travel as 16-bit
+    integers and are summed by a user op (each pairwise sum rounded once).
+    """
+    if wire not in _SUM_FUNCS:
+        return _MPI_TYPES[wire], MPI.SUM
+    if wire not in _sum_ops:
+        _sum_ops[wire] = MPI.Op.Create(_SUM_FUNCS[wire], commute=True)
+    return _MPI_TYPES[wire], _sum_ops[wire]
+
+
+def allreduce_sum(comm, array, wire):
+    """Sum a contiguous numpy wire array in place across ``comm``."""
+    if array.size:
+        mpi_type, op = wire_sum(wire)
+        comm.Allreduce(MPI.IN_PLACE, [array, mpi_type], op=op)
+
+
+def reduce_sum(comm, array, wire, root=0):
+    if array.size:
+        mpi_type, op = wire_sum(wire)
+        if comm.rank == root:
+            comm.Reduce(MPI.IN_PLACE, [array, mpi_type], op=op, root=root)
+        else:
+            comm.Reduce([array, mpi_type], None, op=op, root=root)
+
+
+def bcast_bytes(comm, array, root=0):
+    """Broadcast any contiguous numpy array as raw bytes (any dtype)."""
+    if array.size:
+        comm.Bcast([array.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
+
+
+# --------------------------------------------------------------- layouts
+
+def check_layouts(comm, layout, what='gradients'):
+    """Raise LayoutMismatchError on every rank unless all layouts agree.
+
+    Costs one Allgather of 8 bytes per rank when they agree; only on a
+    mismatch are the full layouts exchanged to name the first difference.
+    """
+    digests = numpy.empty(comm.size, dtype=numpy.int64)
+    comm.Allgather(numpy.array([layout.digest], dtype=numpy.int64), digests)
+    if (digests == digests[0]).all():
+        return
+    layouts = allgather_obj(comm, layout)
+    bad = next(r for r in range(comm.size) if layouts[r].key != layouts[0].key)
+    raise LayoutMismatchError(
+        'ranks would reduce %s that do not line up (rank 0 vs rank %d): %s. '
+        'Every rank must hold the same parameters, with the same shapes and '
+        'dtypes, and the same allreduce_grad_dtype.'
+        % (what, bad, layouts[0].first_difference(layouts[bad])))
+
+
+# --------------------------------------------------------------- objects
+
+def _dumps(obj):
+    return numpy.frombuffer(
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=numpy.uint8)
+
+
+def _loads(buf):
+    return pickle.loads(buf.tobytes())
+
+
+def _pieces(n):
+    step = max(1, OBJ_CHUNK_BYTES)
+    return [slice(s, min(s + step, n)) for s in range(0, n, step)]
+
+
+def send_bytes(comm, data, dest, tag):
+    comm.send(data.size, dest=dest, tag=tag)
+    for piece in _pieces(data.size):
+        comm.Send([data[piece], MPI.BYTE], dest=dest, tag=tag)
+
+
+def recv_bytes(comm, source, tag, status=None):
+    n = comm.recv(source=source, tag=tag, status=status)
+    if status is not None:
+        source, tag = status.Get_source(), status.Get_tag()
+    data = numpy.empty(n, dtype=numpy.uint8)
+    for piece in _pieces(n):
+        comm.Recv([data[piece], MPI.BYTE], source=source, tag=tag)
+    return data
+
+
+def send_obj(comm, obj, dest, tag=0):
+    send_bytes(comm, _dumps(obj), dest, tag)
+
+
+def recv_obj(comm, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+    # The length message fixes source and tag for the pieces that follow.
+    status = status if status is not None else MPI.Status()
+    return _loads(recv_bytes(comm, source, tag, status))
+
+
+def bcast_obj(comm, obj, root=0):
+    data = _dumps(obj) if comm.rank == root else None
+    n = comm.bcast(data.size if data is not None else None, root=root)
+    if data is None:
+        data = numpy.empty(n, dtype=numpy.uint8)
+    for piece in _pieces(n):
+        comm.Bcast([data[piece], MPI.BYTE], root=root)
+    return obj if comm.rank == root else _loads(data)
+
+
+def gather_obj(comm, obj, root=0):
+    data = _dumps(obj)
+    sizes = comm.gather(data.size, root=root)
+    if comm.rank != root:
+        for piece in _pieces(data.size):
+            comm.Send([data[piece], MPI.BYTE], dest=root, tag=0x6A7)
+        return None
+    out = []
+    for r, n in enumerate(sizes):
+        if r == root:
+            out.append(obj)
+            continue
+        buf = numpy.empty(n, dtype=numpy.uint8)
+        for piece in _pieces(n):
+            comm.Recv([buf[piece], MPI.BYTE], source=r, tag=0x6A7)
+        out.append(_loads(buf))
+    return out
+
+
+def allgather_obj(comm, obj):
+    return bcast_obj(comm, gather_obj(comm, obj), root=0)
+
+
+def scatter_obj(comm, objs, root=0):
+    if comm.rank == root:
+        if len(objs) != comm.size:
+            raise ValueError('scatter needs one object per rank (%d), got %d'
+                             % (comm.size, len(objs)))
+        for r, o in enumerate(objs):
+            if r != root:
+                send_obj(comm, o, r, tag=0x5CA)
+        return objs[root]
+    return recv_obj(comm, root, tag=0x5CA)

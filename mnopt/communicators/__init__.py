@@ -1,0 +1,60 @@
+"""Communicators by name; ``create_communicator`` is the entry point."""
+
+import importlib
+
+from mnopt.communicators.base import CommunicatorBase  # NOQA
+
+_REGISTRY = {
+    'naive': ('mnopt.communicators.naive', 'NaiveCommunicator'),
+    'flat': ('mnopt.communicators.flat', 'FlatCommunicator'),
+    'hierarchical': ('mnopt.communicators.hierarchical',
+                     'HierarchicalCommunicator'),
+    'pure_nccl': ('mnopt.communicators.pure_nccl', 'PureNcclCommunicator'),
+}
+NAMES = tuple(_REGISTRY) + ('auto',)
+
+
+def communicator_class(name):
+    if name == 'auto':
+        from mnopt import _cuda
+        name = 'pure_nccl' if _cuda.gpu_available() else 'flat'
+    if name not in _REGISTRY:
+        raise ValueError('unknown communicator %r; choose one of %s'
+                         % (name, ', '.join(NAMES)))
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_communicator(communicator_name='auto', mpi_comm=None,
+                        allreduce_grad_dtype=None, batched_copy=True,
+                        bucket_bytes=None, abort_on_exception=True):
+    """Create a communicator.
+
+    Args:
+        communicator_name: ``'naive'``, ``'flat'``, ``'hierarchical'``,
+            ``'pure_nccl'``, or ``'auto'`` (``pure_nccl`` where CuPy, NCCL
+            and a GPU are present, ``flat`` otherwise).
+        mpi_comm: the mpi4py communicator to run over (COMM_WORLD).
+        allreduce_grad_dtype: dtype gradients travel in: ``'float16'``,
+            ``'bfloat16'``, ``'float32'``, ``'float64'`` or None (their own).
+        batched_copy: accepted for ChainerMN compatibility; packing is
+            always batched.
+        bucket_bytes: bytes of wire data per reduction call (default 4 MiB).
+        abort_on_exception: install a hook that aborts the whole MPI job
+            when any rank dies of an uncaught exception (instead of leaving
+            the other ranks hanging).
+    """
+    del batched_copy
+    from mnopt import grad_buffer
+    grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)  # fail early
+    cls = communicator_class(communicator_name)
+    if mpi_comm is None:
+        from mpi4py import MPI
+        mpi_comm = MPI.COMM_WORLD
+    if abort_on_exception:
+        from mnopt import global_except_hook
+        global_except_hook.add_hook()
+    kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype}
+    if bucket_bytes is not None:
+        kwargs['bucket_bytes'] = bucket_bytes
+    return cls(mpi_comm, **kwargs)

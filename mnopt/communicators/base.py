@@ -1,0 +1,396 @@
+"""What every communicator shares; a subclass only says how to sum a buffer.
+
+A communicator averages gradients through a *group*: a private duplicate of
+the user's MPI communicator (plus whatever sub-communicators the algorithm
+needs) and the persistent GradBuffer for the current gradient layout.  The
+synchronous path and the asynchronous one (double buffering) each have their
+own group, so two threads never share an MPI communicator.
+"""
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy
+from mpi4py import MPI
+
+from mnopt import _mpi
+from mnopt import grad_buffer
+
+
+def node_split(comm):
+    """(intra-node, inter-node) communicators for ``comm``.
+
+    Nodes come from MPI's shared-memory split; ``MNOPT_RANKS_PER_NODE=k``
+    overrides it (ranks 0..k-1 form node 0, ...) so tests can fake several
+    nodes on one machine.  ``inter`` joins ranks with equal intra rank; the
+    node leaders (intra rank 0) form one such communicator.
+    """
+    per_node = os.environ.get('MNOPT_RANKS_PER_NODE')
+    if per_node:
+        try:
+            k = int(per_node)
+            if k < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError('MNOPT_RANKS_PER_NODE must be a positive integer, '
+                             'not %r' % per_node)
+        intra = comm.Split(comm.rank // k, comm.rank)
+    else:
+        intra = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    inter = comm.Split(intra.rank, comm.rank)
+    return intra, inter
+
+
+class _Group(object):
+    """A private MPI communicator and the gradient buffer used over it."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.buffer = None
+        self.subcomms = []  # algorithm-specific communicators, freed with it
+
+    def buffer_for(self, named, wire, xp, **buffer_options):
+        """The GradBuffer for this gradient set; rebuilt when it changes.
+
+        The cross-rank layout check runs on every call (one 8-byte
+        Allgather), so a rank whose parameter set changed alone still gets
+        an error instead of a hang or a corrupted sum.
+        """
+        key = (tuple(n for n, _ in named), tuple(a.shape for _, a in named),
+               tuple(a.dtype.name for _, a in named))
+        buffer = self.buffer
+        if (buffer is None or buffer.xp is not xp
+                or buffer.layout.key[:3] != key
+                or (wire is not None and buffer.layout.wire != wire)):
+            layout = grad_buffer.make_layout(named, wire)
+            buffer = grad_buffer.GradBuffer(layout, xp, **buffer_options)
+        _mpi.check_layouts(self.comm, buffer.layout)
+        self.buffer = buffer
+        return buffer
+
+    def free(self):
+        self.buffer = None
+        for c in self.subcomms + [self.comm]:
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self.subcomms = []
+        self.comm = MPI.COMM_NULL
+
+
+class MeanHandle(object):
+    """An averaging in progress; ``wait()`` returns when it is done and
+    raises any exception it ended with."""
+
+    def __init__(self, future=None):
+        self._future = future
+
+    def done(self):
+        future = self._future
+        return future is None or future.done()
+
+    def wait(self):
+        # An exception is raised once, to the first caller that waits.
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+
+def _array_module(arrays):
+    kinds = {type(a).__module__.split('.')[0] for a in arrays}
+    if not kinds or kinds == {'numpy'}:
+        return numpy
+    if kinds == {'cupy'}:
+        import cupy
+        return cupy
+    raise TypeError('gradients must be all numpy or all cupy arrays, got %s'
+                    % sorted(kinds))
+
+
+class CommunicatorBase(object):
+    """A data-parallel communicator (ChainerMN's API).
+
+    Subclasses set ``name`` and implement ``_sum(buffer, group)``: sum the
+    group's buffer in place across all ranks.  Optionally they override
+    ``_make_group`` (extra sub-communicators) and ``_buffer_options``.
+    """
+
+    name = None
+
+    def __init__(self, mpi_comm, allreduce_grad_dtype=None,
+                 bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES):
+        self.mpi_comm = mpi_comm
+        self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
+            allreduce_grad_dtype)
+        if int(bucket_bytes) < 1:
+            raise ValueError('bucket_bytes must be positive, not %r'
+                             % (bucket_bytes,))
+        self.bucket_bytes = int(bucket_bytes)
+        intra, inter = node_split(mpi_comm)
+        self._intra_rank, self._intra_size = intra.rank, intra.size
+        self._inter_rank, self._inter_size = inter.rank, inter.size
+        intra.Free()
+        inter.Free()
+        self._sync_group = self._make_group(mpi_comm.Dup())
+        self._async_group = None
+        self._executor = None
+        self._in_flight = MeanHandle()
+
+    # ----------------------------------------------------------- ranks
+    @property
+    def rank(self):
+        return self.mpi_comm.rank
+
+    @property
+    def size(self):
+        return self.mpi_comm.size
+
+    @property
+    def intra_rank(self):
+        return self._intra_rank
+
+    @property
+    def intra_size(self):
+        return self._intra_size
+
+    @property
+    def inter_rank(self):
+        return self._inter_rank
+
+    @property
+    def inter_size(self):
+        return self._inter_size
+
+    def __repr__(self):
+        return '<%s rank %d/%d, allreduce_grad_dtype=%s>' % (
+            type(self).__name__, self.rank, self.size,
+            self.allreduce_grad_dtype)
+
+    # ----------------------------------------------------------- hooks
+    def _make_group(self, comm):
+        return _Group(comm)
+
+    def _buffer_options(self):
+        return {'bucket_bytes': self.bucket_bytes}
+
+    def _sum(self, buffer, group):
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- gradients
+    def mean_grads(self, named_grads):
+        """Average ``[(name, array), ...]`` in place across all ranks.
+
+        Arrays are matched across ranks by position; names, shapes and
+        dtypes are checked to agree.
+        """
+        self._mean(self._sync_group, list(named_grads))
+
+    def mean_grads_async(self, named_grads):
+        """Start averaging ``named_grads`` in place in the background.
+
+        Returns a MeanHandle.  The arrays must not be touched until its
+        ``wait()`` returns.  One averaging is in flight at a time; starting
+        another waits for the previous one first.  All ranks must call this
+        (and ``mean_grads``) in the same order.
+        """
+        named = list(named_grads)
+        self._in_flight.wait()
+        if self._executor is None:
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                raise RuntimeError(
+                    'asynchronous averaging needs MPI_THREAD_MULTIPLE; this '
+                    'MPI was initialised with a lower thread level')
+            # Dup is collective: every rank reaches this at the same call.
+            self._async_group = self._make_group(self.mpi_comm.Dup())
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix='mnopt-%s' % self.name)
+        self._in_flight = MeanHandle(
+            self._executor.submit(self._mean, self._async_group, named))
+        return self._in_flight
+
+    def _mean(self, group, named):
+        xp = _array_module([a for _, a in named])
+        buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
+                                  **self._buffer_options())
+        arrays = [a for _, a in named]
+        buffer.pack(arrays, self.size)
+        self._sum(buffer, group)
+        buffer.unpack(arrays)
+
+    def multi_node_mean_grad(self, model, zero_fill=False):
+        """Replace each parameter's gradient by its mean over all ranks.
+
+        Parameters without data are skipped.  Parameters without a gradient
+        are skipped too, unless ``zero_fill``: then they count as zeros
+        (and receive the mean as their gradient).
+        """
+        self.mean_grads(named_grads(model, zero_fill))
+
+    def allreduce_grad(self, model, zero_fill=False):
+        """Deprecated ChainerMN name of multi_node_mean_grad."""
+        self.multi_node_mean_grad(model, zero_fill)
+
+    def bcast_data(self, model, root=0):
+        """Broadcast every parameter's data from ``root`` (checked first)."""
+        named = [(n, p.array) for n, p in sorted(model.namedparams())
+                 if p.array is not None]
+        comm = self._sync_group.comm
+        layout = grad_buffer.Layout([n for n, _ in named],
+                                    [a.shape for _, a in named],
+                                    [a.dtype for _, a in named], wire='-')
+        _mpi.check_layouts(comm, layout, what='parameters')
+        for _, array in named:
+            host = _to_host(array)
+            _mpi.bcast_bytes(comm, host, root)
+            if host is not array:
+                array.set(host)
+
+    broadcast_data = bcast_data
+
+    # ----------------------------------------------------------- lifecycle
+    def finalize(self):
+        """Wait for background work and free this communicator's MPI
+        resources.  Safe to call more than once."""
+        try:
+            self._in_flight.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            for group in (self._sync_group, self._async_group):
+                if group is not None and not MPI.Is_finalized():
+                    group.free()
+
+    # ----------------------------------------------------------- collectives
+    def split(self, color, key):
+        """A communicator of the same kind over ``mpi_comm.Split``."""
+        sub = self.mpi_comm.Split(color, key)
+        return type(self)(sub, **self._init_kwargs())
+
+    def _init_kwargs(self):
+        return {'allreduce_grad_dtype': self.allreduce_grad_dtype,
+                'bucket_bytes': self.bucket_bytes}
+
+    def send(self, data, dest, tag):
+        _mpi.send_obj(self.mpi_comm, _host_message(data), dest, tag)
+
+    def recv(self, source, tag):
+        return _device_message(_mpi.recv_obj(self.mpi_comm, source, tag))
+
+    def bcast(self, x, root=0):
+        msg = _mpi.bcast_obj(self.mpi_comm, _host_message(x)
+                             if self.rank == root else None, root)
+        return x if self.rank == root else _device_message(msg)
+
+    def gather(self, x, root=0):
+        msgs = _mpi.gather_obj(self.mpi_comm, _host_message(x), root)
+        return None if msgs is None else tuple(map(_device_message, msgs))
+
+    def allgather(self, x):
+        return tuple(map(_device_message,
+                         _mpi.allgather_obj(self.mpi_comm, _host_message(x))))
+
+    def scatter(self, xs, root=0):
+        msgs = [_host_message(x) for x in xs] if self.rank == root else None
+        return _device_message(_mpi.scatter_obj(self.mpi_comm, msgs, root))
+
+    def alltoall(self, xs):
+        if len(xs) != self.size:
+            raise ValueError('alltoall needs one array per rank (%d), got %d'
+                             % (self.size, len(xs)))
+        out = []
+        for root in range(self.size):
+            out.append(self.scatter(xs if self.rank == root else None, root))
+        return tuple(out)
+
+    def allreduce(self, x):
+        """Element-wise sum of ``x`` over all ranks (a new array)."""
+        host = numpy.array(_to_host(x), copy=True)
+        headers = _mpi.allgather_obj(self.mpi_comm, (host.shape, host.dtype.name))
+        if any(h != headers[0] for h in headers):
+            raise ValueError('allreduce: ranks hold different arrays: %s'
+                             % ', '.join('rank %d %s %s' % ((r,) + h)
+                                         for r, h in enumerate(headers)))
+        if host.dtype.name in grad_buffer.WIRE_DTYPES:
+            _mpi.allreduce_sum(self.mpi_comm, host.reshape(-1), host.dtype.name)
+        else:
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        return _like(host, x)
+
+    def send_obj(self, obj, dest, tag=0):
+        _mpi.send_obj(self.mpi_comm, obj, dest, tag)
+
+    def recv_obj(self, source, status=None, tag=MPI.ANY_TAG):
+        return _mpi.recv_obj(self.mpi_comm, source, tag, status)
+
+    def bcast_obj(self, obj, max_buf_len=None, root=0):
+        return _mpi.bcast_obj(self.mpi_comm, obj, root)
+
+    def gather_obj(self, obj, root=0):
+        return _mpi.gather_obj(self.mpi_comm, obj, root)
+
+    def allgather_obj(self, obj):
+        return _mpi.allgather_obj(self.mpi_comm, obj)
+
+    def allreduce_obj(self, obj):
+        """Sum of ``obj`` over ranks with ``+``, in rank order (the same
+        result on every rank)."""
+        objs = _mpi.allgather_obj(self.mpi_comm, obj)
+        total = objs[0]
+        for o in objs[1:]:
+            total = total + o
+        return total
+
+    def scatter_obj(self, objs, root=0):
+        return _mpi.scatter_obj(self.mpi_comm, objs, root)
+
+
+def named_grads(model, zero_fill):
+    """The gradients to average, sorted by parameter name (the order of
+    ``namedparams`` can differ between processes)."""
+    out = []
+    for name, param in sorted(model.namedparams()):
+        if param.array is None:
+            continue
+        if param.grad is None:
+            if not zero_fill:
+                continue
+            xp = _array_module([param.array])
+            param.grad = xp.zeros_like(param.array)
+        out.append((name, param.grad))
+    return out
+
+
+# ------------------------------------------------------------- host staging
+def _to_host(x):
+    if isinstance(x, numpy.ndarray):
+        return numpy.ascontiguousarray(x)
+    if type(x).__module__.split('.')[0] == 'cupy':
+        return x.get()
+    return numpy.ascontiguousarray(numpy.asarray(x))
+
+
+def _like(host, original):
+    if isinstance(original, numpy.ndarray) or not hasattr(original, 'device'):
+        return host
+    import cupy
+    return cupy.asarray(host)
+
+
+def _host_message(data):
+    """(is_tuple, on_gpu, host arrays) for the array collectives."""
+    if isinstance(data, (tuple, list)):
+        return (True, any(not isinstance(a, numpy.ndarray) for a in data),
+                [_to_host(a) for a in data])
+    return False, not isinstance(data, numpy.ndarray), [_to_host(data)]
+
+
+def _device_message(msg):
+    is_tuple, on_gpu, arrays = msg
+    if on_gpu:
+        try:
+            import cupy
+            arrays = [cupy.asarray(a) for a in arrays]
+        except ImportError:
+            pass
+    return tuple(arrays) if is_tuple else arrays[0]

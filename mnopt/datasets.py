@@ -1,0 +1,52 @@
+"""Splitting a dataset over ranks."""
+
+import numpy
+from chainer.datasets import SubDataset
+
+
+def scatter_index(n_total, comm, root=0, shuffle=False, seed=None,
+                  force_equal_length=True):
+    """Each rank's (start, stop, order) over a dataset of ``n_total``."""
+    if comm.rank == root:
+        order = (numpy.random.RandomState(seed).permutation(n_total)
+                 if shuffle else None)
+        args = []
+        for r in range(comm.size):
+            start = n_total * r // comm.size
+            stop = n_total * (r + 1) // comm.size
+            if force_equal_length:
+                # Pad short ranks (by wrapping around) so every rank runs
+                # the same number of iterations per epoch.
+                stop = start + -(-n_total // comm.size) if n_total else start
+            args.append((start, stop, order))
+        return comm.scatter_obj(args, root=root)
+    return comm.scatter_obj(None, root=root)
+
+
+class _WrappedSubDataset(SubDataset):
+    """A SubDataset whose range may run past the end (wrapping around)."""
+
+    def __init__(self, dataset, start, stop, order):
+        n = len(dataset)
+        index = numpy.arange(start, stop) % max(n, 1)
+        if order is not None:
+            index = numpy.asarray(order)[index]
+        super(_WrappedSubDataset, self).__init__(
+            dataset, 0, len(index), order=index)
+
+
+def scatter_dataset(dataset, comm, root=0, shuffle=False, seed=None,
+                    max_buf_len=None, force_equal_length=True):
+    """Give each rank a near-equal share of ``dataset`` (held by ``root``).
+
+    With ``force_equal_length`` the shares are padded by wrapping around so
+    all ranks have the same length.  ``max_buf_len`` is accepted for
+    ChainerMN compatibility: large objects are always sent in chunks.
+    """
+    del max_buf_len
+    n_total = len(dataset) if comm.rank == root else None
+    n_total = comm.bcast_obj(n_total, root=root)
+    start, stop, order = scatter_index(n_total, comm, root, shuffle, seed,
+                                       force_equal_length)
+    data = comm.bcast_obj(dataset if comm.rank == root else None, root=root)
+    return _WrappedSubDataset(data, start, stop, order)

@@ -1,0 +1,35 @@
+"""Abort the whole MPI job when one rank dies of an uncaught exception.
+
+Without it, the other ranks wait forever in their next collective.  This
+does what ``python -m mpi4py script.py`` does, for scripts launched as
+plain ``python script.py``.
+"""
+
+import sys
+
+_installed = False
+
+
+def _abort_hook(exc_type, exc_value, exc_traceback):
+    _previous(exc_type, exc_value, exc_traceback)
+    try:
+        from mpi4py import MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized() \
+                and MPI.COMM_WORLD.size > 1:
+            sys.stderr.write('mnopt: uncaught exception on rank %d; '
+                             'aborting the MPI job\n' % MPI.COMM_WORLD.rank)
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+    except Exception:
+        pass
+
+
+_previous = sys.excepthook
+
+
+def add_hook():
+    global _installed, _previous
+    if not _installed:
+        _previous = sys.excepthook
+        sys.excepthook = _abort_hook
+        _installed = True

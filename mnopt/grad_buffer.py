@@ -1,0 +1,227 @@
+"""Packing, casting and bucketing of gradients: the one place it happens.
+
+Every communicator averages gradients the same way:
+
+1. ``pack``: each gradient is divided by the world size and cast to the wire
+   dtype in a single pass into one flat, persistent buffer.  Dividing *before*
+   summing means any mean that fits in the wire dtype cannot overflow
+   (ChainerMN's FP16 path sums first and returns inf for gradients of 60000
+   on 2 ranks).
+2. the communicator sums the buffer across ranks, bucket by bucket.
+3. ``unpack``: the summed buffer is cast back into each gradient's own dtype.
+
+The wire dtypes are float16, bfloat16, float32 and float64.  NumPy has no
+bfloat16, so bfloat16 travels as its raw bits in uint16 storage, rounded to
+nearest-even from float32.
+
+Buffers live where the gradients live: numpy arrays for CPU gradients, CuPy
+arrays (with a pinned host mirror for MPI staging) for GPU gradients.
+"""
+
+import hashlib
+
+import numpy
+
+WIRE_DTYPES = ('float16', 'bfloat16', 'float32', 'float64')
+
+#: Default bucket: 4 MiB of wire data.  Measured on 2 cores at N=2 (see
+#: docs/benchmarks.md): 1-16 MiB reduce in the same time, 100 MiB in one
+#: call is ~1.6x slower, below 1 MiB per-call latency starts to show.
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+
+def normalize_wire_dtype(dtype):
+    """Return the wire dtype's name, or None for "the gradients' own"."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = numpy.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    if name not in WIRE_DTYPES:
+        raise ValueError(
+            'allreduce_grad_dtype must be one of %s or None, not %r'
+            % (', '.join(WIRE_DTYPES), dtype))
+    return name
+
+
+def storage_dtype(wire):
+    """The numpy dtype that holds ``wire`` values in memory."""
+    return numpy.dtype(numpy.uint16 if wire == 'bfloat16' else wire)
+
+
+def default_wire_dtype(grad_dtypes):
+    """With allreduce_grad_dtype=None, gradients travel in their own dtype;
+    a mixed set travels in the widest of them."""
+    if not grad_dtypes:
+        return 'float32'
+    return numpy.result_type(*grad_dtypes).name
+
+
+# --------------------------------------------------------------- bfloat16
+
+def float32_to_bfloat16_bits(x):
+    """Round float32 ``x`` to nearest-even bfloat16; returns uint16 bits."""
+    x = numpy.ascontiguousarray(x, dtype=numpy.float32)
+    bits = x.view(numpy.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    out = rounded.astype(numpy.uint16)
+    # Rounding can carry a NaN's payload into the exponent: keep it NaN.
+    nan = numpy.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def bfloat16_bits_to_float32(bits):
+    return (numpy.asarray(bits, dtype=numpy.uint16).astype(numpy.uint32)
+            << 16).view(numpy.float32)
+
+
+# --------------------------------------------------------------- layout
+
+class Layout(object):
+    """The names, shapes and dtypes of a set of gradients, in order.
+
+    ``digest`` is a 63-bit hash of everything that must agree across ranks
+    before their buffers can be summed element by element.
+    """
+
+    def __init__(self, names, shapes, dtypes, wire):
+        self.names = tuple(names)
+        self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        self.dtypes = tuple(numpy.dtype(d).name for d in dtypes)
+        self.wire = wire
+        self.sizes = [int(numpy.prod(s, dtype=numpy.int64))
+                      for s in self.shapes]
+        self.offsets = [0]
+        for size in self.sizes:
+            self.offsets.append(self.offsets[-1] + size)
+        self.total = self.offsets[-1]
+        self.key = (self.names, self.shapes, self.dtypes, wire)
+        h = hashlib.blake2b(repr(self.key).encode(), digest_size=8)
+        self.digest = int.from_bytes(h.digest(), 'little') >> 1
+
+    def describe(self, i):
+        return '%r %s %s' % (self.names[i], self.shapes[i], self.dtypes[i])
+
+    def first_difference(self, other):
+        """A sentence naming the first entry where two layouts differ."""
+        for i in range(min(len(self.names), len(other.names))):
+            if (self.names[i], self.shapes[i], self.dtypes[i]) != (
+                    other.names[i], other.shapes[i], other.dtypes[i]):
+                return 'gradient #%d is %s vs %s' % (
+                    i, self.describe(i), other.describe(i))
+        if len(self.names) != len(other.names):
+            n = min(len(self.names), len(other.names))
+            extra = self if len(self.names) > n else other
+            return '%d vs %d gradients; the first extra one is %s' % (
+                len(self.names), len(other.names), extra.describe(n))
+        return 'wire dtype %s vs %s' % (self.wire, other.wire)
+
+
+def make_layout(named_arrays, wire):
+    names = [n for n, _ in named_arrays]
+    shapes = [a.shape for _, a in named_arrays]
+    dtypes = [a.dtype for _, a in named_arrays]
+    if wire is None:
+        wire = default_wire_dtype(dtypes)
+    for name, dtype in zip(names, dtypes):
+        if numpy.dtype(dtype).kind != 'f':
+            raise TypeError(
+                'gradient %r has dtype %s; only float16, float32 and '
+                'float64 gradients can be averaged' % (name, dtype))
+    return Layout(names, shapes, dtypes, wire)
+
+
+# --------------------------------------------------------------- buffer
+
+class GradBuffer(object):
+    """A persistent flat buffer for one gradient layout.
+
+    ``buckets`` are the slices of the buffer a communicator reduces one call
+    at a time: fixed-size pieces (arrays may straddle two buckets), or one
+    bucket per array (``per_array=True``, the naive reference).
+    """
+
+    def __init__(self, layout, xp=numpy, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                 per_array=False):
+        self.layout = layout
+        self.xp = xp
+        self.dtype = storage_dtype(layout.wire)
+        self.wire = xp.empty(layout.total, dtype=self.dtype)
+        if per_array:
+            offs = layout.offsets
+            self.buckets = [slice(offs[i], offs[i + 1])
+                            for i in range(len(layout.sizes))
+                            if layout.sizes[i]]
+        else:
+            step = max(1, bucket_bytes // self.dtype.itemsize)
+            self.buckets = [slice(s, min(s + step, layout.total))
+                            for s in range(0, layout.total, step)]
+        self._host = None
+        if xp is not numpy:
+            from mnopt import _cuda
+            self._codec = _cuda.Codec(layout.wire)
+        else:
+            self._codec = _NumpyCodec(layout.wire)
+
+    @property
+    def nbytes(self):
+        return self.wire.nbytes
+
+    def pack(self, arrays, divisor):
+        """wire[...] = cast(concat(arrays) / divisor)."""
+        offs = self.layout.offsets
+        for i, a in enumerate(arrays):
+            if offs[i] != offs[i + 1]:
+                self._codec.encode(a.reshape(-1), self.wire[offs[i]:offs[i + 1]],
+                                   divisor)
+
+    def unpack(self, arrays):
+        """arrays[i][...] = cast back from the wire (in place)."""
+        offs = self.layout.offsets
+        for i, a in enumerate(arrays):
+            if offs[i] != offs[i + 1]:
+                self._codec.decode(self.wire[offs[i]:offs[i + 1]], a.reshape(-1))
+
+    # -- host staging for MPI transports of GPU buffers
+    def host(self):
+        """The buffer as a numpy array (a pinned mirror for GPU buffers)."""
+        if self.xp is numpy:
+            return self.wire
+        if self._host is None:
+            from mnopt import _cuda
+            self._host = _cuda.pinned_empty(self.wire.size, self.dtype)
+        self.wire.get(out=self._host)
+        return self._host
+
+    def from_host(self):
+        if self.xp is not numpy:
+            self.wire.set(self._host)
+
+
+class _NumpyCodec(object):
+
+    def __init__(self, wire):
+        self.wire = wire
+        self.storage = storage_dtype(wire)
+
+    def encode(self, src, dst, divisor):
+        if self.wire == 'bfloat16':
+            scaled = numpy.divide(src, divisor, dtype=numpy.float32)
+            dst[...] = float32_to_bfloat16_bits(scaled)
+            return
+        # Compute in the wider of the two dtypes (never below float32), then
+        # round once into the wire dtype.
+        compute = numpy.promote_types(
+            numpy.promote_types(src.dtype, self.storage), numpy.float32)
+        numpy.divide(src, divisor, out=dst, dtype=compute, casting='unsafe')
+
+    def decode(self, src, dst):
+        if self.wire == 'bfloat16':
+            src = bfloat16_bits_to_float32(src)
+        numpy.copyto(dst, src, casting='unsafe')

@@ -1,0 +1,109 @@
+"""The packing/casting module, on one process."""
+
+import numpy
+import pytest
+
+from mnopt import grad_buffer as gb
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    # 1 + 2^-8 is halfway between bfloat16 neighbours 1 and 1 + 2^-7: ties
+    # go to the even one (1.0); just above halfway rounds up.
+    x = numpy.array([1.0, 1 + 2 ** -8, 1 + 2 ** -8 + 2 ** -20,
+                     1 + 3 * 2 ** -8, -2.5, 65504.0, numpy.inf, -numpy.inf],
+                    dtype=numpy.float32)
+    y = gb.bfloat16_bits_to_float32(gb.float32_to_bfloat16_bits(x))
+    numpy.testing.assert_array_equal(
+        y, numpy.array([1.0, 1.0, 1 + 2 ** -7, 1 + 2 ** -6, -2.5,
+                        65536.0,
+                        numpy.inf, -numpy.inf], dtype=numpy.float32))
+
+
+def test_bfloat16_keeps_nan():
+    x = numpy.array([numpy.nan, -numpy.nan], dtype=numpy.float32)
+    x.view(numpy.uint32)[1] = 0x7F800001  # signalling NaN, tiny payload
+    y = gb.bfloat16_bits_to_float32(gb.float32_to_bfloat16_bits(x))
+    assert numpy.isnan(y).all()
+
+
+def test_bfloat16_round_trip_is_exact_for_representable_values():
+    bits = numpy.arange(0, 0x7F80, dtype=numpy.uint16)  # all finite >= 0
+    f = gb.bfloat16_bits_to_float32(bits)
+    numpy.testing.assert_array_equal(gb.float32_to_bfloat16_bits(f), bits)
+
+
+@pytest.mark.parametrize('bad', ['float8', 'int32', numpy.int64, 'fp16', 3])
+def test_unknown_wire_dtype_lists_choices(bad):
+    with pytest.raises(ValueError, match='float16, bfloat16, float32, float64'):
+        gb.normalize_wire_dtype(bad)
+
+
+@pytest.mark.parametrize('given,name', [
+    (numpy.float16, 'float16'), ('bfloat16', 'bfloat16'),
+    (numpy.dtype('float32'), 'float32'), (None, None)])
+def test_wire_dtype_spellings(given, name):
+    assert gb.normalize_wire_dtype(given) == name
+
+
+def test_default_wire_dtype_is_the_widest_gradient_dtype():
+    assert gb.default_wire_dtype([numpy.float16]) == 'float16'
+    assert gb.default_wire_dtype([numpy.float16, numpy.float32]) == 'float32'
+    assert gb.default_wire_dtype([numpy.float64, numpy.float32]) == 'float64'
+
+
+def test_integer_gradients_are_refused():
+    with pytest.raises(TypeError, match="'w' has dtype int32"):
+        gb.make_layout([('w', numpy.zeros(3, numpy.int32))], None)
+
+
+@pytest.mark.parametrize('wire', gb.WIRE_DTYPES)
+@pytest.mark.parametrize('grad_dtype', ['float16', 'float32', 'float64'])
+@pytest.mark.parametrize('per_array,bucket_bytes', [(True, 0), (False, 6),
+                                                     (False, 1 << 20)])
+def test_pack_divides_casts_and_unpack_restores(wire, grad_dtype, per_array,
+                                                bucket_bytes):
+    shapes = [(3, 5), (1,), (0,), (7, 1, 2)]
+    arrays = [(numpy.arange(numpy.prod(s)).reshape(s) * 0.5 - 2)
+              .astype(grad_dtype) for s in shapes]
+    named = [('a%d' % i, a) for i, a in enumerate(arrays)]
+    layout = gb.make_layout(named, wire)
+    opts = {'per_array': True} if per_array else {'bucket_bytes': bucket_bytes}
+    buf = gb.GradBuffer(layout, **opts)
+    # Buckets tile the buffer exactly, in order.
+    covered = numpy.concatenate([numpy.arange(layout.total)[b]
+                                 for b in buf.buckets] or [[]])
+    numpy.testing.assert_array_equal(covered, numpy.arange(layout.total))
+    buf.pack(arrays, 2)
+    decoded = buf.wire if wire != 'bfloat16' else \
+        gb.bfloat16_bits_to_float32(buf.wire)
+    numpy.testing.assert_array_equal(
+        decoded, numpy.concatenate([a.ravel() / 2 for a in arrays])
+        .astype(decoded.dtype))
+    out = [numpy.full_like(a, 99) for a in arrays]
+    buf.unpack(out)
+    for a, o in zip(arrays, out):
+        # Every value here (k/4 - 1) is exact in every dtype.
+        numpy.testing.assert_array_equal(o, a / 2)
+        assert o.dtype == a.dtype
+
+
+def test_fp16_wire_does_not_overflow_where_the_mean_fits():
+    # ChainerMN sums first: 2 x 60000 overflows float16 (max 65504).
+    named = [('g', numpy.full(4, 60000, numpy.float32))]
+    buf = gb.GradBuffer(gb.make_layout(named, 'float16'))
+    buf.pack([named[0][1]], 2)
+    total = buf.wire + buf.wire  # what the sum over two ranks computes
+    assert numpy.isfinite(total).all()
+    numpy.testing.assert_array_equal(total, 60000)
+
+
+def test_layout_first_difference_names_the_entry():
+    a = gb.make_layout([('x', numpy.zeros((2, 3))), ('y', numpy.zeros(4))],
+                       'float32')
+    b = gb.make_layout([('x', numpy.zeros((2, 3))), ('y', numpy.zeros(5))],
+                       'float32')
+    c = gb.make_layout([('x', numpy.zeros((2, 3)))], 'float32')
+    assert a.digest != b.digest
+    assert "'y' (4,) float64 vs 'y' (5,) float64" in a.first_difference(b)
+    assert "2 vs 1 gradients; the first extra one is 'y'" in \
+        a.first_difference(c)
