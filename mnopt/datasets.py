@@ -1,7 +1,7 @@
 """Splitting a dataset over ranks."""
 
 import numpy
-from chainer.datasets import SubDataset
+from chainer.dataset import DatasetMixin
 
 
 def scatter_index(n_total, comm, root=0, shuffle=False, seed=None,
@@ -23,16 +23,20 @@ def scatter_index(n_total, comm, root=0, shuffle=False, seed=None,
     return comm.scatter_obj(None, root=root)
 
 
-class _WrappedSubDataset(SubDataset):
-    """A SubDataset whose range may run past the end (wrapping around)."""
+class _ScatteredDataset(DatasetMixin):
+    """Examples ``start`` to ``stop`` of ``dataset`` (in ``order`` when
+    given); the range may run past the end and wraps around."""
 
     def __init__(self, dataset, start, stop, order):
-        n = len(dataset)
-        index = numpy.arange(start, stop) % max(n, 1)
-        if order is not None:
-            index = numpy.asarray(order)[index]
-        super(_WrappedSubDataset, self).__init__(
-            dataset, 0, len(index), order=index)
+        self._dataset = dataset
+        index = numpy.arange(start, stop) % max(len(dataset), 1)
+        self._index = index if order is None else numpy.asarray(order)[index]
+
+    def __len__(self):
+        return len(self._index)
+
+    def get_example(self, i):
+        return self._dataset[int(self._index[i])]
 
 
 def scatter_dataset(dataset, comm, root=0, shuffle=False, seed=None,
@@ -49,4 +53,4 @@ def scatter_dataset(dataset, comm, root=0, shuffle=False, seed=None,
     start, stop, order = scatter_index(n_total, comm, root, shuffle, seed,
                                        force_equal_length)
     data = comm.bcast_obj(dataset if comm.rank == root else None, root=root)
-    return _WrappedSubDataset(data, start, stop, order)
+    return _ScatteredDataset(data, start, stop, order)

@@ -19,12 +19,13 @@ from mnopt import grad_buffer
 
 
 def node_split(comm):
-    """(intra-node, inter-node) communicators for ``comm``.
+    """(intra-node communicator, leaders communicator, node index, nodes).
 
     Nodes come from MPI's shared-memory split; ``MNOPT_RANKS_PER_NODE=k``
     overrides it (ranks 0..k-1 form node 0, ...) so tests can fake several
-    nodes on one machine.  ``inter`` joins ranks with equal intra rank; the
-    node leaders (intra rank 0) form one such communicator.
+    nodes on one machine.  The leaders communicator joins the ranks with
+    intra rank 0 (on other ranks it joins the ranks of equal intra rank and
+    goes unused).
     """
     per_node = os.environ.get('MNOPT_RANKS_PER_NODE')
     if per_node:
@@ -38,8 +39,9 @@ def node_split(comm):
         intra = comm.Split(comm.rank // k, comm.rank)
     else:
         intra = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    inter = comm.Split(intra.rank, comm.rank)
-    return intra, inter
+    leaders = comm.Split(intra.rank, comm.rank)
+    node, n_nodes = intra.bcast((leaders.rank, leaders.size), root=0)
+    return intra, leaders, node, n_nodes
 
 
 class _Group(object):
@@ -126,11 +128,11 @@ class CommunicatorBase(object):
             raise ValueError('bucket_bytes must be positive, not %r'
                              % (bucket_bytes,))
         self.bucket_bytes = int(bucket_bytes)
-        intra, inter = node_split(mpi_comm)
+        intra, leaders, node, n_nodes = node_split(mpi_comm)
         self._intra_rank, self._intra_size = intra.rank, intra.size
-        self._inter_rank, self._inter_size = inter.rank, inter.size
+        self._inter_rank, self._inter_size = node, n_nodes
         intra.Free()
-        inter.Free()
+        leaders.Free()
         self._sync_group = self._make_group(mpi_comm.Dup())
         self._async_group = None
         self._executor = None

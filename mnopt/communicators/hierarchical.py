@@ -15,7 +15,7 @@ class HierarchicalCommunicator(CommunicatorBase):
 
     def _make_group(self, comm):
         group = _Group(comm)
-        group.intra, group.inter = node_split(comm)
+        group.intra, group.inter, _, _ = node_split(comm)
         group.subcomms = [group.intra, group.inter]
         return group
 

@@ -1,0 +1,150 @@
+"""Benchmark gradient averaging, side by side in one run.
+
+    mpiexec -n 2 python -m mpi4py -m mnopt.benchmark [--quick] [--json FILE]
+
+Times ``multi_node_mean_grad`` on ResNet-50's gradient set (162 arrays,
+25,557,096 float32) for each communicator and wire dtype, next to:
+
+- the limit: raw mpi4py ``Allreduce`` of one pre-packed float32 buffer, at
+  the best of several chunk sizes (no packing, no casting, no scaling);
+- ChainerMN's own ``naive`` communicator, when ChainerMN is importable.
+
+Cases run round-robin within each repetition so drift on a shared machine
+hits all of them alike; each time is the slowest rank's.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import numpy
+from mpi4py import MPI
+
+
+def resnet50_grad_shapes(n_classes=1000):
+    """Parameter shapes of ResNet-50 as in Chainer's ImageNet example
+    (conv1 with bias, batch normalisation after every convolution)."""
+    shapes = [(64, 3, 7, 7), (64,), (64,), (64,)]
+    in_ch = 64
+    for n_blocks, mid, out in ((3, 64, 256), (4, 128, 512),
+                               (6, 256, 1024), (3, 512, 2048)):
+        for block in range(n_blocks):
+            convs = [(mid, in_ch, 1, 1), (mid, mid, 3, 3), (out, mid, 1, 1)]
+            if block == 0:
+                convs.append((out, in_ch, 1, 1))  # projection shortcut
+            for w in convs:
+                shapes += [w, (w[0],), (w[0],)]   # conv W, BN gamma, beta
+            in_ch = out
+    return shapes + [(n_classes, 2048), (n_classes,)]
+
+
+def grad_model(shapes, rank, dtype=numpy.float32):
+    import chainer
+    link = chainer.Link()
+    rng = numpy.random.RandomState(rank)
+    with link.init_scope():
+        for i, shape in enumerate(shapes):
+            p = chainer.Parameter(numpy.zeros(shape, dtype=dtype))
+            p.grad = rng.standard_normal(shape).astype(dtype)
+            setattr(link, 'p%03d' % i, p)
+    return link
+
+
+def _limit_case(comm, n_elements, chunk):
+    buf = numpy.ones(n_elements, dtype=numpy.float32)
+
+    def run():
+        for start in range(0, n_elements, chunk):
+            comm.Allreduce(MPI.IN_PLACE, buf[start:start + chunk])
+    return run
+
+
+def build_cases(args, world):
+    import mnopt
+    shapes = resnet50_grad_shapes()
+    total = sum(int(numpy.prod(s)) for s in shapes)
+    cases = []
+    limit_comm = world.Dup()
+    chunks_mib = [4, 16] if args.quick else [1, 4, 16, 64]
+    for mib in chunks_mib:
+        cases.append(('limit: Allreduce, %d MiB chunks' % mib, 'limit',
+                      _limit_case(limit_comm, total, mib << 18)))
+    try:
+        import chainermn
+        cmn = chainermn.create_communicator('naive', mpi_comm=world.Dup())
+        model = grad_model(shapes, world.rank)
+        cases.append(('chainermn naive', 'chainermn',
+                      lambda: cmn.multi_node_mean_grad(model)))
+    except Exception as e:  # not installed, or not importable here
+        if world.rank == 0:
+            print('# ChainerMN not available (%s); skipping it' % e)
+    for name in args.communicators:
+        for wire in args.dtypes:
+            comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire)
+            model = grad_model(shapes, world.rank)
+            cases.append(('mnopt %s %s' % (name, wire), name,
+                          lambda c=comm, m=model: c.multi_node_mean_grad(m)))
+    return cases, total
+
+
+def run_cases(cases, world, reps, warmup=2):
+    times = numpy.zeros((len(cases), reps))
+    for rep in range(warmup + reps):
+        for i, (_, _, fn) in enumerate(cases):
+            world.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if rep >= warmup:
+                times[i, rep - warmup] = dt
+        if world.rank == 0 and sys.stderr.isatty():
+            sys.stderr.write('\rrepetition %d/%d' % (rep + 1, warmup + reps))
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # the slowest rank
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--communicators', nargs='+',
+                        default=['naive', 'flat', 'hierarchical'])
+    parser.add_argument('--dtypes', nargs='+',
+                        default=['float32', 'float16', 'bfloat16'])
+    parser.add_argument('--reps', type=int, default=15)
+    parser.add_argument('--quick', action='store_true',
+                        help='fewer cases and repetitions (a smoke run)')
+    parser.add_argument('--json', help='write the results to this file')
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps = min(args.reps, 5)
+        args.dtypes = args.dtypes[:2]
+    world = MPI.COMM_WORLD
+    cases, total = build_cases(args, world)
+    times = run_cases(cases, world, args.reps)
+    if world.rank != 0:
+        return
+    nbytes = total * 4
+    medians = numpy.median(times, axis=1)
+    limit = min(m for m, c in zip(medians, cases) if c[1] == 'limit')
+    rows = []
+    print('# multi_node_mean_grad, ResNet-50 gradients (%d float32, %.1f MB), '
+          'N=%d, %d repetitions, slowest rank' % (total, nbytes / 1e6,
+                                                  world.size, args.reps))
+    print('%-34s %9s %9s %9s %9s %9s' % ('case', 'median ms', 'min ms',
+                                         'max ms', 'algbw GB/s', 'x limit'))
+    for (label, kind, _), t, med in zip(cases, times, medians):
+        row = {'case': label, 'kind': kind, 'median_s': float(med),
+               'min_s': float(t.min()), 'max_s': float(t.max()),
+               'algbw_GBps': nbytes / med / 1e9, 'x_limit': med / limit}
+        rows.append(row)
+        print('%-34s %9.1f %9.1f %9.1f %9.2f %9.2f' % (
+            label, med * 1e3, t.min() * 1e3, t.max() * 1e3,
+            row['algbw_GBps'], row['x_limit']))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump({'n_ranks': world.size, 'n_elements': total,
+                       'reps': args.reps, 'rows': rows}, f, indent=1)
+
+
+if __name__ == '__main__':
+    main()
