@@ -29,6 +29,10 @@ WIRE_DTYPES = ('float16', 'bfloat16', 'float32', 'float64')
 #: call is ~1.6x slower, below 1 MiB per-call latency starts to show.
 DEFAULT_BUCKET_BYTES = 4 << 20
 
+#: Gradients at least this large that need no cast are reduced in place
+#: rather than packed (smaller ones are cheaper to batch into buckets).
+DEFAULT_IN_PLACE_MIN_BYTES = 64 << 10
+
 
 def normalize_wire_dtype(dtype):
     """Return the wire dtype's name, or None for "the gradients' own"."""
@@ -142,66 +146,115 @@ def make_layout(named_arrays, wire):
 class GradBuffer(object):
     """A persistent flat buffer for one gradient layout.
 
-    ``buckets`` are the slices of the buffer a communicator reduces one call
-    at a time: fixed-size pieces (arrays may straddle two buckets), or one
-    bucket per array (``per_array=True``, the naive reference).
+    Each iteration: ``pack`` the gradients, sum ``host_parts()`` across
+    ranks in place (one call per part), ``from_host()``, ``unpack``.
+
+    Parts are bucket-sized pieces of the packed buffer (arrays may straddle
+    two buckets), or one piece per array (``per_array=True``, the naive
+    reference).  With ``in_place_min_bytes``, numpy gradients at least that
+    large whose dtype already is the wire dtype skip the buffer: they are
+    scaled and summed where they are, in bucket-sized slices, which saves
+    the two full copies that packing and unpacking cost.
     """
 
     def __init__(self, layout, xp=numpy, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 per_array=False):
+                 per_array=False, in_place_min_bytes=None):
         self.layout = layout
         self.xp = xp
         self.dtype = storage_dtype(layout.wire)
-        self.wire = xp.empty(layout.total, dtype=self.dtype)
+        self.bucket_elems = max(1, bucket_bytes // self.dtype.itemsize)
+        self.in_place = [
+            in_place_min_bytes is not None and xp is numpy
+            and layout.dtypes[i] == layout.wire
+            and size * self.dtype.itemsize >= in_place_min_bytes
+            for i, size in enumerate(layout.sizes)]
+        # Offsets of the packed arrays inside the buffer.
+        self.offsets = [0]
+        for size, skip in zip(layout.sizes, self.in_place):
+            self.offsets.append(self.offsets[-1] + (0 if skip else size))
+        self.wire = xp.empty(self.offsets[-1], dtype=self.dtype)
         if per_array:
-            offs = layout.offsets
+            offs = self.offsets
             self.buckets = [slice(offs[i], offs[i + 1])
                             for i in range(len(layout.sizes))
-                            if layout.sizes[i]]
+                            if offs[i] != offs[i + 1]]
         else:
-            step = max(1, bucket_bytes // self.dtype.itemsize)
-            self.buckets = [slice(s, min(s + step, layout.total))
-                            for s in range(0, layout.total, step)]
+            self.buckets = self._slices(self.wire.size)
         self._host = None
+        self._in_place_arrays = []
         if xp is not numpy:
             from mnopt import _cuda
             self._codec = _cuda.Codec(layout.wire)
         else:
             self._codec = _NumpyCodec(layout.wire)
 
+    def _slices(self, n):
+        step = self.bucket_elems
+        return [slice(s, min(s + step, n)) for s in range(0, n, step)]
+
     @property
     def nbytes(self):
-        return self.wire.nbytes
+        return self.layout.total * self.dtype.itemsize
 
     def pack(self, arrays, divisor):
-        """wire[...] = cast(concat(arrays) / divisor)."""
-        offs = self.layout.offsets
+        """Packed: wire[...] = cast(array / divisor).  In place: the arrays
+        are divided slice by slice in ``host_parts``."""
+        offs = self.offsets
+        self._in_place_arrays = []
+        self._divisor = divisor
         for i, a in enumerate(arrays):
-            if offs[i] != offs[i + 1]:
+            if self.in_place[i]:
+                # A non-contiguous gradient is reduced in a contiguous copy
+                # that unpack copies back.
+                flat = a.reshape(-1) if a.flags.c_contiguous \
+                    else numpy.ascontiguousarray(a).reshape(-1)
+                self._in_place_arrays.append(flat)
+            elif offs[i] != offs[i + 1]:
                 self._codec.encode(a.reshape(-1), self.wire[offs[i]:offs[i + 1]],
                                    divisor)
 
-    def unpack(self, arrays):
-        """arrays[i][...] = cast back from the wire (in place)."""
-        offs = self.layout.offsets
-        for i, a in enumerate(arrays):
-            if offs[i] != offs[i + 1]:
-                self._codec.decode(self.wire[offs[i]:offs[i + 1]], a.reshape(-1))
+    def host_parts(self):
+        """Yield the contiguous numpy arrays to sum across ranks, in order.
 
-    # -- host staging for MPI transports of GPU buffers
-    def host(self):
-        """The buffer as a numpy array (a pinned mirror for GPU buffers)."""
-        if self.xp is numpy:
-            return self.wire
-        if self._host is None:
+        GPU buffers are first copied to a pinned host mirror (``from_host``
+        copies the sums back).  In-place slices are divided just before
+        they are yielded, so the reduction finds them still in cache."""
+        host = self.wire
+        if self.xp is not numpy:
             from mnopt import _cuda
-            self._host = _cuda.pinned_empty(self.wire.size, self.dtype)
-        self.wire.get(out=self._host)
-        return self._host
+            if self._host is None:
+                self._host = _cuda.pinned_empty(self.wire.size, self.dtype)
+            self.wire.get(out=self._host)
+            host = self._host
+        for b in self.buckets:
+            yield host[b]
+        for flat in self._in_place_arrays:
+            for b in self._slices(flat.size):
+                part = flat[b]
+                numpy.divide(part, self._divisor, out=part)
+                yield part
 
     def from_host(self):
         if self.xp is not numpy:
             self.wire.set(self._host)
+
+    def unpack(self, arrays):
+        """arrays[i][...] = cast back from the wire (in place)."""
+        offs = self.offsets
+        in_place = iter(self._in_place_arrays)
+        for i, a in enumerate(arrays):
+            if self.in_place[i]:
+                flat = next(in_place)
+                if not numpy.shares_memory(flat, a):
+                    a[...] = flat.reshape(a.shape)
+            elif offs[i] != offs[i + 1]:
+                src = self.wire[offs[i]:offs[i + 1]]
+                if a.flags.c_contiguous:
+                    self._codec.decode(src, a.reshape(-1))
+                else:  # reshape(-1) would be a copy: decode, then assign
+                    flat = self.xp.empty(a.size, dtype=a.dtype)
+                    self._codec.decode(src, flat)
+                    a[...] = flat.reshape(a.shape)
 
 
 class _NumpyCodec(object):

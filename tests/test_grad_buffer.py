@@ -58,32 +58,36 @@ def test_integer_gradients_are_refused():
 
 @pytest.mark.parametrize('wire', gb.WIRE_DTYPES)
 @pytest.mark.parametrize('grad_dtype', ['float16', 'float32', 'float64'])
-@pytest.mark.parametrize('per_array,bucket_bytes', [(True, 0), (False, 6),
-                                                     (False, 1 << 20)])
-def test_pack_divides_casts_and_unpack_restores(wire, grad_dtype, per_array,
-                                                bucket_bytes):
-    shapes = [(3, 5), (1,), (0,), (7, 1, 2)]
+@pytest.mark.parametrize('opts', [
+    {'per_array': True}, {'bucket_bytes': 6}, {'bucket_bytes': 1 << 20},
+    {'bucket_bytes': 10, 'in_place_min_bytes': 16}],
+    ids=['per-array', 'tiny-buckets', 'one-bucket', 'in-place'])
+def test_pack_then_unpack_yields_scaled_gradients(wire, grad_dtype, opts):
+    shapes = [(3, 5), (1,), (0,), (7, 1, 2), (4, 6)]
     arrays = [(numpy.arange(numpy.prod(s)).reshape(s) * 0.5 - 2)
               .astype(grad_dtype) for s in shapes]
-    named = [('a%d' % i, a) for i, a in enumerate(arrays)]
-    layout = gb.make_layout(named, wire)
-    opts = {'per_array': True} if per_array else {'bucket_bytes': bucket_bytes}
+    arrays[4] = numpy.asfortranarray(arrays[4])  # not C-contiguous
+    original = [a.copy() for a in arrays]
+    layout = gb.make_layout([('a%d' % i, a) for i, a in enumerate(arrays)],
+                            wire)
     buf = gb.GradBuffer(layout, **opts)
-    # Buckets tile the buffer exactly, in order.
-    covered = numpy.concatenate([numpy.arange(layout.total)[b]
-                                 for b in buf.buckets] or [[]])
-    numpy.testing.assert_array_equal(covered, numpy.arange(layout.total))
     buf.pack(arrays, 2)
+    parts = list(buf.host_parts())
+    # Every element is in exactly one part (so is summed exactly once).
+    assert sum(p.size for p in parts) == layout.total
+    in_place = opts.get('in_place_min_bytes') and grad_dtype == wire
+    assert any(buf.in_place) == bool(in_place)
+    packed = numpy.concatenate(
+        [a.ravel() / 2 for a, ip in zip(original, buf.in_place) if not ip]
+        + [numpy.zeros(0)])
     decoded = buf.wire if wire != 'bfloat16' else \
         gb.bfloat16_bits_to_float32(buf.wire)
-    numpy.testing.assert_array_equal(
-        decoded, numpy.concatenate([a.ravel() / 2 for a in arrays])
-        .astype(decoded.dtype))
-    out = [numpy.full_like(a, 99) for a in arrays]
-    buf.unpack(out)
-    for a, o in zip(arrays, out):
+    numpy.testing.assert_array_equal(decoded, packed.astype(decoded.dtype))
+    buf.from_host()
+    buf.unpack(arrays)
+    for a, o in zip(original, arrays):
         # Every value here (k/4 - 1) is exact in every dtype.
-        numpy.testing.assert_array_equal(o, a / 2)
+        numpy.testing.assert_array_equal(a / 2, o)
         assert o.dtype == a.dtype
 
 

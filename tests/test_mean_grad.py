@@ -13,6 +13,8 @@ PARAM_SETS = {
     'none': [],
     'one-element': [(1,)],
     'odd-sized': [(3,), (5, 7), (1,), (0,), (11, 13, 3), (2, 1, 1, 5), (17,)],
+    # Above the in-place threshold for float32/float64 gradients.
+    'large': [(40000,), (3,), (257, 129)],
 }
 EPS = {'float16': 2.0 ** -10, 'bfloat16': 2.0 ** -7,
        'float32': 2.0 ** -23, 'float64': 2.0 ** -52}
@@ -28,8 +30,9 @@ def tolerance(grad_dtype, wire, values):
 
 
 def _set_grads(model, grads):
-    for (_, p), g in zip(sorted(model.namedparams()), grads):
-        p.grad = g.copy()
+    for i, ((_, p), g) in enumerate(zip(sorted(model.namedparams()), grads)):
+        # Every third gradient is not C-contiguous.
+        p.grad = numpy.asfortranarray(g) if i % 3 == 2 else g.copy()
 
 
 @pytest.mark.parametrize('param_set', sorted(PARAM_SETS))
@@ -37,8 +40,9 @@ def _set_grads(model, grads):
 @pytest.mark.parametrize('grad_dtype', ['float16', 'float32', 'float64'])
 def test_mean_matches_analytic(comm_name, param_set, wire, grad_dtype):
     shapes = PARAM_SETS[param_set]
-    comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire,
-                                     bucket_bytes=40)  # force many buckets
+    comm = mnopt.create_communicator(  # many buckets, arrays straddling them
+        comm_name, allreduce_grad_dtype=wire,
+        bucket_bytes=50000 if param_set == 'large' else 40)
     model = make_model(shapes, grad_dtype)
     _set_grads(model, rank_grads(shapes, grad_dtype, comm.rank))
     comm.multi_node_mean_grad(model)

@@ -56,19 +56,23 @@ class _Group(object):
         """The GradBuffer for this gradient set; rebuilt when it changes.
 
         The cross-rank layout check runs on every call (one 8-byte
-        Allgather), so a rank whose parameter set changed alone still gets
-        an error instead of a hang or a corrupted sum.
+        Allgather) and before any buffer is built, so a rank whose parameter
+        set changed alone gets an error instead of a hang or a corrupted sum.
         """
         key = (tuple(n for n, _ in named), tuple(a.shape for _, a in named),
                tuple(a.dtype.name for _, a in named))
         buffer = self.buffer
-        if (buffer is None or buffer.xp is not xp
-                or buffer.layout.key[:3] != key
-                or (wire is not None and buffer.layout.wire != wire)):
+        if (buffer is not None and buffer.xp is xp
+                and buffer.layout.key[:3] == key
+                and (wire is None or buffer.layout.wire == wire)):
+            layout = buffer.layout
+        else:
             layout = grad_buffer.make_layout(named, wire)
-            buffer = grad_buffer.GradBuffer(layout, xp, **buffer_options)
-        _mpi.check_layouts(self.comm, buffer.layout)
-        self.buffer = buffer
+            buffer = None
+        _mpi.check_layouts(self.comm, layout)
+        if buffer is None:
+            self.buffer = buffer = grad_buffer.GradBuffer(
+                layout, xp, **buffer_options)
         return buffer
 
     def free(self):
@@ -173,7 +177,8 @@ class CommunicatorBase(object):
         return _Group(comm)
 
     def _buffer_options(self):
-        return {'bucket_bytes': self.bucket_bytes}
+        return {'bucket_bytes': self.bucket_bytes,
+                'in_place_min_bytes': grad_buffer.DEFAULT_IN_PLACE_MIN_BYTES}
 
     def _sum(self, buffer, group):
         raise NotImplementedError
@@ -214,6 +219,8 @@ class CommunicatorBase(object):
         xp = _array_module([a for _, a in named])
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
+        if self.size == 1:
+            return  # the mean of one gradient is itself: nothing to move
         arrays = [a for _, a in named]
         buffer.pack(arrays, self.size)
         self._sum(buffer, group)

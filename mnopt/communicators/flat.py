@@ -3,13 +3,13 @@ from mnopt.communicators.base import CommunicatorBase
 
 
 class FlatCommunicator(CommunicatorBase):
-    """All gradients packed into one buffer, summed by MPI Allreduce one
-    bucket at a time.  GPU buffers are staged through pinned host memory."""
+    """Gradients packed into one buffer (large ones that need no cast are
+    reduced where they are), summed by MPI Allreduce one bucket at a time.
+    GPU buffers are staged through pinned host memory."""
 
     name = 'flat'
 
     def _sum(self, buffer, group):
-        host = buffer.host()
-        for bucket in buffer.buckets:
-            _mpi.allreduce_sum(group.comm, host[bucket], buffer.layout.wire)
+        for part in buffer.host_parts():
+            _mpi.allreduce_sum(group.comm, part, buffer.layout.wire)
         buffer.from_host()

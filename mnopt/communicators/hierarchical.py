@@ -20,11 +20,9 @@ class HierarchicalCommunicator(CommunicatorBase):
         return group
 
     def _sum(self, buffer, group):
-        host = buffer.host()
         wire = buffer.layout.wire
         leader = group.intra.rank == 0
-        for bucket in buffer.buckets:
-            part = host[bucket]
+        for part in buffer.host_parts():
             _mpi.reduce_sum(group.intra, part, wire, root=0)
             if leader:
                 _mpi.allreduce_sum(group.inter, part, wire)

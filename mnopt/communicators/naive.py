@@ -8,4 +8,4 @@ class NaiveCommunicator(FlatCommunicator):
     name = 'naive'
 
     def _buffer_options(self):
-        return {'per_array': True}
+        return {'per_array': True}  # and every array goes through packing

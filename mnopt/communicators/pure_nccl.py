@@ -14,6 +14,10 @@ class PureNcclCommunicator(CommunicatorBase):
         _cuda.require_gpu(self.name)
         super(PureNcclCommunicator, self).__init__(mpi_comm, **kwargs)
 
+    def _buffer_options(self):
+        # One NCCL call over the whole packed buffer.
+        return {'bucket_bytes': 1 << 62}
+
     def _make_group(self, comm):
         group = _Group(comm)
         group.nccl = _cuda.nccl_communicator(comm)
