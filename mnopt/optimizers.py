@@ -30,11 +30,22 @@ class _MultiNodeOptimizer(object):
 
     def _param_set_changed(self):
         """True on the first call and whenever parameters appeared,
-        disappeared or got their data since the previous call."""
+        disappeared or got their data since the previous call.
+
+        Ranks must agree: one that re-broadcasts while the others average
+        would hang the job, so a disagreement is an error on every rank.
+        """
         current = [(name, p.array is not None)
                    for name, p in sorted(self.target.namedparams())]
         changed = current != self._param_set
         object.__setattr__(self, '_param_set', current)
+        votes = self.communicator.allgather_obj(changed)
+        if any(v != changed for v in votes):
+            raise RuntimeError(
+                'the parameter set changed on ranks %s but not on ranks %s; '
+                'every rank must add or initialise parameters at the same '
+                'update' % ([r for r, v in enumerate(votes) if v],
+                            [r for r, v in enumerate(votes) if not v]))
         return changed
 
     def update(self, lossfun=None, *args, **kwds):

@@ -211,9 +211,24 @@ class CommunicatorBase(object):
             self._async_group = self._make_group(self.mpi_comm.Dup())
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self.name)
-        self._in_flight = MeanHandle(
-            self._executor.submit(self._mean, self._async_group, named))
+        xp = _array_module([a for _, a in named])
+        # GPU: the background work waits for what the caller's stream has
+        # queued so far (the backward that produced these gradients).
+        ready = None if xp is numpy else xp.cuda.get_current_stream().record()
+        self._in_flight = MeanHandle(self._executor.submit(
+            self._mean_in_background, self._async_group, named, xp, ready))
         return self._in_flight
+
+    def _mean_in_background(self, group, named, xp, ready):
+        if xp is numpy:
+            return self._mean(group, named)
+        if getattr(group, 'side_stream', None) is None:
+            group.side_stream = xp.cuda.Stream(non_blocking=True)
+        group.side_stream.wait_event(ready)
+        with group.side_stream:
+            self._mean(group, named)
+        # Blocks this background thread only: wait() then means done.
+        group.side_stream.synchronize()
 
     def _mean(self, group, named):
         xp = _array_module([a for _, a in named])
