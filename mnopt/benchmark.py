@@ -104,21 +104,130 @@ def run_cases(cases, world, reps, warmup=2):
     return times
 
 
+STEPS_PER_BLOCK = 16
+
+
+class _SimulatedUpdate(object):
+    """Stands in for a Chainer optimizer whose update runs elsewhere (on a
+    GPU): it counts updates and leaves the CPU alone."""
+
+    _loss_scale = None
+
+    def __init__(self):
+        self.t = 0
+        self.target = None
+
+    def setup(self, link):
+        self.target = link
+        return self
+
+    def update(self, lossfun=None, *args, **kwds):
+        self.t += 1
+
+
+def _simulated_steps(model, opt, grad_sets, compute_s):
+    """STEPS_PER_BLOCK training steps whose forward, backward and update are
+    SIMULATED by sleeping ``compute_s``; backward's fresh gradients are two
+    alternating sets of arrays, handed over by assignment as backward does.
+    The block ends with nothing in flight, so no work leaks into the next
+    measurement."""
+    params = [p for _, p in sorted(model.namedparams())]
+
+    def steps():
+        for k in range(STEPS_PER_BLOCK):
+            time.sleep(compute_s)
+            for p, g in zip(params, grad_sets[k % 2]):
+                p.grad = g
+            opt.update()
+        if hasattr(opt, 'wait'):
+            opt.wait()
+    return steps
+
+
+def double_buffering(args, world):
+    """Step time with simulated compute as long as the averaging: plain
+    (compute + averaging) against double buffering (overlapped)."""
+    import mnopt
+    shapes = resnet50_grad_shapes()
+    comm = mnopt.create_communicator(args.communicators[0],
+                                     allreduce_grad_dtype=args.dtypes[0])
+
+    def gradients(seed):
+        model = grad_model(shapes, world.rank + 1000 * seed)
+        return [p.grad for _, p in sorted(model.namedparams())]
+    grad_sets = [gradients(0), gradients(1)]
+
+    def steps(compute_s, **kw):
+        model = grad_model(shapes, world.rank)
+        opt = mnopt.create_multi_node_optimizer(_SimulatedUpdate(), comm,
+                                                **kw).setup(model)
+        return _simulated_steps(model, opt, grad_sets, compute_s)
+
+    # The averaging alone: the same steps with no compute at all.
+    mean = ('averaging alone', 'comm', steps(0.0))
+    probe = run_cases([mean], world, 3)
+    compute_s = float(numpy.median(probe)) / STEPS_PER_BLOCK
+    cases = [mean,
+             ('step, plain', 'plain', steps(compute_s)),
+             ('step, double buffering', 'double_buffering',
+              steps(compute_s, double_buffering=True))]
+    times = run_cases(cases, world, args.reps) / STEPS_PER_BLOCK
+    med = dict((c[1], m) for c, m in zip(cases, numpy.median(times, axis=1)))
+    if world.rank != 0:
+        return None
+    print('# double buffering: %s %s, N=%d, ResNet-50 gradients; per step, '
+          'over blocks of %d steps; compute SIMULATED: sleep %.1f ms per step '
+          '(forward + backward + update)'
+          % (comm.name, comm.allreduce_grad_dtype or 'float32', world.size,
+             STEPS_PER_BLOCK, compute_s * 1e3))
+    for (label, kind, _), row in zip(cases, times):
+        print('%-26s %8.1f ms  (min %.1f, max %.1f)' % (
+            label, med[kind] * 1e3, row.min() * 1e3, row.max() * 1e3))
+    longer = max(compute_s, med['comm'])
+    shorter = min(compute_s, med['comm'])
+    result = {
+        'compute_s': compute_s, 'median_s': med,
+        'plain_over_sum': med['plain'] / (compute_s + med['comm']),
+        'db_over_max': med['double_buffering'] / longer,
+        'hidden_fraction': (compute_s + med['comm']
+                            - med['double_buffering']) / shorter}
+    print('plain step / (compute + averaging)       = %.2f' %
+          result['plain_over_sum'])
+    print('double-buffered step / max(compute, avg.) = %.2f  (goal <= 1.15)'
+          % result['db_over_max'])
+    print('fraction of the shorter part hidden       = %.2f  (goal >= 0.85)'
+          % result['hidden_fraction'])
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--communicators', nargs='+',
-                        default=['naive', 'flat', 'hierarchical'])
+                        help='default: naive flat hierarchical (flat with '
+                             '--double-buffering)')
     parser.add_argument('--dtypes', nargs='+',
                         default=['float32', 'float16', 'bfloat16'])
     parser.add_argument('--reps', type=int, default=15)
     parser.add_argument('--quick', action='store_true',
                         help='fewer cases and repetitions (a smoke run)')
     parser.add_argument('--json', help='write the results to this file')
+    parser.add_argument('--double-buffering', action='store_true',
+                        help='measure the overlap of double buffering (with '
+                             'the first of --communicators and --dtypes)')
     args = parser.parse_args(argv)
     if args.quick:
         args.reps = min(args.reps, 5)
         args.dtypes = args.dtypes[:2]
     world = MPI.COMM_WORLD
+    if args.double_buffering:
+        args.communicators = args.communicators or ['flat']
+        result = double_buffering(args, world)
+        if args.json and result is not None:
+            with open(args.json, 'w') as f:
+                json.dump(result, f, indent=1)
+        return
+    args.communicators = args.communicators or ['naive', 'flat',
+                                                'hierarchical']
     cases, total = build_cases(args, world)
     times = run_cases(cases, world, args.reps)
     if world.rank != 0:
