@@ -20,6 +20,8 @@ setup(
     ],
     extras_require={
         'test': ['pytest>=7', 'pytest-timeout>=2'],
+        # The ImageNet example (images, plots) and the digits example.
+        'examples': ['Pillow', 'matplotlib', 'scikit-learn'],
         'gpu': ['cupy-cuda12x>=12'],
     },
 )

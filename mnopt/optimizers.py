@@ -1,7 +1,15 @@
 """The multi-node optimizer: averages gradients, then lets the wrapped
 Chainer optimizer update.  Uses only the communicator's public API."""
 
+import time
+
+import chainer
+import numpy
+
 from mnopt.communicators.base import named_grads
+
+
+_LOADED = object()  # _param_set after a snapshot was loaded
 
 
 class _MultiNodeOptimizer(object):
@@ -14,6 +22,18 @@ class _MultiNodeOptimizer(object):
         object.__setattr__(self, 'communicator', communicator)
         object.__setattr__(self, 'zero_fill', zero_fill)
         object.__setattr__(self, '_param_set', None)
+        #: Seconds the caller has spent blocked in gradient averaging.
+        object.__setattr__(self, 'communication_time', 0.0)
+
+    def _blocked(self, fn, *args):
+        """Run ``fn`` and add its duration to ``communication_time``."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            object.__setattr__(self, 'communication_time',
+                               self.communication_time
+                               + time.perf_counter() - start)
 
     def setup(self, link):
         self.actual_optimizer.setup(link)
@@ -28,6 +48,21 @@ class _MultiNodeOptimizer(object):
             target.zerograds()
         loss.backward(loss_scale=self.actual_optimizer._loss_scale)
 
+    def _current_param_set(self):
+        return [(name, p.array is not None)
+                for name, p in sorted(self.target.namedparams())]
+
+    def serialize(self, serializer):
+        """The wrapped optimizer's state (with its target).  After loading,
+        the parameters are identical on every rank that loaded the same
+        snapshot, so the next update averages instead of broadcasting."""
+        self.actual_optimizer.serialize(serializer)
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            # Chainer's updater loads the optimizer before the model, so the
+            # parameters may not have their data yet: the next update takes
+            # whatever set it finds as the current one.
+            object.__setattr__(self, '_param_set', _LOADED)
+
     def _param_set_changed(self):
         """True on the first call and whenever parameters appeared,
         disappeared or got their data since the previous call.
@@ -35,9 +70,8 @@ class _MultiNodeOptimizer(object):
         Ranks must agree: one that re-broadcasts while the others average
         would hang the job, so a disagreement is an error on every rank.
         """
-        current = [(name, p.array is not None)
-                   for name, p in sorted(self.target.namedparams())]
-        changed = current != self._param_set
+        current = self._current_param_set()
+        changed = self._param_set is not _LOADED and current != self._param_set
         object.__setattr__(self, '_param_set', current)
         votes = self.communicator.allgather_obj(changed)
         if any(v != changed for v in votes):
@@ -54,7 +88,8 @@ class _MultiNodeOptimizer(object):
         if self._param_set_changed():
             self.communicator.bcast_data(self.target)
             return
-        self.communicator.multi_node_mean_grad(self.target, self.zero_fill)
+        self._blocked(self.communicator.multi_node_mean_grad, self.target,
+                      self.zero_fill)
         self.actual_optimizer.update(None, *args, **kwds)
 
     def __getattr__(self, name):
@@ -86,7 +121,34 @@ class _DoubleBufferingOptimizer(_MultiNodeOptimizer):
         handle = self._handle
         object.__setattr__(self, '_handle', None)
         if handle is not None:
-            handle.wait()
+            self._blocked(handle.wait)
+
+    def serialize(self, serializer):
+        """Also saves the averaged gradients of the last iteration, which
+        the next update applies: a resumed run continues exactly where the
+        snapshot left off.  They are means, the same on every rank, so a
+        snapshot resumes on any number of ranks."""
+        self.wait()
+        super(_DoubleBufferingOptimizer, self).serialize(serializer)
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        needs_update = bool(serializer('mnopt_needs_update',
+                                       self.needs_update))
+        names = serializer('mnopt_averaged_names', None if loading else
+                           numpy.array(sorted(self.communicated_target)
+                                       if self.needs_update else [], dtype=str))
+        # '/' would nest the keys; parameter names start with it.
+        grads = serializer['mnopt_averaged_grads']
+        if not loading:
+            for name in names:
+                grads(name.replace('/', '|'), self.communicated_target[name])
+            return
+        params = dict(self.target.namedparams())
+        loaded = {}
+        for name in (str(n) for n in names):
+            xp = chainer.backend.get_array_module(params[name].array)
+            loaded[name] = xp.asarray(grads(name.replace('/', '|'), None))
+        object.__setattr__(self, 'communicated_target', loaded)
+        object.__setattr__(self, 'needs_update', needs_update)
 
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
@@ -104,8 +166,8 @@ class _DoubleBufferingOptimizer(_MultiNodeOptimizer):
         for name, grad in fresh:
             params[name].grad = shadows.get(name)
         object.__setattr__(self, 'communicated_target', dict(fresh))
-        object.__setattr__(self, '_handle',
-                           self.communicator.mean_grads_async(fresh))
+        object.__setattr__(self, '_handle', self._blocked(
+            self.communicator.mean_grads_async, fresh))
         if self.needs_update:
             self.actual_optimizer.update(None, *args, **kwds)
         else:

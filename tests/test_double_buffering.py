@@ -216,3 +216,46 @@ def test_exit_with_an_averaging_in_flight_does_not_hang(how):
     proc = run_mpi(2, EXIT_IN_FLIGHT, timeout=60, args=['hierarchical', how])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count('leaving with an averaging in flight') == 2
+
+
+@pytest.mark.parametrize('double_buffering', [False, True])
+def test_snapshot_round_trip_continues_exactly(comm_name, double_buffering):
+    """Save after 3 updates, load into a fresh optimizer and model (in the
+    order Chainer's updater uses: optimizer first, then the model, whose
+    lazy parameter has no data yet), continue: the same parameters as
+    without the interruption."""
+    from chainer.serializers import DictionarySerializer, NpzDeserializer
+    comm = mnopt.create_communicator(comm_name)
+
+    def fresh():
+        model, opt = make_optimizer(comm, [(3,), (40000,)], lazy=True)
+        opt = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.MomentumSGD(lr=0.5), comm,
+            double_buffering=double_buffering).setup(model)
+        return model, opt
+
+    def step(model, opt, k):
+        if model.late.array is None:
+            model.late.initialize((2,))
+            model.late.array[...] = comm.rank
+        set_grads(model, k, comm.rank)
+        opt.update()
+
+    whole, opt = fresh()
+    for k in range(6):
+        step(whole, opt, k)
+    part, opt = fresh()
+    for k in range(3):
+        step(part, opt, k)
+    saved_opt, saved_model = {}, {}
+    opt.serialize(DictionarySerializer(saved_opt))
+    part.serialize(DictionarySerializer(saved_model))
+    resumed, opt = fresh()
+    opt.serialize(NpzDeserializer(saved_opt))
+    resumed.serialize(NpzDeserializer(saved_model))
+    for k in range(3, 6):
+        step(resumed, opt, k)
+    for (name, a), (_, b) in zip(sorted(whole.namedparams()),
+                                 sorted(resumed.namedparams())):
+        numpy.testing.assert_array_equal(a.array, b.array, err_msg=name)
+    assert opt.t == (4 if double_buffering else 5)

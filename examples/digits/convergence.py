@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Does data-parallel training with mnopt reach the accuracy of one process?
+
+    python examples/digits/convergence.py [--seeds 3] [--out docs]
+
+Runs train_digits.py with 1 rank in float32 (the baseline) and with 4 ranks
+in float32, float16, double buffering, and float16 + double buffering, all
+with the same total batch and epochs, for several seeds; writes
+``digits_convergence.json``, ``digits_convergence.md`` (a table) and
+``digits_convergence.png`` (test accuracy per epoch) under ``--out``.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = [
+    ('1 rank, float32 (baseline)', 1, []),
+    ('4 ranks, float32', 4, []),
+    ('4 ranks, float16', 4, ['--allreduce-grad-dtype', 'float16']),
+    ('4 ranks, double buffering', 4, ['--double-buffering']),
+    ('4 ranks, float16 + double buffering', 4,
+     ['--allreduce-grad-dtype', 'float16', '--double-buffering']),
+]
+
+
+def run(n, extra, seed, epochs):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    with tempfile.NamedTemporaryFile(suffix='.json') as f:
+        subprocess.run(
+            [mpiexec if os.path.exists(mpiexec) else 'mpiexec', '-n', str(n),
+             sys.executable, '-m', 'mpi4py',
+             os.path.join(HERE, 'train_digits.py'), '--seed', str(seed),
+             '--epoch', str(epochs), '--json', f.name] + extra,
+            check=True, stdout=subprocess.DEVNULL, timeout=600)
+        return json.load(open(f.name))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--seeds', type=int, default=3)
+    p.add_argument('--epochs', type=int, default=30)
+    p.add_argument('--out', default='docs')
+    args = p.parse_args()
+    results = {}
+    for label, n, extra in CONFIGS:
+        results[label] = [run(n, extra, s, args.epochs)
+                          for s in range(args.seeds)]
+        accs = [r['test_accuracy'] for r in results[label]]
+        print('%-40s %s' % (label, ' '.join('%.4f' % a for a in accs)),
+              flush=True)
+    base = numpy.mean([r['test_accuracy']
+                       for r in results[CONFIGS[0][0]]]) * 100
+    lines = ['| configuration | test accuracy % (mean of %d seeds) | '
+             'per seed | vs baseline (points) |' % args.seeds,
+             '|---|---|---|---|']
+    for label, _, _ in CONFIGS:
+        accs = numpy.array([r['test_accuracy'] for r in results[label]]) * 100
+        lines.append('| %s | %.2f | %s | %+.2f |' % (
+            label, accs.mean(), ', '.join('%.2f' % a for a in accs),
+            accs.mean() - base))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, 'digits_convergence.md'), 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    with open(os.path.join(args.out, 'digits_convergence.json'), 'w') as f:
+        json.dump(results, f, indent=1)
+    print('\n'.join(lines))
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, _, _ in CONFIGS:
+        curves = numpy.array([r['curve'] for r in results[label]]) * 100
+        epochs = numpy.arange(1, curves.shape[1] + 1)
+        ax.plot(epochs, curves.mean(axis=0), label=label)
+    ax.set_xlabel('epoch')
+    ax.set_ylabel('test accuracy % (mean over seeds)')
+    ax.set_ylim(85, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(loc='lower right', fontsize=8)
+    ax.set_title('Digits MLP, total batch 64: 1 rank vs 4 ranks')
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, 'digits_convergence.png'), dpi=100)
+
+
+if __name__ == '__main__':
+    main()

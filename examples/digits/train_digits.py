@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Train an MLP on scikit-learn's bundled handwritten digits with mnopt.
+
+    mpiexec -n 4 python -m mpi4py examples/digits/train_digits.py \\
+        --allreduce-grad-dtype float16 --double-buffering --seed 1
+
+The total batch is fixed (``--total-batch``) and split over the ranks, so
+runs on different numbers of ranks take the same optimisation steps up to
+rounding and staleness.  Rank 0 prints (or writes with ``--json``) the test
+accuracy after every epoch.
+"""
+
+import argparse
+import json
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import numpy
+
+import mnopt
+
+
+class MLP(chainer.Chain):
+
+    def __init__(self, n_hidden=128, n_out=10):
+        super(MLP, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(64, n_hidden)
+            self.l2 = L.Linear(n_hidden, n_hidden)
+            self.l3 = L.Linear(n_hidden, n_out)
+
+    def forward(self, x):
+        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
+
+
+def load_digits(test_fraction=0.2):
+    """(train, test) as float32 features in [0, 1] and int32 labels, split
+    by a fixed permutation so every run sees the same split."""
+    from sklearn.datasets import load_digits as sk_digits
+    d = sk_digits()
+    x = (d.data / 16.0).astype(numpy.float32)
+    t = d.target.astype(numpy.int32)
+    order = numpy.random.RandomState(12345).permutation(len(x))
+    n_test = int(len(x) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return (x[train], t[train]), (x[test], t[test])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--communicator', default='flat')
+    p.add_argument('--allreduce-grad-dtype', default=None,
+                   choices=['float32', 'float16', 'bfloat16'])
+    p.add_argument('--double-buffering', action='store_true')
+    p.add_argument('--total-batch', type=int, default=64)
+    p.add_argument('--epoch', type=int, default=30)
+    p.add_argument('--lr', type=float, default=0.05)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--json', help='rank 0 writes the results here')
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    comm = mnopt.create_communicator(
+        args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype)
+    if args.total_batch % comm.size:
+        raise ValueError('--total-batch %d does not split over %d ranks'
+                         % (args.total_batch, comm.size))
+    batch = args.total_batch // comm.size
+    (x_train, t_train), (x_test, t_test) = load_digits()
+    train = chainer.datasets.TupleDataset(x_train, t_train) \
+        if comm.rank == 0 else None
+    train = mnopt.scatter_dataset(train, comm, shuffle=True, seed=args.seed)
+
+    numpy.random.seed(args.seed)  # rank 0's initial weights are broadcast
+    model = L.Classifier(MLP())
+    optimizer = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9), comm,
+        double_buffering=args.double_buffering).setup(model)
+    it = chainer.iterators.SerialIterator(
+        train, batch, order_sampler=chainer.iterators.ShuffleOrderSampler(
+            numpy.random.RandomState(args.seed * 1000 + comm.rank)))
+    curve = []
+    while it.epoch < args.epoch:
+        x, t = chainer.dataset.concat_examples(it.next())
+        optimizer.update(model, x, t)
+        if it.is_new_epoch:
+            if hasattr(optimizer, 'wait'):
+                optimizer.wait()
+            with chainer.using_config('train', False), \
+                    chainer.no_backprop_mode():
+                acc = float(F.accuracy(model.predictor(x_test), t_test).array)
+            curve.append(acc)
+    result = {'n_ranks': comm.size, 'communicator': comm.name,
+              'allreduce_grad_dtype': args.allreduce_grad_dtype or 'float32',
+              'double_buffering': args.double_buffering, 'seed': args.seed,
+              'total_batch': args.total_batch, 'epochs': args.epoch,
+              'test_accuracy': curve[-1], 'curve': curve}
+    # Every rank must hold the same parameters.
+    params = [p.array for _, p in sorted(model.namedparams())]
+    digest = float(sum(numpy.abs(p).sum() for p in params))
+    digests = comm.allgather_obj(digest)
+    assert all(d == digests[0] for d in digests), digests
+    if comm.rank == 0:
+        print('test accuracy after %d epochs: %.4f' % (args.epoch, curve[-1]))
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(result, f)
+
+
+if __name__ == '__main__':
+    main()
