@@ -37,7 +37,9 @@ def model_params(path):
     ['--communicator', 'naive'],
     ['--communicator', 'flat', '--allreduce-grad-dtype', 'float16'],
     ['--communicator', 'flat', '--double-buffering'],
-], ids=['flat', 'hierarchical', 'naive', 'fp16', 'double-buffering'])
+    ['--communicator', 'flat', '--loaderjob', '2'],
+], ids=['flat', 'hierarchical', 'naive', 'fp16', 'double-buffering',
+        'loader-processes'])
 def test_a_few_iterations(tmp_path, data_cache, flags):
     proc = train(2, tmp_path, data_cache, '--iteration', '4', *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]

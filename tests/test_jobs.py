@@ -53,3 +53,54 @@ def test_layout_mismatch_is_reported_by_every_rank():
         assert ("rank %d: ranks would reduce gradients that do not line up "
                 "(rank 0 vs rank 1): gradient #1 is '/p001' (4,) float32 vs "
                 "'/p001' (5,) float32" % r) in proc.stdout
+
+
+CHAINERMN_SCRIPT = '''
+# The shape of ChainerMN's MNIST example, with synthetic data.
+import chainer, numpy
+import chainer.links as L, chainer.functions as F
+from chainer import training
+from chainer.training import extensions
+import mnopt as chainermn
+
+comm = chainermn.create_communicator('naive')
+model = L.Classifier(chainer.Sequential(L.Linear(20, 32), F.relu,
+                                        L.Linear(32, 4)))
+optimizer = chainermn.create_multi_node_optimizer(
+    chainer.optimizers.Adam(), comm)
+optimizer.setup(model)
+if comm.rank == 0:
+    rng = numpy.random.RandomState(0)
+    x = rng.rand(256, 20).astype(numpy.float32)
+    t = (x[:, :4].argmax(axis=1)).astype(numpy.int32)
+    train = chainer.datasets.TupleDataset(x[:200], t[:200])
+    test = chainer.datasets.TupleDataset(x[200:], t[200:])
+else:
+    train, test = None, None
+train = chainermn.scatter_dataset(train, comm, shuffle=True)
+test = chainermn.scatter_dataset(test, comm, shuffle=True)
+train_iter = chainer.iterators.SerialIterator(train, 16)
+test_iter = chainer.iterators.SerialIterator(test, 16, repeat=False,
+                                             shuffle=False)
+updater = training.StandardUpdater(train_iter, optimizer)
+trainer = training.Trainer(updater, (3, 'epoch'), out=OUT)
+evaluator = extensions.Evaluator(test_iter, model)
+trainer.extend(chainermn.create_multi_node_evaluator(evaluator, comm))
+if comm.rank == 0:
+    trainer.extend(extensions.LogReport())
+    trainer.extend(extensions.PrintReport(
+        ['epoch', 'main/loss', 'validation/main/accuracy']))
+trainer.run()
+w = comm.allgather(model.predictor[0].W.array)
+assert all((a == w[0]).all() for a in w), 'ranks diverged'
+print('rank %d done' % comm.rank)
+'''
+
+
+def test_a_chainermn_script_runs_with_import_mnopt_as_chainermn(tmp_path):
+    proc = run_mpi(3, 'OUT = %r\n' % str(tmp_path) + CHAINERMN_SCRIPT,
+                   timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(3):
+        assert 'rank %d done' % r in proc.stdout
+    assert 'validation/main/accuracy' in proc.stdout

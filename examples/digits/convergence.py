@@ -55,9 +55,12 @@ def main():
         accs = [r['test_accuracy'] for r in results[label]]
         print('%-40s %s' % (label, ' '.join('%.4f' % a for a in accs)),
               flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, 'digits_convergence.json'), 'w') as f:
+        json.dump(results, f, indent=1)
     base = numpy.mean([r['test_accuracy']
                        for r in results[CONFIGS[0][0]]]) * 100
-    lines = ['| configuration | test accuracy % (mean of %d seeds) | '
+    lines = ['| configuration | test accuracy %% (mean of %d seeds) | '
              'per seed | vs baseline (points) |' % args.seeds,
              '|---|---|---|---|']
     for label, _, _ in CONFIGS:
@@ -65,11 +68,8 @@ def main():
         lines.append('| %s | %.2f | %s | %+.2f |' % (
             label, accs.mean(), ', '.join('%.2f' % a for a in accs),
             accs.mean() - base))
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, 'digits_convergence.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
-    with open(os.path.join(args.out, 'digits_convergence.json'), 'w') as f:
-        json.dump(results, f, indent=1)
     print('\n'.join(lines))
     try:
         import matplotlib

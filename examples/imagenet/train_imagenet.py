@@ -176,9 +176,8 @@ class Snapshot(training.Extension):
 
     priority = -100  # after the reports of the same iteration
 
-    def __init__(self, comm, trigger, keep):
+    def __init__(self, comm, keep):
         self.comm = comm
-        self.trigger = trigger
         self.keep = keep
         self._written = []
 
@@ -191,8 +190,6 @@ class Snapshot(training.Extension):
                      _RankState(trainer.updater.get_iterator('main'),
                                 self.comm.size))
         self.comm.allgather_obj(None)  # all files complete before going on
-        if path in self._written:
-            return
         self._written.append(path)
         while len(self._written) > self.keep:
             old = self._written.pop(0)
@@ -200,6 +197,26 @@ class Snapshot(training.Extension):
                     rank_file(old, self.comm.rank),):
                 if os.path.exists(f):
                     os.remove(f)
+
+
+class SnapshotTrigger(object):
+    """Fires every ``interval`` and at the last iteration of the run, while
+    the iterators are still alive (a finalized MultiprocessIterator cannot
+    be serialized)."""
+
+    def __init__(self, interval, length):
+        self._interval = training.triggers.IntervalTrigger(*interval)
+        self._length, self._unit = length
+
+    def __call__(self, trainer):
+        fired = self._interval(trainer)
+        updater = trainer.updater
+        done = (updater.iteration if self._unit == 'iteration'
+                else updater.epoch_detail) >= self._length
+        return fired or done
+
+    def serialize(self, serializer):
+        self._interval.serialize(serializer['interval'])
 
 
 class _RankState(object):
@@ -335,8 +352,8 @@ def main(argv=None):
     trainer.extend(mnopt.create_multi_node_evaluator(evaluator, comm),
                    trigger=val_interval, name='validation')
     trainer.extend(Throughput(optimizer, args.batchsize * comm.size))
-    snapshot = Snapshot(comm, snapshot_interval, args.keep_snapshots)
-    trainer.extend(snapshot, trigger=snapshot_interval)
+    trainer.extend(Snapshot(comm, args.keep_snapshots),
+                   trigger=SnapshotTrigger(snapshot_interval, stop))
     if comm.rank == 0:   # the other ranks stay quiet unless they fail
         trainer.extend(extensions.LogReport(trigger=log_interval))
         trainer.extend(extensions.observe_lr(), trigger=log_interval)
@@ -368,9 +385,6 @@ def main(argv=None):
                 args.resume, updater.iteration,
                 '' if same else ' (data split anew for %d ranks)' % comm.size))
     trainer.run()
-    if not any(p.endswith('_iter_%d.npz' % updater.iteration)
-               for p in snapshot._written):
-        snapshot(trainer)  # always leave a snapshot of where it stopped
     return trainer
 
 
