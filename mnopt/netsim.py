@@ -1,0 +1,248 @@
+"""A simulated cluster on one machine: nodes with slow links, for MPI.
+
+    python -m mnopt.netsim run --nodes 4 --ranks-per-node 2 --rate 1gbit \\
+        -- python -m mnopt.benchmark --communicators flat
+    python -m mnopt.netsim up --nodes 4 --rate 1gbit [--delay 1ms]
+    python -m mnopt.netsim exec --nodes 4 -- python -m mnopt.benchmark
+    python -m mnopt.netsim down
+
+Each node is a Linux network namespace (``mnopt-n0`` ...) whose ``eth0``
+is a veth joined to a bridge in a switch namespace (``mnopt-sw``).  Both
+ends of every veth are shaped with tc (token bucket at ``--rate``, plus a
+netem ``--delay`` if asked), so each node has a link of that rate in each
+direction.  Nothing is added to the machine's own namespace, and the only
+addresses used are the nodes' own (10.231.7.10 and up), inside namespaces
+this tool creates and deletes.
+
+MPI runs across the nodes with hydra's ssh launcher pointed at a script
+that enters the node's namespace with its own hostname (so MPI sees
+separate hosts); ``UCX_TLS=tcp`` keeps UCX from using shared memory
+between "nodes" (its shared-memory transports cross namespaces).
+
+``run`` brings the cluster up, runs the command, and tears it down, also
+when interrupted.  Needs root and iproute2 (``ip``, ``tc``).
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+PREFIX = 'mnopt-'
+SWITCH = PREFIX + 'sw'
+SUBNET = '10.231.7.'
+FIRST_HOST = 10
+MAX_NODES = 64
+TIMEOUT = 30  # seconds for any one ip/tc command
+
+
+class NetsimError(RuntimeError):
+    pass
+
+
+def node_name(k):
+    return '%sn%d' % (PREFIX, k)
+
+
+def node_address(k):
+    return SUBNET + str(FIRST_HOST + k)
+
+
+def _sh(*cmd, check=True):
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    if check and proc.returncode != 0:
+        raise NetsimError('%s failed: %s' % (' '.join(cmd),
+                                             proc.stderr.strip()))
+    return proc
+
+
+def check_environment():
+    """Raise NetsimError saying what is missing, or return None."""
+    if os.geteuid() != 0:
+        raise NetsimError('netsim needs root: it creates network namespaces '
+                          'and shapes links with tc')
+    for tool in ('ip', 'tc', 'unshare'):
+        if shutil.which(tool) is None:
+            raise NetsimError('netsim needs %r (apt-get install iproute2 '
+                              'util-linux)' % tool)
+    probe = PREFIX + 'probe'
+    made = _sh('ip', 'netns', 'add', probe, check=False)
+    _sh('ip', 'netns', 'del', probe, check=False)
+    if made.returncode != 0:
+        raise NetsimError('cannot create network namespaces here: %s'
+                          % made.stderr.strip())
+
+
+def namespaces():
+    out = _sh('ip', 'netns', 'list').stdout.split('\n')
+    return sorted(line.split()[0] for line in out
+                  if line.startswith(PREFIX))
+
+
+def down():
+    """Delete every namespace this tool made (their veths go with them).
+    Idempotent."""
+    for ns in namespaces():
+        _sh('ip', 'netns', 'del', ns, check=False)
+    if namespaces():
+        raise NetsimError('could not delete %s' % ', '.join(namespaces()))
+
+
+def _shape(ns, dev, rate, delay):
+    base = ['ip', 'netns', 'exec', ns, 'tc', 'qdisc', 'add', 'dev', dev]
+    # Token bucket: the burst must cover a timer tick at this rate.
+    tbf = ['tbf', 'rate', rate, 'burst', '256kb', 'latency', '100ms']
+    if delay:
+        _sh(*(base + ['root', 'handle', '1:', 'netem', 'delay', delay]))
+        _sh(*(base + ['parent', '1:1', 'handle', '10:'] + tbf))
+    else:
+        _sh(*(base + ['root'] + tbf))
+
+
+def up(nodes, rate='1gbit', delay=None):
+    """Create ``nodes`` nodes on a bridge, links shaped to ``rate``.
+    Tears down any previous cluster first, so it is idempotent."""
+    if not 1 <= nodes <= MAX_NODES:
+        raise NetsimError('--nodes must be 1..%d, not %d' % (MAX_NODES, nodes))
+    check_environment()
+    down()
+    try:
+        _sh('ip', 'netns', 'add', SWITCH)
+        sw = ['ip', 'netns', 'exec', SWITCH]
+        _sh(*(sw + ['ip', 'link', 'add', 'br0', 'type', 'bridge']))
+        _sh(*(sw + ['ip', 'link', 'set', 'br0', 'up']))
+        for k in range(nodes):
+            ns, port = node_name(k), 'p%d' % k
+            _sh('ip', 'netns', 'add', ns)
+            _sh('ip', 'link', 'add', 'eth0', 'netns', ns, 'type', 'veth',
+                'peer', 'name', port, 'netns', SWITCH)
+            node = ['ip', 'netns', 'exec', ns]
+            _sh(*(node + ['ip', 'addr', 'add', node_address(k) + '/24',
+                          'dev', 'eth0']))
+            _sh(*(node + ['ip', 'link', 'set', 'eth0', 'up']))
+            _sh(*(node + ['ip', 'link', 'set', 'lo', 'up']))
+            _sh(*(sw + ['ip', 'link', 'set', port, 'master', 'br0']))
+            _sh(*(sw + ['ip', 'link', 'set', port, 'up']))
+            _shape(ns, 'eth0', rate, delay)      # node -> switch
+            _shape(SWITCH, port, rate, delay)    # switch -> node
+    except BaseException:
+        down()
+        raise
+
+
+_LAUNCHER = '''#!/bin/sh
+# hydra's ssh launcher calls: SCRIPT [ssh options] HOST COMMAND...
+# Like ssh, hand the command words to a shell of the node as one string.
+while [ "${1#-}" != "$1" ]; do shift; done
+host=$1; shift
+k=$(( ${host##*.} - %(first)d ))
+exec ip netns exec %(prefix)sn$k unshare --uts sh -c \
+    'hostname "$0" && eval "exec $1"' %(prefix)sn$k "$*"
+'''
+
+
+def mpiexec_command(nodes, ranks_per_node, command, launcher, extra_env=()):
+    """The argv that runs ``command`` on ``nodes`` x ``ranks_per_node``
+    ranks; it must itself run inside node 0 (see ``exec_in_cluster``)."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which('mpiexec') or 'mpiexec'
+    env = [('UCX_TLS', 'tcp')] + list(extra_env)
+    argv = [mpiexec, '-launcher', 'ssh', '-launcher-exec', launcher,
+            '-iface', 'eth0',
+            '-hosts', ','.join(node_address(k) for k in range(nodes)),
+            '-ppn', str(ranks_per_node), '-n', str(nodes * ranks_per_node)]
+    for key, value in env:
+        argv += ['-genv', key, value]
+    return argv + list(command)
+
+
+def exec_in_cluster(nodes, ranks_per_node, command, timeout=None,
+                    extra_env=()):
+    """Run ``command`` under mpiexec across the cluster (which must be up).
+    Returns the CompletedProcess; output is passed through."""
+    present = namespaces()
+    missing = [node_name(k) for k in range(nodes) if node_name(k) not in present]
+    if missing:
+        raise NetsimError('the cluster is not up (missing %s); run '
+                          '"python -m mnopt.netsim up --nodes %d" first'
+                          % (', '.join(missing), nodes))
+    tmp = tempfile.mkdtemp(prefix='mnopt-netsim-')
+    launcher = os.path.join(tmp, 'launch.sh')
+    with open(launcher, 'w') as f:
+        f.write(_LAUNCHER % {'first': FIRST_HOST, 'prefix': PREFIX})
+    os.chmod(launcher, 0o755)
+    argv = mpiexec_command(nodes, ranks_per_node, command, launcher,
+                           extra_env)
+    try:
+        return subprocess.run(
+            ['ip', 'netns', 'exec', node_name(0), 'unshare', '--uts', 'sh',
+             '-c', 'hostname "$0" && exec "$@"', node_name(0)] + argv,
+            timeout=timeout)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _terminate_on_sigterm():
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog='python -m mnopt.netsim',
+        description='A simulated cluster of nodes with shaped links.')
+    sub = p.add_subparsers(dest='verb', required=True)
+    for verb in ('up', 'run', 'exec', 'down'):
+        s = sub.add_parser(verb)
+        if verb == 'down':
+            continue
+        s.add_argument('--nodes', type=int, required=True)
+        if verb in ('up', 'run'):
+            s.add_argument('--rate', default='1gbit',
+                           help='each link, each direction (tc syntax)')
+            s.add_argument('--delay', default=None,
+                           help='one-way delay per link end, e.g. 1ms')
+        if verb in ('run', 'exec'):
+            s.add_argument('--ranks-per-node', type=int, default=1)
+            s.add_argument('--timeout', type=float, default=3600)
+            s.add_argument('command', nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    command = [c for c in getattr(args, 'command', [])]
+    if command[:1] == ['--']:
+        command = command[1:]
+    try:
+        if args.verb == 'down':
+            down()
+            return 0
+        if args.verb == 'up':
+            up(args.nodes, args.rate, args.delay)
+            print('up: %d nodes at %s%s (%s)' % (
+                args.nodes, args.rate,
+                ', delay %s' % args.delay if args.delay else '',
+                ', '.join(node_address(k) for k in range(args.nodes))))
+            return 0
+        if not command:
+            p.error('give the command to run after --')
+        if args.verb == 'exec':
+            return exec_in_cluster(args.nodes, args.ranks_per_node, command,
+                                   args.timeout).returncode
+        _terminate_on_sigterm()
+        up(args.nodes, args.rate, args.delay)
+        try:
+            return exec_in_cluster(args.nodes, args.ranks_per_node, command,
+                                   args.timeout).returncode
+        finally:
+            down()
+    except NetsimError as e:
+        sys.stderr.write('netsim: %s\n' % e)
+        return 2
+
+
+if __name__ == '__main__':
+    sys.exit(main())
