@@ -88,7 +88,9 @@ def build_cases(args, world):
     return cases, total
 
 
-def run_cases(cases, world, reps, warmup=2):
+def run_cases(cases, world, reps, warmup=2, progress=''):
+    """Time each case ``reps`` times, round-robin; returns the slowest
+    rank's times, shape (cases, reps)."""
     times = numpy.zeros((len(cases), reps))
     for rep in range(warmup + reps):
         for i, (_, _, fn) in enumerate(cases):
@@ -98,10 +100,104 @@ def run_cases(cases, world, reps, warmup=2):
             dt = time.perf_counter() - t0
             if rep >= warmup:
                 times[i, rep - warmup] = dt
-        if world.rank == 0 and sys.stderr.isatty():
-            sys.stderr.write('\rrepetition %d/%d' % (rep + 1, warmup + reps))
+        if world.rank == 0:
+            sys.stderr.write('\r%srepetition %d/%d ' % (progress, rep + 1,
+                                                         warmup + reps))
+            sys.stderr.flush()
+    if world.rank == 0:
+        sys.stderr.write('\r' + ' ' * 60 + '\r')
     world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # the slowest rank
     return times
+
+
+def bus_bandwidth(algbw, n):
+    """nccl-tests' allreduce bus bandwidth: what each link carries."""
+    return algbw * 2.0 * (n - 1) / n if n > 1 else algbw
+
+
+SWEEP_SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
+
+
+def _reps_for(nbytes, reps):
+    return max(3, reps if nbytes <= 1 << 20 else reps // 2
+               if nbytes <= 16 << 20 else reps // 5)
+
+
+def sweep(args, world):
+    """multi_node_mean_grad of one float32 array per message size, next to
+    one raw Allreduce of the same buffer."""
+    import chainer
+    import mnopt
+    comms = [(name, wire, mnopt.create_communicator(
+        name, allreduce_grad_dtype=wire))
+        for name in args.communicators for wire in args.dtypes]
+    raw = world.Dup()
+    rows = []
+    sizes = [n for n in SWEEP_SIZES if n <= args.max_size]
+    for i, nbytes in enumerate(sizes):
+        n = nbytes // 4
+        buf = numpy.ones(n, numpy.float32)
+        cases = [('mpi4py Allreduce', 'raw',
+                  lambda: raw.Allreduce(MPI.IN_PLACE, buf))]
+        for name, wire, comm in comms:
+            link = chainer.Link()
+            with link.init_scope():
+                link.w = chainer.Parameter(numpy.zeros(n, numpy.float32))
+            link.w.grad = numpy.ones(n, numpy.float32)
+            cases.append(('mnopt %s %s' % (name, wire), name,
+                          lambda c=comm, m=link: c.multi_node_mean_grad(m)))
+        times = run_cases(cases, world, _reps_for(nbytes, args.reps),
+                          progress='size %d/%d (%s): ' % (
+                              i + 1, len(sizes), _human(nbytes)))
+        for (label, kind, _), t in zip(cases, times):
+            med = float(numpy.median(t))
+            rows.append({'bytes': nbytes, 'case': label, 'kind': kind,
+                         'median_s': med, 'min_s': float(t.min()),
+                         'max_s': float(t.max()),
+                         'algbw_GBps': nbytes / med / 1e9,
+                         'busbw_GBps': bus_bandwidth(nbytes / med / 1e9,
+                                                     world.size)})
+        del buf, cases
+    return rows
+
+
+def _human(nbytes):
+    for unit in ('B', 'KiB', 'MiB', 'GiB'):
+        if nbytes < 1024:
+            return '%d %s' % (nbytes, unit)
+        nbytes //= 1024
+    return '%d TiB' % nbytes
+
+
+def print_sweep(rows, world):
+    print('# multi_node_mean_grad of one float32 array, N=%d, slowest rank; '
+          'algbw = bytes/time, busbw = algbw*2(N-1)/N' % world.size)
+    print('%10s  %-28s %10s %10s %10s %9s %9s' % (
+        'size', 'case', 'median ms', 'min ms', 'max ms', 'algbw GB/s',
+        'busbw GB/s'))
+    for r in rows:
+        print('%10s  %-28s %10.3f %10.3f %10.3f %9.3f %9.3f' % (
+            _human(r['bytes']), r['case'], r['median_s'] * 1e3,
+            r['min_s'] * 1e3, r['max_s'] * 1e3, r['algbw_GBps'],
+            r['busbw_GBps']))
+
+
+def plot_sweep(rows, path, title):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for case in dict.fromkeys(r['case'] for r in rows):
+        pts = [(r['bytes'], r['busbw_GBps']) for r in rows if r['case'] == case]
+        ax.plot(*zip(*pts), marker='o', label=case)
+    ax.set_xscale('log', base=2)
+    ax.set_xlabel('message size (bytes)')
+    ax.set_ylabel('bus bandwidth (GB/s)')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 STEPS_PER_BLOCK = 16
@@ -211,6 +307,10 @@ def main(argv=None):
     parser.add_argument('--quick', action='store_true',
                         help='fewer cases and repetitions (a smoke run)')
     parser.add_argument('--json', help='write the results to this file')
+    parser.add_argument('--sizes', action='store_true',
+                        help='sweep message sizes from 1 KiB to --max-size')
+    parser.add_argument('--max-size', type=int, default=256 << 20)
+    parser.add_argument('--plot', help='write a PNG figure here (--sizes)')
     parser.add_argument('--double-buffering', action='store_true',
                         help='measure the overlap of double buffering (with '
                              'the first of --communicators and --dtypes)')
@@ -228,6 +328,18 @@ def main(argv=None):
         return
     args.communicators = args.communicators or ['naive', 'flat',
                                                 'hierarchical']
+    if args.sizes:
+        rows = sweep(args, world)
+        if world.rank == 0:
+            print_sweep(rows, world)
+            if args.json:
+                with open(args.json, 'w') as f:
+                    json.dump({'n_ranks': world.size, 'rows': rows}, f,
+                              indent=1)
+            if args.plot:
+                plot_sweep(rows, args.plot, 'allreduce bus bandwidth, N=%d'
+                           % world.size)
+        return
     cases, total = build_cases(args, world)
     times = run_cases(cases, world, args.reps)
     if world.rank != 0:
