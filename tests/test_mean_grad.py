@@ -139,3 +139,23 @@ def test_mean_grads_async_matches_sync(comm_name):
     for (_, g), want in zip(named, expected_mean(shapes, comm.size)):
         numpy.testing.assert_allclose(g, want, rtol=1e-6)
     comm.finalize()
+
+
+@pytest.mark.parametrize('wire', ['float16', 'bfloat16'])
+@pytest.mark.parametrize('n', [1, 2, 5, 1000, 4099])
+def test_16_bit_ring_is_exact_and_the_same_on_every_rank(wire, n):
+    from mnopt import _mpi
+    from mnopt import grad_buffer as gb
+    values = numpy.arange(n) % 8 * 0.25 + WORLD.rank   # exact sums
+    want = numpy.arange(n) % 8 * 0.25 * WORLD.size \
+        + WORLD.size * (WORLD.size - 1) / 2.0
+    if wire == 'float16':
+        a = values.astype(numpy.float16)
+    else:
+        a = gb.float32_to_bfloat16_bits(values.astype(numpy.float32))
+    _mpi.allreduce_sum(WORLD, a, wire)
+    got = a.astype(numpy.float64) if wire == 'float16' else \
+        gb.bfloat16_bits_to_float32(a).astype(numpy.float64)
+    numpy.testing.assert_array_equal(got, want)
+    everyone = WORLD.allgather(a.view(numpy.uint16).tobytes())
+    assert all(b == everyone[0] for b in everyone)
