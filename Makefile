@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 NP ?= 2
 
-.PHONY: setup run test bench convergence clean
+.PHONY: setup run test bench convergence experiments clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ bench: setup
 
 convergence: setup
 	$(PY) examples/digits/convergence.py --out docs/results
+
+# Needs root (network namespaces, tc); about 15 minutes.
+experiments: setup
+	$(PY) benchmarks/experiments.py
 
 # The same test modules serially and under mpiexec -n 2 and -n 3.
 test: setup

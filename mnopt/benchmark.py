@@ -81,7 +81,8 @@ def build_cases(args, world):
             print('# ChainerMN not available (%s); skipping it' % e)
     for name in args.communicators:
         for wire in args.dtypes:
-            comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire)
+            comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire,
+                                             bucket_bytes=args.bucket_bytes)
             model = grad_model(shapes, world.rank)
             cases.append(('mnopt %s %s' % (name, wire), name,
                           lambda c=comm, m=model: c.multi_node_mean_grad(m)))
@@ -221,12 +222,13 @@ class _SimulatedUpdate(object):
         self.t += 1
 
 
-def _simulated_steps(model, opt, grad_sets, compute_s):
+def _simulated_steps(model, opt, grad_sets, compute_s, drain=True):
     """STEPS_PER_BLOCK training steps whose forward, backward and update are
     SIMULATED by sleeping ``compute_s``; backward's fresh gradients are two
     alternating sets of arrays, handed over by assignment as backward does.
-    The block ends with nothing in flight, so no work leaks into the next
-    measurement."""
+    With ``drain`` the block ends with nothing in flight, so no work leaks
+    into the next measurement; without it, consecutive blocks of one case
+    form a steady-state run (each pays for what the previous left)."""
     params = [p for _, p in sorted(model.namedparams())]
 
     def steps():
@@ -235,8 +237,9 @@ def _simulated_steps(model, opt, grad_sets, compute_s):
             for p, g in zip(params, grad_sets[k % 2]):
                 p.grad = g
             opt.update()
-        if hasattr(opt, 'wait'):
+        if drain and hasattr(opt, 'wait'):
             opt.wait()
+    steps.optimizer = opt
     return steps
 
 
@@ -296,6 +299,53 @@ def double_buffering(args, world):
     return result
 
 
+def scaling(args, world):
+    """Per-step time with a fixed SIMULATED compute per step: plain float32
+    averaging against double buffering with float16 on the wire.  Run it
+    at several node counts; efficiency e = t / (t0 n) = step(1) / step(n)
+    (ChainerMN's definition, throughput t on n nodes, t0 on one)."""
+    import mnopt
+    shapes = resnet50_grad_shapes()
+    compute_s = args.compute_ms / 1e3
+    grad_sets = [[p.grad for _, p in sorted(grad_model(
+        shapes, world.rank + 1000 * seed).namedparams())] for seed in (0, 1)]
+
+    def steps(wire, **kw):
+        comm = mnopt.create_communicator(args.communicators[0],
+                                         allreduce_grad_dtype=wire)
+        model = grad_model(shapes, world.rank)
+        opt = mnopt.create_multi_node_optimizer(_SimulatedUpdate(), comm,
+                                                **kw).setup(model)
+        return _simulated_steps(model, opt, grad_sets, compute_s,
+                                drain=False)
+    cases = [('plain, float32', 'plain_fp32', steps('float32')),
+             ('double buffering, float16', 'db_fp16',
+              steps('float16', double_buffering=True))]
+    # One case at a time: its blocks form one steady-state run, drained
+    # before the next case starts.
+    times = []
+    for case in cases:
+        times.append(run_cases([case], world, args.reps, warmup=1)[0]
+                     / STEPS_PER_BLOCK)
+        opt = case[2].optimizer
+        if hasattr(opt, 'wait'):
+            opt.wait()
+    probe = mnopt.create_communicator('flat')
+    result = {'n_ranks': world.size, 'n_nodes': probe.inter_size,
+              'compute_s': compute_s, 'communicator': args.communicators[0],
+              'steps': {k: float(numpy.median(t))
+                        for (_, k, _), t in zip(cases, times)}}
+    if world.rank == 0:
+        print('# scaling: %d nodes x %d ranks, %s, compute SIMULATED %.0f ms '
+              'per step' % (probe.inter_size, probe.intra_size,
+                            args.communicators[0], args.compute_ms))
+        for (label, kind, _), t in zip(cases, times):
+            print('%-28s %8.1f ms per step (min %.1f, max %.1f)' % (
+                label, result['steps'][kind] * 1e3, t.min() * 1e3,
+                t.max() * 1e3))
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--communicators', nargs='+',
@@ -304,6 +354,8 @@ def main(argv=None):
     parser.add_argument('--dtypes', nargs='+',
                         default=['float32', 'float16', 'bfloat16'])
     parser.add_argument('--reps', type=int, default=15)
+    parser.add_argument('--bucket-bytes', type=int, default=None,
+                        help='bucket size of the mnopt communicators')
     parser.add_argument('--quick', action='store_true',
                         help='fewer cases and repetitions (a smoke run)')
     parser.add_argument('--json', help='write the results to this file')
@@ -311,6 +363,14 @@ def main(argv=None):
                         help='sweep message sizes from 1 KiB to --max-size')
     parser.add_argument('--max-size', type=int, default=256 << 20)
     parser.add_argument('--plot', help='write a PNG figure here (--sizes)')
+    parser.add_argument('--scaling', action='store_true',
+                        help='step time with --compute-ms of simulated '
+                             'compute: plain float32 vs double buffering + '
+                             'float16')
+    parser.add_argument('--compute-ms', type=float, default=1000.0)
+    parser.add_argument('--steps', type=int, default=None,
+                        help='steps per timed block (--scaling, '
+                             '--double-buffering)')
     parser.add_argument('--double-buffering', action='store_true',
                         help='measure the overlap of double buffering (with '
                              'the first of --communicators and --dtypes)')
@@ -319,6 +379,16 @@ def main(argv=None):
         args.reps = min(args.reps, 5)
         args.dtypes = args.dtypes[:2]
     world = MPI.COMM_WORLD
+    if args.steps:
+        global STEPS_PER_BLOCK
+        STEPS_PER_BLOCK = args.steps
+    if args.scaling:
+        args.communicators = args.communicators or ['flat']
+        result = scaling(args, world)
+        if args.json and world.rank == 0:
+            with open(args.json, 'w') as f:
+                json.dump(result, f, indent=1)
+        return
     if args.double_buffering:
         args.communicators = args.communicators or ['flat']
         result = double_buffering(args, world)

@@ -39,7 +39,7 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
             ``'bfloat16'``, ``'float32'``, ``'float64'`` or None (their own).
         batched_copy: accepted for ChainerMN compatibility; packing is
             always batched.
-        bucket_bytes: bytes of wire data per reduction call (default 4 MiB).
+        bucket_bytes: bytes of wire data per reduction call (default 1 MiB).
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
             the other ranks hanging).

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Every experiment of docs/benchmarks.md on the simulated cluster.
+
+    sudo python benchmarks/experiments.py [--only wire,topology,scaling,sweep]
+
+Each experiment brings up a cluster with ``mnopt.netsim`` (links of
+--rate, 1 Gbit/s by default), runs ``python -m mnopt.benchmark`` across it,
+and tears it down.  Results go to docs/results/netsim/ as JSON, PNG plots
+and summary.md, each number beside its bound from DESIGN.md's cost model
+(ring allreduce: T = 2(N-1)/N * S / B).  Takes about 15 minutes.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+OUT = os.path.join(REPO, 'docs', 'results', 'netsim')
+RESNET50_BYTES = 25557096 * 4
+
+
+def rate_bytes_per_s(rate):
+    units = {'gbit': 1e9, 'mbit': 1e6, 'kbit': 1e3}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale / 8
+    raise ValueError(rate)
+
+
+def ring_bound_s(n, nbytes, rate):
+    return 2.0 * (n - 1) / n * nbytes / rate_bytes_per_s(rate) if n > 1 else 0
+
+
+REPORT_ONLY = False  # --report-only: rebuild the tables from saved JSON
+
+
+def bench(nodes, ranks_per_node, rate, args, name):
+    """Run the benchmark across a fresh cluster; returns its JSON."""
+    path = os.path.join(OUT, name + '.json')
+    if REPORT_ONLY:
+        with open(path) as f:
+            return json.load(f)
+    cmd = [sys.executable, '-m', 'mnopt.netsim', 'run', '--nodes', str(nodes),
+           '--ranks-per-node', str(ranks_per_node), '--rate', rate, '--',
+           sys.executable, '-m', 'mnopt.benchmark', '--json', path] + args
+    print('$ ' + ' '.join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=3600,
+                   env=dict(os.environ, PYTHONPATH=REPO))
+    with open(path) as f:
+        return json.load(f)
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def wire_dtypes(rate, lines):
+    r = bench(4, 1, rate, ['--communicators', 'flat', '--dtypes', 'float32',
+                           'float16', 'bfloat16', '--reps', '5'], 'wire')
+    rows = {row['case']: row['median_s'] for row in r['rows']}
+    fp32 = rows['mnopt flat float32']
+    lines += ['## FP32 vs FP16 vs BF16 on the wire (4 nodes, %s)' % rate, '',
+              '| case | median s | ring bound s | x bound | speed-up vs '
+              'flat float32 |', '|---|---|---|---|---|']
+    for case, t in rows.items():
+        wire_bytes = RESNET50_BYTES // (2 if case.endswith('float16')
+                                        else 1)
+        bound = ring_bound_s(4, wire_bytes, rate)
+        lines.append('| %s | %.3f | %.3f | %.2f | %.2f |' % (
+            case, t, bound, t / bound, fp32 / t))
+    lines.append('')
+
+
+def topology(rate, lines):
+    r = bench(4, 2, rate, ['--communicators', 'flat', 'hierarchical',
+                           '--dtypes', 'float32', '--reps', '5'], 'topology')
+    rows = {row['case']: row['median_s'] for row in r['rows']}
+    # Only one copy per node need cross a node's link: the bound is a ring
+    # over the 4 nodes.  (A topology-unaware ring over the 8 ranks would
+    # carry two ranks' traffic per link: %.3f s.)
+    bound = ring_bound_s(4, RESNET50_BYTES, rate)
+    unaware = 2 * 2.0 * 7 / 8 * RESNET50_BYTES / rate_bytes_per_s(rate)
+    lines += ['## hierarchical vs flat (4 nodes x 2 ranks, %s)' % rate, '',
+              'Bound: a ring over the 4 nodes, %.3f s (a ring over all 8 '
+              'ranks, unaware of nodes, would need %.3f s).' % (
+                  bound, unaware), '',
+              '| case | median s | x bound |', '|---|---|---|']
+    for case, t in rows.items():
+        lines.append('| %s | %.3f | %.2f |' % (case, t, t / bound))
+    lines.append('')
+
+
+def scaling(rate, lines, compute_ms=1000):
+    results = {}
+    for nodes in (1, 2, 4, 8):
+        results[nodes] = bench(nodes, 1, rate, [
+            '--scaling', '--compute-ms', str(compute_ms), '--steps', '4',
+            '--reps', '3'], 'scaling_%d' % nodes)
+    t0 = results[1]['steps']['plain_fp32']
+    lines += ['## Scaling efficiency (1-8 nodes, %s, %d ms of SIMULATED '
+              'compute per step)' % (rate, compute_ms), '',
+              'e = t / (t0 n) = step(1 node) / step(n nodes); steady state.',
+              '', '| nodes | plain float32 step s | e | double buffering + '
+              'float16 step s | e | FP16 averaging bound s |',
+              '|---|---|---|---|---|---|']
+    for n, r in results.items():
+        s = r['steps']
+        lines.append('| %d | %.3f | %.3f | %.3f | %.3f | %.3f |' % (
+            n, s['plain_fp32'], t0 / s['plain_fp32'], s['db_fp16'],
+            t0 / s['db_fp16'], ring_bound_s(n, RESNET50_BYTES // 2, rate)))
+    lines.append('')
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ns = sorted(results)
+    ax.plot(ns, [results[n]['steps']['plain_fp32'] for n in ns], 'o-',
+            label='plain, float32')
+    ax.plot(ns, [results[n]['steps']['db_fp16'] for n in ns], 's-',
+            label='double buffering, float16')
+    ax.plot(ns, [compute_ms / 1e3] * len(ns), 'k--',
+            label='simulated compute')
+    ax.plot(ns, [compute_ms / 1e3 + ring_bound_s(n, RESNET50_BYTES, rate)
+                 for n in ns], ':', label='compute + FP32 ring bound')
+    ax.set_xlabel('nodes (1 rank each, %s links)' % rate)
+    ax.set_ylabel('time per step (s)')
+    ax.set_xticks(ns)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title('ResNet-50 gradients, step time against nodes')
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, 'scaling.png'), dpi=100)
+
+
+def sweep(rate, lines):
+    r = bench(4, 1, rate, ['--sizes', '--communicators', 'flat', '--dtypes',
+                           'float32', 'float16', '--max-size', str(64 << 20),
+                           '--reps', '5', '--plot',
+                           os.path.join(OUT, 'sweep.png')], 'sweep')
+    lines += ['## Bandwidth against message size (4 nodes, %s)' % rate, '',
+              'Bus bandwidth (nccl-tests: algbw * 2(N-1)/N) of the largest '
+              'size; the link carries %.3f GB/s.' % (
+                  rate_bytes_per_s(rate) / 1e9), '',
+              '| case | busbw GB/s at 64 MiB |', '|---|---|']
+    for row in r['rows']:
+        if row['bytes'] == 64 << 20:
+            lines.append('| %s | %.3f |' % (row['case'], row['busbw_GBps']))
+    lines.append('')
+
+
+EXPERIMENTS = {'wire': wire_dtypes, 'topology': topology,
+               'scaling': scaling, 'sweep': sweep}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--only', default=','.join(EXPERIMENTS))
+    p.add_argument('--rate', default='1gbit')
+    p.add_argument('--report-only', action='store_true',
+                   help='rebuild the tables and plots from saved JSON')
+    args = p.parse_args()
+    global REPORT_ONLY
+    REPORT_ONLY = args.report_only
+    os.makedirs(OUT, exist_ok=True)
+    for name in args.only.split(','):
+        lines = []
+        EXPERIMENTS[name](args.rate, lines)
+        with open(os.path.join(OUT, name + '.md'), 'w') as f:
+            f.write('\n'.join(lines) + '\n')
+        print('\n'.join(lines), flush=True)
+
+
+if __name__ == '__main__':
+    main()
