@@ -85,7 +85,7 @@ def _kernel(name):
 
 
 class Codec(object):
-    """GPU twin of grad_buffer._NumpyCodec."""
+    """GPU twin of grad_buffer.HostCodec."""
 
     def __init__(self, wire):
         self.wire = wire

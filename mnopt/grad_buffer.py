@@ -192,7 +192,7 @@ class GradBuffer(object):
             from mnopt import _cuda
             self._codec = _cuda.Codec(layout.wire)
         else:
-            self._codec = _NumpyCodec(layout.wire)
+            self._codec = HostCodec(layout.wire)
 
     def _slices(self, n):
         step = self.bucket_elems
@@ -244,6 +244,16 @@ class GradBuffer(object):
         if self.xp is not numpy:
             self.wire.set(self._host)
 
+    def swap_host(self, other):
+        """Adopt ``other`` (shaped like the host buffer) as the host buffer,
+        for transports whose sums arrive in a second buffer; returns the
+        previous one for reuse."""
+        if self.xp is numpy:
+            old, self.wire = self.wire, other
+        else:
+            old, self._host = self._host, other
+        return old
+
     def unpack(self, arrays):
         """arrays[i][...] = cast back from the wire (in place)."""
         offs = self.offsets
@@ -269,7 +279,7 @@ def _fast_path(src, dst):
             and dst.flags.c_contiguous)
 
 
-class _NumpyCodec(object):
+class HostCodec(object):
 
     def __init__(self, wire):
         self.wire = wire

@@ -200,7 +200,7 @@ def test_multi_node_optimizer_with_lossfun(comm):
 
 def test_unknown_communicator_lists_choices():
     with pytest.raises(ValueError, match='naive, flat, hierarchical, '
-                                         'pure_nccl, auto'):
+                                         'pure_nccl, reduction_server, auto'):
         mnopt.create_communicator('ring')
 
 

@@ -10,6 +10,8 @@ _REGISTRY = {
     'hierarchical': ('mnopt.communicators.hierarchical',
                      'HierarchicalCommunicator'),
     'pure_nccl': ('mnopt.communicators.pure_nccl', 'PureNcclCommunicator'),
+    'reduction_server': ('mnopt.communicators.reduction_server',
+                         'ReductionServerCommunicator'),
 }
 NAMES = tuple(_REGISTRY) + ('auto',)
 
@@ -27,13 +29,15 @@ def communicator_class(name):
 
 def create_communicator(communicator_name='auto', mpi_comm=None,
                         allreduce_grad_dtype=None, batched_copy=True,
-                        bucket_bytes=None, abort_on_exception=True):
+                        bucket_bytes=None, abort_on_exception=True,
+                        **options):
     """Create a communicator.
 
     Args:
         communicator_name: ``'naive'``, ``'flat'``, ``'hierarchical'``,
-            ``'pure_nccl'``, or ``'auto'`` (``pure_nccl`` where CuPy, NCCL
-            and a GPU are present, ``flat`` otherwise).
+            ``'pure_nccl'``, ``'reduction_server'``, or ``'auto'``
+            (``pure_nccl`` where CuPy, NCCL and a GPU are present, ``flat``
+            otherwise).
         mpi_comm: the mpi4py communicator to run over (COMM_WORLD).
         allreduce_grad_dtype: dtype gradients travel in: ``'float16'``,
             ``'bfloat16'``, ``'float32'``, ``'float64'`` or None (their own).
@@ -43,18 +47,31 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
             the other ranks hanging).
+        **options: the communicator's own; ``reduction_server`` takes
+            ``chunk_bytes`` (1 MiB), ``server_memory`` (staging bytes per
+            channel of a colocated server, 64 MiB) and ``stats`` (collect
+            per-phase timings in ``comm.stats``).
     """
     del batched_copy
     from mnopt import grad_buffer
     grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)  # fail early
     cls = communicator_class(communicator_name)
+    from mpi4py import MPI
     if mpi_comm is None:
-        from mpi4py import MPI
         mpi_comm = MPI.COMM_WORLD
     if abort_on_exception:
         from mnopt import global_except_hook
         global_except_hook.add_hook()
+    if mpi_comm == MPI.COMM_WORLD:
+        from mnopt import server
+        servers = server.job().servers  # agreed once by every process
+        if servers and cls.name != 'reduction_server':
+            raise ValueError(
+                'this job was launched with %d reduction server process(es) '
+                '(python -m mnopt.server) but asks for the %r communicator: '
+                "use 'reduction_server', or launch without servers"
+                % (len(servers), cls.name))
     kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype}
     if bucket_bytes is not None:
         kwargs['bucket_bytes'] = bucket_bytes
-    return cls(mpi_comm, **kwargs)
+    return cls(mpi_comm, **dict(kwargs, **options))

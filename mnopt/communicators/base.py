@@ -183,6 +183,11 @@ class CommunicatorBase(object):
     def _sum(self, buffer, group):
         raise NotImplementedError
 
+    def _pack_divisor(self):
+        """Gradients are divided by this while packed (the world size:
+        divide before summing, so a mean that fits cannot overflow)."""
+        return self.size
+
     # ----------------------------------------------------------- gradients
     def mean_grads(self, named_grads):
         """Average ``[(name, array), ...]`` in place across all ranks.
@@ -237,7 +242,7 @@ class CommunicatorBase(object):
         if self.size == 1:
             return  # the mean of one gradient is itself: nothing to move
         arrays = [a for _, a in named]
-        buffer.pack(arrays, self.size)
+        buffer.pack(arrays, self._pack_divisor())
         self._sum(buffer, group)
         buffer.unpack(arrays)
 

@@ -1,0 +1,296 @@
+"""The reduction server (Herring / Fairring / Optcast): protocol and loop.
+
+    mpiexec -n W python train.py : -n S python -m mnopt.server [--memory B]
+
+Workers (``create_communicator('reduction_server')``) split their packed
+gradients into one near-equal contiguous shard per server, cut each shard
+into chunks, and push them; a server sums each chunk over the workers in
+float32, in worker order (bitwise deterministic), divides by W, rounds once
+to the wire dtype and pushes the mean back.  Each worker sends S bytes and
+receives S bytes, against 2(N-1)/N S for a ring.
+
+Every request starts with a header from each worker to each server; the
+server answers a status as soon as it has all headers, so a disagreement
+(protocol version, number of workers, sizes, dtype, layout) is an error on
+every worker at once, which the server also reports.  Staging memory is
+bounded (``--memory``, like FAIRRING_TOTAL_MEMORY): at least one chunk's
+worth of slots is always available, so any bound makes progress.
+
+Launched without servers, the communicator runs this same loop on a thread
+in every worker (colocated, as Fairring does).
+"""
+
+import argparse
+import sys
+import threading
+import time
+
+import numpy
+from mpi4py import MPI
+
+from mnopt import grad_buffer
+
+PROTOCOL_VERSION = 1
+WIRE_CODES = {name: i for i, name in enumerate(grad_buffer.WIRE_DTYPES)}
+TAG_HEADER, TAG_STATUS, TAG_DATA, TAG_RESULT = 0x3A0, 0x3A1, 0x3A2, 0x3A3
+KIND_REDUCE, KIND_BYE = 1, 2
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_MEMORY = 64 << 20
+
+# Header: kind, version, n_workers, total, shard_start, shard_len, chunk,
+# wire code, layout digest.
+HEADER_FIELDS = 9
+
+
+def shard_bounds(total, n_servers):
+    return [total * j // n_servers for j in range(n_servers + 1)]
+
+
+def chunk_slices(length, chunk):
+    return [slice(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def _role_of_this_process(default):
+    """Roles from MPI's APPNUM (0 for the first command of an MPMD launch);
+    launchers without it leave the entry point's own answer."""
+    appnum = MPI.COMM_WORLD.Get_attr(MPI.APPNUM)
+    if appnum is None or appnum == MPI.UNDEFINED:
+        return default
+    return 'worker' if appnum == 0 else 'server'
+
+
+_job = None
+
+
+class Job(object):
+    """Who is what in COMM_WORLD, agreed once per process by every process
+    (workers at their first create_communicator, servers at start-up)."""
+
+    def __init__(self, roles):
+        self.roles = roles
+        self.servers = [r for r, role in enumerate(roles) if role == 'server']
+        self.workers = [r for r, role in enumerate(roles) if role == 'worker']
+
+
+def job(default_role='worker'):
+    global _job
+    if _job is None:
+        mine = _role_of_this_process(default_role)
+        _job = Job(MPI.COMM_WORLD.allgather(mine))
+    return _job
+
+
+class Stats(object):
+    """Count, median, min and max seconds per phase (Optcast-style)."""
+
+    def __init__(self):
+        self.samples = {}
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def add(self, phase, seconds):
+        with self.lock:
+            self.samples.setdefault(phase, []).append(seconds)
+
+    def summary(self):
+        out = {}
+        for phase, xs in sorted(self.samples.items()):
+            xs = numpy.asarray(xs)
+            out[phase] = {'count': int(xs.size), 'median_s': float(
+                numpy.median(xs)), 'min_s': float(xs.min()),
+                'max_s': float(xs.max()), 'total_s': float(xs.sum())}
+        return out
+
+    def format(self, who):
+        lines = ['%s: %-8s %6s %10s %10s %10s' % (
+            who, 'phase', 'count', 'median ms', 'min ms', 'max ms')]
+        for phase, s in self.summary().items():
+            lines.append('%s: %-8s %6d %10.3f %10.3f %10.3f' % (
+                who, phase, s['count'], s['median_s'] * 1e3,
+                s['min_s'] * 1e3, s['max_s'] * 1e3))
+        return '\n'.join(lines)
+
+
+def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
+          stats=None, on_error=None):
+    """Serve reductions on ``chan`` until every worker says goodbye.
+
+    ``workers`` are the workers' ranks in ``chan`` (in worker order);
+    ``my_index`` is this server's shard index.
+    """
+    n = len(workers)
+    headers = numpy.empty((n, HEADER_FIELDS), dtype=numpy.int64)
+    byes = set()
+    while len(byes) < n:
+        for i, w in enumerate(workers):
+            if w in byes:
+                headers[i] = 0
+                continue
+            chan.Recv([headers[i], MPI.INT64_T], source=w, tag=TAG_HEADER)
+            if headers[i, 0] == KIND_BYE:
+                byes.add(w)
+        active = [i for i, w in enumerate(workers) if headers[i, 0] ==
+                  KIND_REDUCE]
+        if not active:
+            continue
+        problem = _check_headers(headers, active, n, my_index, n_servers)
+        status = numpy.frombuffer(
+            (problem or '').encode()[:4000].ljust(4000, b'\0'), numpy.uint8)
+        for i in active:
+            chan.Send([status, MPI.BYTE], dest=workers[i], tag=TAG_STATUS)
+        if problem:
+            if on_error:
+                on_error(problem)
+            _drain(chan, workers, headers, active)
+            continue
+        _reduce(chan, workers, headers[active[0]], memory, stats)
+
+
+def _check_headers(headers, active, n, my_index, n_servers):
+    if len(active) != n:
+        return ('%d of %d workers asked for a reduction while the others '
+                'finished' % (len(active), n))
+    first = headers[active[0]]
+    if first[1] != PROTOCOL_VERSION:
+        return ('protocol version %d, server speaks %d'
+                % (first[1], PROTOCOL_VERSION))
+    if first[2] != n:
+        return ('workers think there are %d workers, the server sees %d'
+                % (first[2], n))
+    for i in active:
+        if not (headers[i, 1:] == first[1:]).all():
+            fields = ('version', 'workers', 'total elements', 'shard start',
+                      'shard length', 'chunk', 'wire dtype', 'layout digest')
+            diff = [f for f, a, b in zip(fields, headers[i, 1:], first[1:])
+                    if a != b]
+            return ('worker %d and worker %d disagree on %s (protocol %d, '
+                    'signature %s vs %s)' % (
+                        active[0], i, ', '.join(diff), PROTOCOL_VERSION,
+                        list(first[1:]), list(headers[i, 1:])))
+    bounds = shard_bounds(int(first[3]), n_servers)
+    if (first[4], first[5]) != (bounds[my_index],
+                                bounds[my_index + 1] - bounds[my_index]):
+        return 'shard %d is [%d, +%d), workers sent [%d, +%d)' % (
+            my_index, bounds[my_index], bounds[my_index + 1]
+            - bounds[my_index], first[4], first[5])
+    return None
+
+
+def _drain(chan, workers, headers, active):
+    """Receive and drop what each worker sends after a refused header."""
+    for i in active:
+        wire = grad_buffer.WIRE_DTYPES[int(headers[i, 7])] \
+            if 0 <= headers[i, 7] < len(grad_buffer.WIRE_DTYPES) else 'float32'
+        dtype = grad_buffer.storage_dtype(wire)
+        for piece in chunk_slices(int(headers[i, 5]), max(1, int(headers[i, 6]))):
+            sink = numpy.empty(piece.stop - piece.start, dtype)
+            chan.Recv([sink, MPI.BYTE], source=workers[i], tag=TAG_DATA)
+
+
+def _reduce(chan, workers, header, memory, stats):
+    n = len(workers)
+    shard_len, chunk = int(header[5]), int(header[6])
+    wire = grad_buffer.WIRE_DTYPES[int(header[7])]
+    dtype = grad_buffer.storage_dtype(wire)
+    acc_dtype = numpy.float64 if wire == 'float64' else numpy.float32
+    pieces = chunk_slices(shard_len, chunk)
+    if not pieces:
+        return
+    # Slots of staging memory: each holds one chunk from every worker plus
+    # its result.  At least one, so any bound makes progress.
+    per_slot = (n + 1) * chunk * dtype.itemsize
+    n_slots = max(1, min(len(pieces), memory // max(per_slot, 1)))
+    slots = [(numpy.empty((n, chunk), dtype), numpy.empty(chunk, dtype))
+             for _ in range(n_slots)]
+    recvs = [None] * len(pieces)
+    sends = [[] for _ in range(n_slots)]
+
+    def post(c):
+        k = c % n_slots
+        MPI.Request.Waitall(sends[k])  # its last result has left
+        size = pieces[c].stop - pieces[c].start
+        stage = slots[k][0]
+        recvs[c] = [chan.Irecv([stage[i, :size], MPI.BYTE], source=w,
+                               tag=TAG_DATA) for i, w in enumerate(workers)]
+
+    for c in range(min(n_slots, len(pieces))):
+        post(c)
+    # The workers' codec: decode to float32 (float64 for a float64 wire);
+    # encode divides by W and rounds once.
+    codec = grad_buffer.HostCodec(wire)
+    acc = numpy.empty(chunk, acc_dtype)
+    decoded = numpy.empty(chunk, acc_dtype)
+    for c, piece in enumerate(pieces):
+        k = c % n_slots
+        size = piece.stop - piece.start
+        t0 = time.perf_counter()
+        MPI.Request.Waitall(recvs[c])
+        t1 = time.perf_counter()
+        stage, result = slots[k]
+        codec.decode(stage[0, :size], acc[:size])
+        for i in range(1, n):  # fixed worker order: bitwise deterministic
+            codec.decode(stage[i, :size], decoded[:size])
+            acc[:size] += decoded[:size]
+        codec.encode(acc[:size], result[:size], n)
+        t2 = time.perf_counter()
+        sends[k] = [chan.Isend([result[:size], MPI.BYTE], dest=w,
+                               tag=TAG_RESULT) for w in workers]
+        if c + n_slots < len(pieces):
+            post(c + n_slots)
+        if stats is not None:
+            stats.add('recv', t1 - t0)
+            stats.add('reduce', t2 - t1)
+    t3 = time.perf_counter()
+    for s in sends:
+        MPI.Request.Waitall(s)
+    if stats is not None:
+        stats.add('send', time.perf_counter() - t3)
+        stats.bytes += 2 * n * shard_len * dtype.itemsize
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog='python -m mnopt.server',
+                                description=__doc__.split('\n')[0])
+    p.add_argument('--memory', type=int, default=DEFAULT_MEMORY,
+                   help='bytes of staging memory per channel (default 64 MiB)')
+    p.add_argument('--stats', action='store_true',
+                   help='print per-phase statistics when the job ends')
+    args = p.parse_args(argv)
+    from mnopt import global_except_hook
+    global_except_hook.add_hook()
+    the_job = job(default_role='server')
+    world = MPI.COMM_WORLD
+    if world.rank not in the_job.servers:
+        raise RuntimeError('mnopt.server started as a worker (APPNUM 0): '
+                           'launch it after the training script, as in '
+                           'mpiexec -n W python train.py : -n S python -m '
+                           'mnopt.server')
+    # Mirror the workers' start-up: the split and the two channels.
+    world.Split(1, world.rank)
+    chans = [world.Dup(), world.Dup()]
+    index = the_job.servers.index(world.rank)
+    stats = Stats() if args.stats else None
+
+    def report(problem):
+        sys.stderr.write('mnopt.server %d: refused a reduction: %s\n'
+                         % (index, problem))
+
+    threads = [threading.Thread(target=serve, args=(
+        chan, the_job.workers, index, len(the_job.servers), args.memory,
+        stats, report)) for chan in chans]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if stats is not None:
+        elapsed = time.perf_counter() - start
+        print(stats.format('server %d' % index))
+        print('server %d: %.1f MB moved, %.3f GB/s over the job' % (
+            index, stats.bytes / 1e6, stats.bytes / max(elapsed, 1e-9) / 1e9))
+    for chan in chans:
+        chan.Free()
+
+
+if __name__ == '__main__':
+    main()

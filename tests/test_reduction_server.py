@@ -1,0 +1,175 @@
+"""The reduction-server communicator, as whole MPMD jobs:
+``mpiexec -n W python worker.py : -n S python -m mnopt.server``."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.spawn
+
+WORKER = r'''
+import sys, numpy, chainer, mnopt
+sys.path.insert(0, 'tests')
+from conftest import make_model
+from mnopt import grad_buffer as gb
+
+wire = sys.argv[1]
+comm = mnopt.create_communicator('reduction_server', allreduce_grad_dtype=wire,
+                                 chunk_bytes=24)  # many chunks
+codec = gb.HostCodec(wire)
+for shapes in ([(3,), (5, 7), (1,), (0,), (11, 13, 3), (2000,)], [], [(1,)]):
+    for it in range(3):
+        model = make_model(shapes)
+        rng = numpy.random.RandomState(100 * comm.rank + it)
+        grads = [rng.standard_normal(s).astype(numpy.float32) * 100
+                 for s in shapes]
+        for (_, p), g in zip(sorted(model.namedparams()), grads):
+            p.grad = g.copy()
+        comm.multi_node_mean_grad(model)
+        # The promise: a float32 sum of the wire-rounded inputs, in worker
+        # order, divided by W, rounded once to the wire dtype.
+        everyone = comm.allgather_obj(grads)
+        for k, (_, p) in enumerate(sorted(model.namedparams())):
+            n = p.grad.size
+            acc = numpy.zeros(n, numpy.float32)
+            for w in range(comm.size):
+                rounded = numpy.empty(n, gb.storage_dtype(wire))
+                codec.encode(everyone[w][k].reshape(-1), rounded, 1)
+                decoded = numpy.empty(n, numpy.float32)
+                codec.decode(rounded, decoded)
+                acc += decoded
+            want = numpy.empty(n, gb.storage_dtype(wire))
+            codec.encode(acc, want, comm.size)
+            back = numpy.empty(n, numpy.float32)
+            codec.decode(want, back)
+            if comm.size == 1:
+                back = everyone[0][k].reshape(-1)  # N=1: left untouched
+            assert (p.grad.reshape(-1) == back).all(), (shapes, k, it)
+# Double buffering through the same servers.
+model = make_model([(4,), (300,)])
+opt = mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(lr=1.0), comm,
+                                        double_buffering=True).setup(model)
+for k in range(4):
+    for _, p in model.namedparams():
+        p.grad = numpy.full(p.shape, comm.rank + k, numpy.float32)
+    opt.update()
+opt.wait()
+assert opt.t == 2
+for _, p in model.namedparams():
+    # applied: the means of iterations 1 and 2
+    numpy.testing.assert_allclose(p.array, -(2 * (comm.size - 1) / 2.0 + 3),
+                                  rtol=1e-2)
+print('OK worker %d of %d, %d servers' % (comm.rank, comm.size, comm.n_servers))
+'''
+
+
+def run_job(workers, servers, wire='float32', worker_code=WORKER,
+            server_args=(), timeout=120, worker_args=None):
+    script = os.path.join(REPO, 'tests', '.rs_worker_%d.py' % os.getpid())
+    with open(script, 'w') as f:
+        f.write(worker_code)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    cmd = [mpiexec, '-n', str(workers), sys.executable, '-m', 'mpi4py',
+           script] + list(worker_args if worker_args is not None else [wire])
+    if servers:
+        cmd += [':', '-n', str(servers), sys.executable, '-m', 'mpi4py', '-m',
+                'mnopt.server'] + list(server_args)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True,
+                              timeout=timeout, cwd=REPO,
+                              env=dict(os.environ, PYTHONPATH=REPO))
+    finally:
+        os.remove(script)
+
+
+@pytest.mark.parametrize('servers', [0, 1, 2])
+@pytest.mark.parametrize('workers', [1, 2, 3])
+def test_means_are_exact(workers, servers):
+    proc = run_job(workers, servers)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for w in range(workers):
+        assert 'OK worker %d of %d, %d servers' % (
+            w, workers, servers or workers) in proc.stdout
+
+
+@pytest.mark.parametrize('wire', ['float16', 'bfloat16'])
+def test_16_bit_wires_are_exact(wire):
+    proc = run_job(3, 2, wire, server_args=['--memory', '1'])  # 1 slot
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('OK worker') == 3
+
+
+OTHER_COMMUNICATOR = '''
+import mnopt
+mnopt.create_communicator('flat')
+'''
+
+
+def test_servers_with_another_communicator_is_an_error():
+    proc = run_job(2, 1, worker_code=OTHER_COMMUNICATOR, timeout=60)
+    assert proc.returncode != 0
+    assert "asks for the 'flat' communicator: use 'reduction_server'" \
+        in proc.stderr
+
+
+MISMATCH = '''
+import numpy, mnopt
+from mpi4py import MPI
+comm = mnopt.create_communicator('reduction_server')
+if comm.rank == 1:   # a worker that bypasses the cross-worker check
+    comm._workers = comm._workers[:1]
+model = __import__('conftest').make_model([(5,)])
+model.p000.grad = numpy.ones(5, numpy.float32)
+try:
+    comm.multi_node_mean_grad(model)
+except mnopt.LayoutMismatchError as e:
+    print('worker %d: %s' % (comm.rank, e))
+'''
+
+
+def test_signature_mismatch_fails_fast_on_every_process():
+    code = 'import sys; sys.path.insert(0, "tests")\n' + MISMATCH
+    proc = run_job(2, 1, worker_code=code, timeout=60, worker_args=[])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for w in (0, 1):
+        assert 'worker %d: the reduction servers refused' % w in proc.stdout
+    assert 'worker 0 and worker 1 disagree on workers (protocol 1' \
+        in proc.stdout
+    assert 'mnopt.server 0: refused a reduction' in proc.stderr
+
+
+CRASH = '''
+import os, sys, numpy, mnopt
+sys.path.insert(0, 'tests')
+from conftest import make_model
+comm = mnopt.create_communicator('reduction_server')
+model = make_model([(1000,)])
+model.p000.grad = numpy.ones(1000, numpy.float32)
+comm.multi_node_mean_grad(model)
+if comm.rank == 1:
+    raise RuntimeError('worker 1 fell over')
+comm.multi_node_mean_grad(model)   # worker 0 would wait forever
+print('should never get here')
+'''
+
+
+def test_a_crashed_worker_ends_the_job():
+    proc = run_job(2, 1, worker_code=CRASH, timeout=60, worker_args=[])
+    assert proc.returncode != 0
+    assert 'worker 1 fell over' in proc.stderr
+    assert 'should never get here' not in proc.stdout
+
+
+def test_a_server_that_dies_at_start_up_ends_the_job():
+    code = CRASH.replace("if comm.rank == 1:\n    raise RuntimeError('worker 1 "
+                         "fell over')\n", '')
+    # The server exits on a bad option while the workers start: they must
+    # not wait for it forever.  (A server dying mid-job is not covered.)
+    proc = run_job(2, 1, worker_code=code, timeout=60, worker_args=[],
+                   server_args=['--no-such-option'])
+    assert proc.returncode != 0
+    assert 'should never get here' not in proc.stdout
