@@ -14,6 +14,7 @@ hits all of them alike; each time is the slowest rank's.
 """
 
 import argparse
+import atexit
 import json
 import sys
 import time
@@ -62,6 +63,7 @@ def _limit_case(comm, n_elements, chunk):
 
 def build_cases(args, world):
     import mnopt
+    from mnopt import server
     shapes = resnet50_grad_shapes()
     total = sum(int(numpy.prod(s)) for s in shapes)
     cases = []
@@ -71,6 +73,8 @@ def build_cases(args, world):
         cases.append(('limit: Allreduce, %d MiB chunks' % mib, 'limit',
                       _limit_case(limit_comm, total, mib << 18)))
     try:
+        if server.job().servers:
+            raise RuntimeError('a job with reduction servers')
         import chainermn
         cmn = chainermn.create_communicator('naive', mpi_comm=world.Dup())
         model = grad_model(shapes, world.rank)
@@ -81,8 +85,12 @@ def build_cases(args, world):
             print('# ChainerMN not available (%s); skipping it' % e)
     for name in args.communicators:
         for wire in args.dtypes:
-            comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire,
-                                             bucket_bytes=args.bucket_bytes)
+            comm = mnopt.create_communicator(
+                name, allreduce_grad_dtype=wire, bucket_bytes=args.bucket_bytes,
+                **({'stats': True} if name == 'reduction_server' else {}))
+            if name == 'reduction_server' and world.rank == 0:
+                atexit.register(lambda c=comm: print(c.stats.format(
+                    'worker 0 %s' % c.allreduce_grad_dtype)))
             model = grad_model(shapes, world.rank)
             cases.append(('mnopt %s %s' % (name, wire), name,
                           lambda c=comm, m=model: c.multi_node_mean_grad(m)))
@@ -379,6 +387,14 @@ def main(argv=None):
         args.reps = min(args.reps, 5)
         args.dtypes = args.dtypes[:2]
     world = MPI.COMM_WORLD
+    from mnopt import server
+    if server.job().servers:
+        # Servers take no part in the timing: time over the workers, with
+        # the reduction_server communicator (the only one such a job runs).
+        import mnopt
+        first = mnopt.create_communicator('reduction_server')
+        world = first.mpi_comm
+        args.communicators = ['reduction_server']
     if args.steps:
         global STEPS_PER_BLOCK
         STEPS_PER_BLOCK = args.steps

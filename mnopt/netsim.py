@@ -145,28 +145,37 @@ exec ip netns exec %(prefix)sn$k unshare --uts sh -c \
 '''
 
 
-def mpiexec_command(nodes, ranks_per_node, command, launcher, extra_env=()):
+def mpiexec_command(nodes, ranks_per_node, command, launcher, extra_env=(),
+                    servers=0, server_args=()):
     """The argv that runs ``command`` on ``nodes`` x ``ranks_per_node``
-    ranks; it must itself run inside node 0 (see ``exec_in_cluster``)."""
+    ranks, and with ``servers``, one ``python -m mnopt.server`` on each of
+    the next ``servers`` nodes; it must itself run inside node 0 (see
+    ``exec_in_cluster``)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
     if not os.path.exists(mpiexec):
         mpiexec = shutil.which('mpiexec') or 'mpiexec'
     env = [('UCX_TLS', 'tcp')] + list(extra_env)
+    hosts = ['%s:%d' % (node_address(k), ranks_per_node) for k in range(nodes)]
+    hosts += ['%s:1' % node_address(nodes + k) for k in range(servers)]
     argv = [mpiexec, '-launcher', 'ssh', '-launcher-exec', launcher,
-            '-iface', 'eth0',
-            '-hosts', ','.join(node_address(k) for k in range(nodes)),
-            '-ppn', str(ranks_per_node), '-n', str(nodes * ranks_per_node)]
+            '-iface', 'eth0', '-hosts', ','.join(hosts)]
     for key, value in env:
         argv += ['-genv', key, value]
-    return argv + list(command)
+    argv += ['-n', str(nodes * ranks_per_node)] + list(command)
+    if servers:
+        argv += [':', '-n', str(servers), sys.executable, '-m', 'mpi4py',
+                 '-m', 'mnopt.server'] + list(server_args)
+    return argv
 
 
 def exec_in_cluster(nodes, ranks_per_node, command, timeout=None,
-                    extra_env=()):
-    """Run ``command`` under mpiexec across the cluster (which must be up).
-    Returns the CompletedProcess; output is passed through."""
+                    extra_env=(), servers=0, server_args=()):
+    """Run ``command`` under mpiexec across the cluster (which must be up:
+    ``nodes`` + ``servers`` nodes).  Returns the CompletedProcess; output
+    is passed through."""
     present = namespaces()
-    missing = [node_name(k) for k in range(nodes) if node_name(k) not in present]
+    missing = [node_name(k) for k in range(nodes + servers)
+               if node_name(k) not in present]
     if missing:
         raise NetsimError('the cluster is not up (missing %s); run '
                           '"python -m mnopt.netsim up --nodes %d" first'
@@ -177,7 +186,7 @@ def exec_in_cluster(nodes, ranks_per_node, command, timeout=None,
         f.write(_LAUNCHER % {'first': FIRST_HOST, 'prefix': PREFIX})
     os.chmod(launcher, 0o755)
     argv = mpiexec_command(nodes, ranks_per_node, command, launcher,
-                           extra_env)
+                           extra_env, servers, server_args)
     try:
         return subprocess.run(
             ['ip', 'netns', 'exec', node_name(0), 'unshare', '--uts', 'sh',
@@ -210,6 +219,11 @@ def main(argv=None):
                            help='one-way delay per link end, e.g. 1ms')
         if verb in ('run', 'exec'):
             s.add_argument('--ranks-per-node', type=int, default=1)
+            s.add_argument('--servers', type=int, default=0,
+                           help='also run this many reduction servers '
+                                '(python -m mnopt.server), one per extra node')
+            s.add_argument('--server-args', default='',
+                           help='arguments for the servers, one string')
             s.add_argument('--timeout', type=float, default=3600)
             s.add_argument('command', nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -229,14 +243,16 @@ def main(argv=None):
             return 0
         if not command:
             p.error('give the command to run after --')
+        extra = dict(servers=args.servers,
+                     server_args=args.server_args.split())
         if args.verb == 'exec':
             return exec_in_cluster(args.nodes, args.ranks_per_node, command,
-                                   args.timeout).returncode
+                                   args.timeout, **extra).returncode
         _terminate_on_sigterm()
-        up(args.nodes, args.rate, args.delay)
+        up(args.nodes + args.servers, args.rate, args.delay)
         try:
             return exec_in_cluster(args.nodes, args.ranks_per_node, command,
-                                   args.timeout).returncode
+                                   args.timeout, **extra).returncode
         finally:
             down()
     except NetsimError as e:

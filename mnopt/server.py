@@ -21,6 +21,7 @@ in every worker (colocated, as Fairring does).
 """
 
 import argparse
+import atexit
 import sys
 import threading
 import time
@@ -70,6 +71,35 @@ class Job(object):
         self.roles = roles
         self.servers = [r for r, role in enumerate(roles) if role == 'server']
         self.workers = [r for r, role in enumerate(roles) if role == 'worker']
+        self._channels = None
+
+    def channels(self):
+        """(this role's communicator, [sync channel, async channel]).
+
+        Made once per process, collectively over COMM_WORLD (servers at
+        start-up, workers at their first reduction_server communicator),
+        and shared by every such communicator of the process.  Workers say
+        goodbye on them when the process exits."""
+        if self._channels is None:
+            world = MPI.COMM_WORLD
+            is_server = world.rank in self.servers
+            mine = world.Split(1 if is_server else 0, world.rank)
+            self._channels = (mine, [world.Dup(), world.Dup()])
+            if not is_server:
+                atexit.register(say_goodbye, self._channels[1], self.servers)
+        return self._channels
+
+
+def say_goodbye(channels, servers):
+    """Tell every server, on every channel, that this worker is done;
+    servers exit once all workers have."""
+    if MPI.Is_finalized():
+        return
+    bye = numpy.zeros(HEADER_FIELDS, numpy.int64)
+    bye[0] = KIND_BYE
+    for chan in channels:
+        for server in servers:
+            chan.Send([bye, MPI.INT64_T], dest=server, tag=TAG_HEADER)
 
 
 def job(default_role='worker'):
@@ -266,8 +296,7 @@ def main(argv=None):
                            'mpiexec -n W python train.py : -n S python -m '
                            'mnopt.server')
     # Mirror the workers' start-up: the split and the two channels.
-    world.Split(1, world.rank)
-    chans = [world.Dup(), world.Dup()]
+    _, chans = the_job.channels()
     index = the_job.servers.index(world.rank)
     stats = Stats() if args.stats else None
 
@@ -288,8 +317,6 @@ def main(argv=None):
         print(stats.format('server %d' % index))
         print('server %d: %.1f MB moved, %.3f GB/s over the job' % (
             index, stats.bytes / 1e6, stats.bytes / max(elapsed, 1e-9) / 1e9))
-    for chan in chans:
-        chan.Free()
 
 
 if __name__ == '__main__':

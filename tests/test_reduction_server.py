@@ -173,3 +173,26 @@ def test_a_server_that_dies_at_start_up_ends_the_job():
                    server_args=['--no-such-option'])
     assert proc.returncode != 0
     assert 'should never get here' not in proc.stdout
+
+
+TWO_COMMUNICATORS = '''
+import numpy, chainer, mnopt
+comms = [mnopt.create_communicator('reduction_server', allreduce_grad_dtype=w)
+         for w in ('float32', 'float16')]
+link = chainer.Link()
+with link.init_scope():
+    link.w = chainer.Parameter(numpy.zeros(1000, numpy.float32))
+for c in comms + comms[1:]:
+    link.w.grad = numpy.full(1000, c.rank, numpy.float32)
+    c.multi_node_mean_grad(link)
+    assert (link.w.grad == (c.size - 1) / 2.0).all()
+    comms[0].finalize()   # must not stop the servers for the other one
+print('OK two communicators')
+'''
+
+
+def test_several_communicators_share_the_servers():
+    proc = run_job(2, 2, worker_code=TWO_COMMUNICATORS, timeout=60,
+                   worker_args=[])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('OK two communicators') == 2

@@ -23,15 +23,16 @@ class ReductionServerCommunicator(CommunicatorBase):
 
     def __init__(self, mpi_comm, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
                  server_memory=rs.DEFAULT_MEMORY, stats=False, **kwargs):
-        world = MPI.COMM_WORLD
         job = rs.job()
         if job.servers:
-            if mpi_comm != world:
+            if mpi_comm != MPI.COMM_WORLD:
                 raise ValueError('with reduction servers in the job, the '
                                  'reduction_server communicator runs over '
                                  'MPI.COMM_WORLD')
-            mpi_comm = world.Split(0, world.rank)  # the workers
-            channels = [world.Dup(), world.Dup()]
+            # Shared by every such communicator of this process; with double
+            # buffering on several of them at once, their background
+            # averagings would interleave on the async channel: one at a time.
+            mpi_comm, channels = job.channels()
             self._servers = list(job.servers)
             self._workers = list(job.workers)
         else:
@@ -50,7 +51,7 @@ class ReductionServerCommunicator(CommunicatorBase):
                     server_memory), name='mnopt-colocated-server')
                 t.start()
                 self._server_threads.append(t)
-        self._said_bye = False
+        self._said_bye = bool(job.servers)  # the job says it at exit
         super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
         atexit.register(self._goodbye)
 
@@ -116,25 +117,24 @@ class ReductionServerCommunicator(CommunicatorBase):
             MPI.Request.Waitall(requests[1::2])
             raise LayoutMismatchError('the reduction servers refused: %s'
                                       % '; '.join(sorted(set(problems))))
-        MPI.Request.Waitall(requests)
+        MPI.Request.Waitall(requests[0::2])
+        t1 = time.perf_counter()
+        MPI.Request.Waitall(requests[1::2])
         if self.stats is not None:
-            self.stats.add('request', time.perf_counter() - t0)
+            self.stats.add('send', t1 - t0)
+            self.stats.add('recv', time.perf_counter() - t0)
             self.stats.bytes += 2 * data.nbytes
         # The means arrived in the second buffer: adopt it, keep the other.
         group.result = buffer.swap_host(result)
         buffer.from_host()
 
     def _goodbye(self):
-        """Tell every server this worker is done (servers exit after all
-        workers have said so)."""
-        if self._said_bye or MPI.Is_finalized():
+        """Colocated: stop this communicator's server threads (after every
+        worker has said goodbye to them)."""
+        if self._said_bye:
             return
         self._said_bye = True
-        bye = numpy.zeros(rs.HEADER_FIELDS, numpy.int64)
-        bye[0] = rs.KIND_BYE
-        for chan in self._channels:
-            for server in self._servers:
-                chan.Send([bye, MPI.INT64_T], dest=server, tag=rs.TAG_HEADER)
+        rs.say_goodbye(self._channels, self._servers)
         for t in self._server_threads:
             t.join()
 
