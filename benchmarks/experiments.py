@@ -37,14 +37,15 @@ def ring_bound_s(n, nbytes, rate):
 REPORT_ONLY = False  # --report-only: rebuild the tables from saved JSON
 
 
-def bench(nodes, ranks_per_node, rate, args, name):
+def bench(nodes, ranks_per_node, rate, args, name, servers=0):
     """Run the benchmark across a fresh cluster; returns its JSON."""
     path = os.path.join(OUT, name + '.json')
     if REPORT_ONLY:
         with open(path) as f:
             return json.load(f)
     cmd = [sys.executable, '-m', 'mnopt.netsim', 'run', '--nodes', str(nodes),
-           '--ranks-per-node', str(ranks_per_node), '--rate', rate, '--',
+           '--ranks-per-node', str(ranks_per_node), '--rate', rate,
+           '--servers', str(servers), '--server-args=--stats', '--',
            sys.executable, '-m', 'mnopt.benchmark', '--json', path] + args
     print('$ ' + ' '.join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO, timeout=3600,
@@ -152,8 +153,29 @@ def sweep(rate, lines):
     lines.append('')
 
 
+def reduction_server(rate, lines):
+    r = bench(4, 1, rate, ['--dtypes', 'float32', 'float16', '--reps', '4'],
+              'reduction_server', servers=4)
+    rows = {row['case']: row['median_s'] for row in r['rows']}
+    ring = min(t for c, t in rows.items() if c.startswith('limit'))
+    lines += ['## Reduction server vs ring (4 worker nodes + 4 server nodes, '
+              '%s)' % rate, '',
+              'Ring: raw Allreduce among the same 4 workers, best chunking, '
+              'same run.  Bound with servers: S/B each way (%.3f s in FP32).'
+              % (RESNET50_BYTES / rate_bytes_per_s(rate)), '',
+              '| case | median s | vs ring | of link rate |', '|---|---|---|---|']
+    for case, t in rows.items():
+        nbytes = RESNET50_BYTES // (2 if case.endswith('float16') else 1)
+        share = ('%.0f%%' % (100 * nbytes / rate_bytes_per_s(rate) / t)
+                 if 'reduction_server' in case else '-')
+        lines.append('| %s | %.3f | %.2fx | %s |' % (case, t, ring / t,
+                                                     share))
+    lines.append('')
+
+
 EXPERIMENTS = {'wire': wire_dtypes, 'topology': topology,
-               'scaling': scaling, 'sweep': sweep}
+               'scaling': scaling, 'sweep': sweep,
+               'reduction_server': reduction_server}
 
 
 def main():
