@@ -147,7 +147,7 @@ def sweep(args, world):
         n = nbytes // 4
         buf = numpy.ones(n, numpy.float32)
         cases = [('mpi4py Allreduce', 'raw',
-                  lambda: raw.Allreduce(MPI.IN_PLACE, buf))]
+                  lambda b=buf: raw.Allreduce(MPI.IN_PLACE, b))]
         for name, wire, comm in comms:
             link = chainer.Link()
             with link.init_scope():
@@ -166,7 +166,6 @@ def sweep(args, world):
                          'algbw_GBps': nbytes / med / 1e9,
                          'busbw_GBps': bus_bandwidth(nbytes / med / 1e9,
                                                      world.size)})
-        del buf, cases
     return rows
 
 

@@ -8,7 +8,6 @@ own group, so two threads never share an MPI communicator.
 """
 
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy
