@@ -36,6 +36,7 @@ WIRE_CODES = {name: i for i, name in enumerate(grad_buffer.WIRE_DTYPES)}
 TAG_HEADER, TAG_STATUS, TAG_DATA, TAG_RESULT = 0x3A0, 0x3A1, 0x3A2, 0x3A3
 KIND_REDUCE, KIND_BYE = 1, 2
 DEFAULT_CHUNK_BYTES = 1 << 20
+STATUS_BYTES = 4000  # a server's answer to a header: '' or why it refused
 DEFAULT_MEMORY = 64 << 20
 
 # Header: kind, version, n_workers, total, shard_start, shard_len, chunk,
@@ -165,7 +166,8 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
             continue
         problem = _check_headers(headers, active, n, my_index, n_servers)
         status = numpy.frombuffer(
-            (problem or '').encode()[:4000].ljust(4000, b'\0'), numpy.uint8)
+            (problem or '').encode()[:STATUS_BYTES].ljust(STATUS_BYTES, b'\0'),
+            numpy.uint8)
         for i in active:
             chan.Send([status, MPI.BYTE], dest=workers[i], tag=TAG_STATUS)
         if problem:

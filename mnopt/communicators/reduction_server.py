@@ -92,7 +92,7 @@ class ReductionServerCommunicator(CommunicatorBase):
                  data.size, bounds[j], bounds[j + 1] - bounds[j], chunk,
                  rs.WIRE_CODES[wire], buffer.layout.digest], numpy.int64)
             chan.Send([header, MPI.INT64_T], dest=server, tag=rs.TAG_HEADER)
-            status = numpy.empty(4000, numpy.uint8)
+            status = numpy.empty(rs.STATUS_BYTES, numpy.uint8)
             statuses.append((status, chan.Irecv([status, MPI.BYTE],
                                                 source=server,
                                                 tag=rs.TAG_STATUS)))
