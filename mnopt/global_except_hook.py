@@ -6,8 +6,13 @@ plain ``python script.py``.
 """
 
 import sys
+import time
 
 _installed = False
+
+#: Seconds to let the launcher forward this rank's output before the abort
+#: tears the job down (without it the traceback was sometimes lost).
+FORWARD_SECONDS = 1.0
 
 
 def _abort_hook(exc_type, exc_value, exc_traceback):
@@ -18,7 +23,9 @@ def _abort_hook(exc_type, exc_value, exc_traceback):
                 and MPI.COMM_WORLD.size > 1:
             sys.stderr.write('mnopt: uncaught exception on rank %d; '
                              'aborting the MPI job\n' % MPI.COMM_WORLD.rank)
+            sys.stdout.flush()
             sys.stderr.flush()
+            time.sleep(FORWARD_SECONDS)
             MPI.COMM_WORLD.Abort(1)
     except Exception:
         pass
