@@ -18,6 +18,7 @@ Buffers live where the gradients live: numpy arrays for CPU gradients, CuPy
 arrays (with a pinned host mirror for MPI staging) for GPU gradients.
 """
 
+import bisect
 import hashlib
 
 import numpy
@@ -218,6 +219,36 @@ class GradBuffer(object):
             elif offs[i] != offs[i + 1]:
                 self._codec.encode(a.reshape(-1), self.wire[offs[i]:offs[i + 1]],
                                    divisor)
+
+    # Ranges: a transport that moves the packed buffer piece by piece packs
+    # each piece just before it leaves and unpacks each sum as it arrives,
+    # hiding both copies behind the network.  numpy, all arrays packed.
+
+    def can_stream(self, arrays):
+        return (self.xp is numpy and not any(self.in_place)
+                and all(a.flags.c_contiguous for a in arrays))
+
+    def _overlaps(self, lo, hi):
+        """(array index, [lo, hi) inside the array, [lo, hi) in the buffer)
+        for every array overlapping buffer range [lo, hi)."""
+        offs = self.offsets
+        i = bisect.bisect_right(offs, lo) - 1
+        while i < len(self.layout.sizes) and offs[i] < hi:
+            a, b = max(lo, offs[i]), min(hi, offs[i + 1])
+            if a < b:
+                yield i, slice(a - offs[i], b - offs[i]), slice(a, b)
+            i += 1
+
+    def pack_range(self, arrays, lo, hi, divisor):
+        for i, inside, packed in self._overlaps(lo, hi):
+            self._codec.encode(arrays[i].reshape(-1)[inside],
+                               self.wire[packed], divisor)
+
+    def unpack_range(self, arrays, sums, lo, hi):
+        """Decode ``sums`` (holding buffer range [lo, hi)) into the arrays."""
+        for i, inside, packed in self._overlaps(lo, hi):
+            self._codec.decode(sums[packed.start - lo:packed.stop - lo],
+                               arrays[i].reshape(-1)[inside])
 
     def host_parts(self):
         """Yield the contiguous numpy arrays to sum across ranks, in order.

@@ -29,13 +29,15 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mnopt import _mpi
 from mnopt import grad_buffer
 
 PROTOCOL_VERSION = 1
 WIRE_CODES = {name: i for i, name in enumerate(grad_buffer.WIRE_DTYPES)}
 TAG_HEADER, TAG_STATUS, TAG_DATA, TAG_RESULT = 0x3A0, 0x3A1, 0x3A2, 0x3A3
 KIND_REDUCE, KIND_BYE = 1, 2
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 1 << 18
+DEFAULT_WINDOW = 6  # chunks in flight per worker and server
 STATUS_BYTES = 4000  # a server's answer to a header: '' or why it refused
 DEFAULT_MEMORY = 64 << 20
 
@@ -157,7 +159,8 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
             if w in byes:
                 headers[i] = 0
                 continue
-            chan.Recv([headers[i], MPI.INT64_T], source=w, tag=TAG_HEADER)
+            _mpi.wait_all([chan.Irecv([headers[i], MPI.INT64_T], source=w,
+                                      tag=TAG_HEADER)])
             if headers[i, 0] == KIND_BYE:
                 byes.add(w)
         active = [i for i, w in enumerate(workers) if headers[i, 0] ==
@@ -239,7 +242,7 @@ def _reduce(chan, workers, header, memory, stats):
 
     def post(c):
         k = c % n_slots
-        MPI.Request.Waitall(sends[k])  # its last result has left
+        _mpi.wait_all(sends[k])  # its last result has left
         size = pieces[c].stop - pieces[c].start
         stage = slots[k][0]
         recvs[c] = [chan.Irecv([stage[i, :size], MPI.BYTE], source=w,
@@ -256,7 +259,7 @@ def _reduce(chan, workers, header, memory, stats):
         k = c % n_slots
         size = piece.stop - piece.start
         t0 = time.perf_counter()
-        MPI.Request.Waitall(recvs[c])
+        _mpi.wait_all(recvs[c])
         t1 = time.perf_counter()
         stage, result = slots[k]
         codec.decode(stage[0, :size], acc[:size])
@@ -274,7 +277,7 @@ def _reduce(chan, workers, header, memory, stats):
             stats.add('reduce', t2 - t1)
     t3 = time.perf_counter()
     for s in sends:
-        MPI.Request.Waitall(s)
+        _mpi.wait_all(s)
     if stats is not None:
         stats.add('send', time.perf_counter() - t3)
         stats.bytes += 2 * n * shard_len * dtype.itemsize

@@ -91,6 +91,32 @@ def test_pack_then_unpack_yields_scaled_gradients(wire, grad_dtype, opts):
         assert o.dtype == a.dtype
 
 
+@pytest.mark.parametrize('wire', gb.WIRE_DTYPES)
+def test_packing_by_ranges_equals_packing_at_once(wire):
+    rng = numpy.random.RandomState(0)
+    shapes = [(3, 5), (1,), (0,), (7, 1, 2), (40,)]
+    arrays = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
+    layout = gb.make_layout([('a%d' % i, a) for i, a in enumerate(arrays)],
+                            wire)
+    whole, ranged = gb.GradBuffer(layout), gb.GradBuffer(layout)
+    assert ranged.can_stream(arrays)
+    assert not ranged.can_stream(arrays[:4] + [arrays[4][::2]])
+    whole.pack(arrays, 3)
+    cuts = [0, 1, 2, 9, 15, 16, 30, 31, layout.total]  # across arrays too
+    for lo, hi in zip(cuts, cuts[1:]):
+        ranged.pack_range(arrays, lo, hi, 3)
+    numpy.testing.assert_array_equal(ranged.wire, whole.wire)
+    sums = numpy.flip(whole.wire).copy()  # any values will do
+    want = [a.copy() for a in arrays]
+    whole.swap_host(sums.copy())
+    whole.unpack(want)
+    got = [numpy.zeros_like(a) for a in arrays]
+    for lo, hi in zip(cuts[::-1][1:], cuts[::-1]):  # any order
+        ranged.unpack_range(got, sums[lo:hi], lo, hi)
+    for g, w in zip(got, want):
+        numpy.testing.assert_array_equal(g, w)
+
+
 def test_fp16_wire_does_not_overflow_where_the_mean_fits():
     # ChainerMN sums first: 2 x 60000 overflows float16 (max 65504).
     named = [('g', numpy.full(4, 60000, numpy.float32))]

@@ -68,22 +68,29 @@ print('OK worker %d of %d, %d servers' % (comm.rank, comm.size, comm.n_servers))
 
 
 def run_job(workers, servers, wire='float32', worker_code=WORKER,
-            server_args=(), timeout=120, worker_args=None):
+            server_args=(), timeout=120, worker_args=None, server_code=None):
     script = os.path.join(REPO, 'tests', '.rs_worker_%d.py' % os.getpid())
     with open(script, 'w') as f:
         f.write(worker_code)
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
     cmd = [mpiexec, '-n', str(workers), sys.executable, '-m', 'mpi4py',
            script] + list(worker_args if worker_args is not None else [wire])
+    server = ['-m', 'mnopt.server']
+    if server_code is not None:
+        server = [script + '.server']
+        with open(server[0], 'w') as f:
+            f.write(server_code)
     if servers:
-        cmd += [':', '-n', str(servers), sys.executable, '-m', 'mpi4py', '-m',
-                'mnopt.server'] + list(server_args)
+        cmd += [':', '-n', str(servers), sys.executable, '-m', 'mpi4py'] \
+            + server + list(server_args)
     try:
         return subprocess.run(cmd, capture_output=True, text=True,
                               timeout=timeout, cwd=REPO,
                               env=dict(os.environ, PYTHONPATH=REPO))
     finally:
         os.remove(script)
+        if server_code is not None:
+            os.remove(server[0])
 
 
 @pytest.mark.parametrize('servers', [0, 1, 2])
@@ -168,10 +175,34 @@ def test_a_server_that_dies_at_start_up_ends_the_job():
     code = CRASH.replace("if comm.rank == 1:\n    raise RuntimeError('worker 1 "
                          "fell over')\n", '')
     # The server exits on a bad option while the workers start: they must
-    # not wait for it forever.  (A server dying mid-job is not covered.)
+    # not wait for it forever.
     proc = run_job(2, 1, worker_code=code, timeout=60, worker_args=[],
                    server_args=['--no-such-option'])
     assert proc.returncode != 0
+    assert 'should never get here' not in proc.stdout
+
+
+SERVER_DIES_AFTER_ONE_REDUCTION = '''
+import os, sys
+from mnopt import server
+serve_one = server._reduce
+def serve_then_die(*args, **kwargs):
+    serve_one(*args, **kwargs)
+    sys.stderr.write('server going down\\n')
+    sys.stderr.flush()
+    os._exit(3)   # no exception, no goodbye: as if the node died
+server._reduce = serve_then_die
+server.main()
+'''
+
+
+def test_a_server_that_dies_mid_job_ends_the_job():
+    code = CRASH.replace("if comm.rank == 1:\n    raise RuntimeError('worker 1 "
+                         "fell over')\n", '')
+    proc = run_job(2, 2, worker_code=code, timeout=90, worker_args=[],
+                   server_code=SERVER_DIES_AFTER_ONE_REDUCTION)
+    assert proc.returncode != 0
+    assert 'server going down' in proc.stderr
     assert 'should never get here' not in proc.stdout
 
 

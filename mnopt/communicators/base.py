@@ -240,7 +240,10 @@ class CommunicatorBase(object):
                                   **self._buffer_options())
         if self.size == 1:
             return  # the mean of one gradient is itself: nothing to move
-        arrays = [a for _, a in named]
+        self._pack_sum_unpack(buffer, group, [a for _, a in named])
+
+    def _pack_sum_unpack(self, buffer, group, arrays):
+        """Overridden by transports that pack and unpack piece by piece."""
         buffer.pack(arrays, self._pack_divisor())
         self._sum(buffer, group)
         buffer.unpack(arrays)

@@ -1,10 +1,12 @@
 import atexit
+import collections
 import threading
 import time
 
 import numpy
 from mpi4py import MPI
 
+from mnopt import _mpi
 from mnopt import server as rs
 from mnopt._mpi import LayoutMismatchError
 from mnopt.communicators.base import CommunicatorBase, _Group
@@ -22,7 +24,8 @@ class ReductionServerCommunicator(CommunicatorBase):
     name = 'reduction_server'
 
     def __init__(self, mpi_comm, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
-                 server_memory=rs.DEFAULT_MEMORY, stats=False, **kwargs):
+                 window=rs.DEFAULT_WINDOW, server_memory=rs.DEFAULT_MEMORY,
+                 stats=False, **kwargs):
         job = rs.job()
         if job.servers:
             if mpi_comm != MPI.COMM_WORLD:
@@ -42,6 +45,10 @@ class ReductionServerCommunicator(CommunicatorBase):
         self._channels = channels
         self._unused_channels = list(channels)  # sync group, then async
         self._chunk_bytes = int(chunk_bytes)
+        self._window = int(window)
+        if self._chunk_bytes < 1 or self._window < 1:
+            raise ValueError('chunk_bytes and window must be positive, not '
+                             '%r and %r' % (chunk_bytes, window))
         self.stats = rs.Stats() if stats else None
         self._server_threads = []
         if not job.servers:  # colocated: this worker serves shard `rank`
@@ -73,10 +80,26 @@ class ReductionServerCommunicator(CommunicatorBase):
     def _pack_divisor(self):
         return 1
 
+    def _pack_sum_unpack(self, buffer, group, arrays):
+        if buffer.can_stream(arrays):
+            self._exchange(buffer, group, arrays)
+        else:
+            super(ReductionServerCommunicator, self)._pack_sum_unpack(
+                buffer, group, arrays)
+
     def _sum(self, buffer, group):
+        self._exchange(buffer, group, None)
+
+    def _exchange(self, buffer, group, arrays):
+        """Push the packed buffer to the servers, pull the means back.
+
+        With ``arrays`` (streaming), each chunk is packed from the arrays
+        just before it leaves and each mean is unpacked into them as it
+        arrives, so both copies hide behind the network."""
         wire = buffer.layout.wire
-        data = next(iter(buffer.host_parts()), None)
-        if data is None:
+        data = buffer.wire if arrays is not None else \
+            next(iter(buffer.host_parts()), None)
+        if data is None or not data.size:
             return
         if group.result is None or group.result.size != data.size:
             group.result = numpy.empty_like(data)
@@ -85,8 +108,14 @@ class ReductionServerCommunicator(CommunicatorBase):
         bounds = rs.shard_bounds(data.size, self.n_servers)
         chan = group.chan
         t0 = time.perf_counter()
-        statuses, requests = [], []
-        for j, server in enumerate(self._servers):
+        # Workers start at different servers and go round them chunk by
+        # chunk, so no server's link takes every worker's data at once
+        # (incast) while other servers idle.
+        n_servers = self.n_servers
+        order = [(self.rank + k) % n_servers for k in range(n_servers)]
+        statuses, pending = [], {}
+        for j in order:
+            server = self._servers[j]
             header = numpy.array(
                 [rs.KIND_REDUCE, rs.PROTOCOL_VERSION, len(self._workers),
                  data.size, bounds[j], bounds[j + 1] - bounds[j], chunk,
@@ -96,37 +125,69 @@ class ReductionServerCommunicator(CommunicatorBase):
             statuses.append((status, chan.Irecv([status, MPI.BYTE],
                                                 source=server,
                                                 tag=rs.TAG_STATUS)))
-            shard = slice(bounds[j], bounds[j + 1])
-            for piece in rs.chunk_slices(shard.stop - shard.start, chunk):
-                part = slice(shard.start + piece.start,
-                             shard.start + piece.stop)
-                requests.append(chan.Isend([data[part], MPI.BYTE],
-                                           dest=server, tag=rs.TAG_DATA))
-                requests.append(chan.Irecv([result[part], MPI.BYTE],
-                                           source=server, tag=rs.TAG_RESULT))
+            pending[j] = collections.deque(
+                slice(bounds[j] + p.start, bounds[j] + p.stop)
+                for p in rs.chunk_slices(bounds[j + 1] - bounds[j], chunk))
+        sends, recvs, owner = [], [], []
+
+        def push(j):
+            part, server = pending[j].popleft(), self._servers[j]
+            if arrays is not None:
+                buffer.pack_range(arrays, part.start, part.stop, 1)
+            sends.append(chan.Isend([data[part], MPI.BYTE], dest=server,
+                                    tag=rs.TAG_DATA))
+            recvs.append(chan.Irecv([result[part], MPI.BYTE], source=server,
+                                    tag=rs.TAG_RESULT))
+            owner.append((j, part))
+
+        # A window of chunks in flight per server: a new chunk leaves when
+        # a mean comes back.  Posting everything at once fills the links'
+        # queues, and each server's first mean then waits behind them.
+        for _ in range(self._window):
+            for j in order:
+                if pending[j]:
+                    push(j)
         problems = []
         for status, request in statuses:
-            request.Wait()
+            _mpi.wait_all([request])
             text = status.tobytes().rstrip(b'\0').decode()
             if text:
                 problems.append(text)
         if problems:
-            MPI.Request.Waitall(requests[0::2])  # the servers drain these
-            for r in requests[1::2]:
+            for j in order:  # the servers drain everything
+                while pending[j]:
+                    push(j)
+            _mpi.wait_all(sends)
+            for r in recvs:
                 r.Cancel()
-            MPI.Request.Waitall(requests[1::2])
+            _mpi.wait_all(recvs)
             raise LayoutMismatchError('the reduction servers refused: %s'
                                       % '; '.join(sorted(set(problems))))
-        MPI.Request.Waitall(requests[0::2])
-        t1 = time.perf_counter()
-        MPI.Request.Waitall(requests[1::2])
+        t_sent = None
+        while True:
+            done = _mpi.wait_some(recvs)
+            if done is None:
+                break
+            for i in done:
+                j, part = owner[i]
+                if pending[j]:
+                    push(j)
+                if arrays is not None:
+                    buffer.unpack_range(arrays, result[part], part.start,
+                                        part.stop)
+            if t_sent is None and not any(pending.values()):
+                t_sent = time.perf_counter()
+        _mpi.wait_all(sends)
+        t1 = t_sent or time.perf_counter()
         if self.stats is not None:
             self.stats.add('send', t1 - t0)
             self.stats.add('recv', time.perf_counter() - t0)
             self.stats.bytes += 2 * data.nbytes
-        # The means arrived in the second buffer: adopt it, keep the other.
-        group.result = buffer.swap_host(result)
-        buffer.from_host()
+        if arrays is None:
+            # The means arrived in the second buffer: adopt it, keep the
+            # other.
+            group.result = buffer.swap_host(result)
+            buffer.from_host()
 
     def _goodbye(self):
         """Colocated: stop this communicator's server threads (after every
