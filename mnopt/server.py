@@ -31,9 +31,13 @@ from mpi4py import MPI
 
 from mnopt import _mpi
 from mnopt import grad_buffer
+from mnopt import sign
 
-PROTOCOL_VERSION = 1
-WIRE_CODES = {name: i for i, name in enumerate(grad_buffer.WIRE_DTYPES)}
+PROTOCOL_VERSION = 2
+# Wires: the gradient dtypes, and 'sign' (packed sign bits; the servers
+# count the votes and return the majority bits, see mnopt/sign.py).
+WIRES = tuple(grad_buffer.WIRE_DTYPES) + ('sign',)
+WIRE_CODES = {name: i for i, name in enumerate(WIRES)}
 TAG_HEADER, TAG_STATUS, TAG_DATA, TAG_RESULT = 0x3A0, 0x3A1, 0x3A2, 0x3A3
 KIND_REDUCE, KIND_BYE = 1, 2
 DEFAULT_CHUNK_BYTES = 1 << 18
@@ -42,8 +46,8 @@ STATUS_BYTES = 4000  # a server's answer to a header: '' or why it refused
 DEFAULT_MEMORY = 64 << 20
 
 # Header: kind, version, n_workers, total, shard_start, shard_len, chunk,
-# wire code, layout digest.
-HEADER_FIELDS = 9
+# wire code, layout digest, step (the votes' coin for ties).
+HEADER_FIELDS = 10
 
 
 def shard_bounds(total, n_servers):
@@ -195,7 +199,8 @@ def _check_headers(headers, active, n, my_index, n_servers):
     for i in active:
         if not (headers[i, 1:] == first[1:]).all():
             fields = ('version', 'workers', 'total elements', 'shard start',
-                      'shard length', 'chunk', 'wire dtype', 'layout digest')
+                      'shard length', 'chunk', 'wire dtype', 'layout digest',
+                      'step')
             diff = [f for f, a, b in zip(fields, headers[i, 1:], first[1:])
                     if a != b]
             return ('worker %d and worker %d disagree on %s (protocol %d, '
@@ -214,20 +219,60 @@ def _check_headers(headers, active, n, my_index, n_servers):
 def _drain(chan, workers, headers, active):
     """Receive and drop what each worker sends after a refused header."""
     for i in active:
-        wire = grad_buffer.WIRE_DTYPES[int(headers[i, 7])] \
-            if 0 <= headers[i, 7] < len(grad_buffer.WIRE_DTYPES) else 'float32'
-        dtype = grad_buffer.storage_dtype(wire)
+        dtype = wire_storage(WIRES[int(headers[i, 7])]
+                             if 0 <= headers[i, 7] < len(WIRES) else 'float32')
         for piece in chunk_slices(int(headers[i, 5]), max(1, int(headers[i, 6]))):
             sink = numpy.empty(piece.stop - piece.start, dtype)
             chan.Recv([sink, MPI.BYTE], source=workers[i], tag=TAG_DATA)
 
 
+def wire_storage(wire):
+    return numpy.dtype(numpy.uint8) if wire == 'sign' else \
+        grad_buffer.storage_dtype(wire)
+
+
+class _MeanOfWorkers(object):
+    """Sum in float32 (float64 for a float64 wire) in worker order, divide
+    by W, round once: the workers' codec does the casts."""
+
+    def __init__(self, wire, n, chunk):
+        self.n = n
+        self.codec = grad_buffer.HostCodec(wire)
+        acc_dtype = numpy.float64 if wire == 'float64' else numpy.float32
+        self.acc = numpy.empty(chunk, acc_dtype)
+        self.decoded = numpy.empty(chunk, acc_dtype)
+
+    def __call__(self, stage, result, size, first):
+        acc, decoded, codec = self.acc[:size], self.decoded[:size], self.codec
+        codec.decode(stage[0, :size], acc)
+        for i in range(1, self.n):  # fixed worker order: deterministic
+            codec.decode(stage[i, :size], decoded)
+            acc += decoded
+        codec.encode(acc, result[:size], self.n)
+
+
+class _MajorityOfWorkers(object):
+    """Count the workers' packed sign bits, return the majority bits (ties
+    by the coin of mnopt/sign.py, from each element's index and the step)."""
+
+    def __init__(self, n, step):
+        self.n, self.step = n, step
+        self.counts_dtype = numpy.uint8 if n < 256 else numpy.uint16
+
+    def __call__(self, stage, result, size, first):
+        counts = numpy.zeros(8 * size, self.counts_dtype)
+        for i in range(self.n):
+            counts += numpy.unpackbits(stage[i, :size])
+        result[:size] = numpy.packbits(
+            sign.majority_bits(counts, self.n, 8 * first, self.step))
+
+
 def _reduce(chan, workers, header, memory, stats):
     n = len(workers)
-    shard_len, chunk = int(header[5]), int(header[6])
-    wire = grad_buffer.WIRE_DTYPES[int(header[7])]
-    dtype = grad_buffer.storage_dtype(wire)
-    acc_dtype = numpy.float64 if wire == 'float64' else numpy.float32
+    shard_start, shard_len, chunk = int(header[4]), int(header[5]), \
+        int(header[6])
+    wire = WIRES[int(header[7])]
+    dtype = wire_storage(wire)
     pieces = chunk_slices(shard_len, chunk)
     if not pieces:
         return
@@ -250,11 +295,8 @@ def _reduce(chan, workers, header, memory, stats):
 
     for c in range(min(n_slots, len(pieces))):
         post(c)
-    # The workers' codec: decode to float32 (float64 for a float64 wire);
-    # encode divides by W and rounds once.
-    codec = grad_buffer.HostCodec(wire)
-    acc = numpy.empty(chunk, acc_dtype)
-    decoded = numpy.empty(chunk, acc_dtype)
+    combine = _MajorityOfWorkers(n, int(header[9])) if wire == 'sign' \
+        else _MeanOfWorkers(wire, n, chunk)
     for c, piece in enumerate(pieces):
         k = c % n_slots
         size = piece.stop - piece.start
@@ -262,11 +304,7 @@ def _reduce(chan, workers, header, memory, stats):
         _mpi.wait_all(recvs[c])
         t1 = time.perf_counter()
         stage, result = slots[k]
-        codec.decode(stage[0, :size], acc[:size])
-        for i in range(1, n):  # fixed worker order: bitwise deterministic
-            codec.decode(stage[i, :size], decoded[:size])
-            acc[:size] += decoded[:size]
-        codec.encode(acc[:size], result[:size], n)
+        combine(stage, result, size, shard_start + piece.start)
         t2 = time.perf_counter()
         sends[k] = [chan.Isend([result[:size], MPI.BYTE], dest=w,
                                tag=TAG_RESULT) for w in workers]

@@ -30,7 +30,8 @@ def communicator_class(name):
 def create_communicator(communicator_name='auto', mpi_comm=None,
                         allreduce_grad_dtype=None, batched_copy=True,
                         bucket_bytes=None, abort_on_exception=True,
-                        **options):
+                        compression=None, error_feedback=True,
+                        warmup_steps=0, **options):
     """Create a communicator.
 
     Args:
@@ -47,14 +48,27 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
             the other ranks hanging).
+        compression: None, or ``'sign'``: signSGD with majority vote (see
+            mnopt/sign.py): every rank's gradients become signs and one
+            scale per array; the result is the element-wise majority sign
+            times the mean scale.  Ring communicators count votes on a ring
+            (ceil(log2(i+1)) bits per element), ``reduction_server`` on the
+            servers (1 bit each way).
+        error_feedback: with ``compression``, carry each rank's compression
+            error into its next gradient (default True).
+        warmup_steps: with ``compression``, the first this many averagings
+            are uncompressed means (in ``allreduce_grad_dtype``).
         **options: the communicator's own; ``reduction_server`` takes
-            ``chunk_bytes`` (1 MiB), ``server_memory`` (staging bytes per
+            ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
+            server, 6), ``server_memory`` (staging bytes per
             channel of a colocated server, 64 MiB) and ``stats`` (collect
             per-phase timings in ``comm.stats``).
     """
     del batched_copy
     from mnopt import grad_buffer
+    from mnopt import sign
     grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)  # fail early
+    sign.normalize_compression(compression)
     cls = communicator_class(communicator_name)
     from mpi4py import MPI
     if mpi_comm is None:
@@ -71,7 +85,9 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
                 '(python -m mnopt.server) but asks for the %r communicator: '
                 "use 'reduction_server', or launch without servers"
                 % (len(servers), cls.name))
-    kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype}
+    kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype,
+              'compression': compression, 'error_feedback': error_feedback,
+              'warmup_steps': warmup_steps}
     if bucket_bytes is not None:
         kwargs['bucket_bytes'] = bucket_bytes
     return cls(mpi_comm, **dict(kwargs, **options))

@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from mnopt import _mpi
 from mnopt import grad_buffer
+from mnopt import sign
 
 
 def node_split(comm):
@@ -123,10 +124,20 @@ class CommunicatorBase(object):
     name = None
 
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
-                 bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES):
+                 bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
+                 compression=None, error_feedback=True, warmup_steps=0):
         self.mpi_comm = mpi_comm
         self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
             allreduce_grad_dtype)
+        self.compression = sign.normalize_compression(compression)
+        self.error_feedback = bool(error_feedback)
+        if int(warmup_steps) < 0:
+            raise ValueError('warmup_steps must be >= 0, not %r'
+                             % (warmup_steps,))
+        self.warmup_steps = int(warmup_steps)
+        self.steps = 0  # averagings so far (warm-up, and the votes' coin)
+        #: Bytes this rank sent for its last vote (sign compression).
+        self.vote_stats = {}
         if int(bucket_bytes) < 1:
             raise ValueError('bucket_bytes must be positive, not %r'
                              % (bucket_bytes,))
@@ -167,9 +178,11 @@ class CommunicatorBase(object):
         return self._inter_size
 
     def __repr__(self):
-        return '<%s rank %d/%d, allreduce_grad_dtype=%s>' % (
+        return '<%s rank %d/%d, allreduce_grad_dtype=%s%s>' % (
             type(self).__name__, self.rank, self.size,
-            self.allreduce_grad_dtype)
+            self.allreduce_grad_dtype,
+            ', compression=%s' % self.compression if self.compression
+            else '')
 
     # ----------------------------------------------------------- hooks
     def _make_group(self, comm):
@@ -236,11 +249,40 @@ class CommunicatorBase(object):
 
     def _mean(self, group, named):
         xp = _array_module([a for _, a in named])
+        step, self.steps = self.steps, self.steps + 1
+        if self.compression == 'sign' and step >= self.warmup_steps:
+            return self._mean_of_signs(group, named, xp, step)
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
         if self.size == 1:
             return  # the mean of one gradient is itself: nothing to move
         self._pack_sum_unpack(buffer, group, [a for _, a in named])
+
+    def _mean_of_signs(self, group, named, xp, step):
+        """The sign-compressed 'mean': majority vote times the mean scale
+        (mnopt/sign.py).  Runs at N=1 too: one worker's vote is its sign."""
+        layout = grad_buffer.make_layout(named, 'float32')
+        _mpi.check_layouts(group.comm, layout)
+        codec = getattr(group, 'sign_codec', None)
+        if (codec is None or codec.layout.key != layout.key
+                or codec.xp is not xp):
+            codec = group.sign_codec = sign.SignCodec(
+                layout, xp, self.error_feedback)
+        arrays = [a for _, a in named]
+        bits, scales = codec.encode(arrays, step)
+        if xp is not numpy:
+            bits = bits.get()
+        scales = sign.mean_scales(group.comm, scales)
+        self.vote_stats = {}
+        majority = self._vote(group, bits, codec.total, step)
+        codec.decode(xp.asarray(majority), scales, arrays)
+
+    def _vote(self, group, bits, n_elements, step):
+        """Element-wise majority of every rank's packed sign bits: the
+        counting ring over the group's communicator.  (In rank order, which
+        for ranks numbered node by node crosses each node's link once.)"""
+        return sign.counting_ring_vote(group.comm, bits, n_elements, step,
+                                       self.vote_stats)
 
     def _pack_sum_unpack(self, buffer, group, arrays):
         """Overridden by transports that pack and unpack piece by piece."""

@@ -81,29 +81,55 @@ class ReductionServerCommunicator(CommunicatorBase):
         return 1
 
     def _pack_sum_unpack(self, buffer, group, arrays):
-        if buffer.can_stream(arrays):
-            self._exchange(buffer, group, arrays)
-        else:
-            super(ReductionServerCommunicator, self)._pack_sum_unpack(
+        if not buffer.can_stream(arrays):
+            return super(ReductionServerCommunicator, self)._pack_sum_unpack(
                 buffer, group, arrays)
+        # Each chunk is packed from the arrays just before it leaves and
+        # each mean unpacked into them as it arrives: both copies hide
+        # behind the network.
+        self._exchange(
+            group, buffer.wire, self._result_buffer(group, buffer.wire),
+            buffer.layout.wire, buffer.layout.digest,
+            on_push=lambda part: buffer.pack_range(
+                arrays, part.start, part.stop, 1),
+            on_result=lambda part, means: buffer.unpack_range(
+                arrays, means, part.start, part.stop))
 
     def _sum(self, buffer, group):
-        self._exchange(buffer, group, None)
-
-    def _exchange(self, buffer, group, arrays):
-        """Push the packed buffer to the servers, pull the means back.
-
-        With ``arrays`` (streaming), each chunk is packed from the arrays
-        just before it leaves and each mean is unpacked into them as it
-        arrives, so both copies hide behind the network."""
-        wire = buffer.layout.wire
-        data = buffer.wire if arrays is not None else \
-            next(iter(buffer.host_parts()), None)
-        if data is None or not data.size:
+        data = next(iter(buffer.host_parts()), None)
+        if data is None:
             return
-        if group.result is None or group.result.size != data.size:
+        result = self._result_buffer(group, data)
+        self._exchange(group, data, result, buffer.layout.wire,
+                       buffer.layout.digest)
+        # The means arrived in the second buffer: adopt it, keep the other.
+        group.result = buffer.swap_host(result)
+        buffer.from_host()
+
+    def _vote(self, group, bits, n_elements, step):
+        """Bernstein et al.'s scheme: push the packed sign bits, the
+        servers count the votes and push back the majority bits."""
+        majority = numpy.empty_like(bits)
+        self._exchange(group, bits, majority, 'sign',
+                       group.sign_codec.layout.digest, step)
+        self.vote_stats = {'bytes_sent': bits.nbytes}
+        return majority
+
+    @staticmethod
+    def _result_buffer(group, data):
+        if group.result is None or group.result.size != data.size \
+                or group.result.dtype != data.dtype:
             group.result = numpy.empty_like(data)
-        result = group.result
+        return group.result
+
+    def _exchange(self, group, data, result, wire, digest, step=0,
+                  on_push=None, on_result=None):
+        """Push ``data`` (a contiguous numpy array) in shards to the
+        servers, pull what they make of it into ``result``.
+        ``on_push(part)`` runs just before a chunk leaves, ``on_result(part,
+        values)`` as soon as its result is in."""
+        if not data.size:
+            return
         chunk = max(1, self._chunk_bytes // data.itemsize)
         bounds = rs.shard_bounds(data.size, self.n_servers)
         chan = group.chan
@@ -119,7 +145,7 @@ class ReductionServerCommunicator(CommunicatorBase):
             header = numpy.array(
                 [rs.KIND_REDUCE, rs.PROTOCOL_VERSION, len(self._workers),
                  data.size, bounds[j], bounds[j + 1] - bounds[j], chunk,
-                 rs.WIRE_CODES[wire], buffer.layout.digest], numpy.int64)
+                 rs.WIRE_CODES[wire], digest, step], numpy.int64)
             chan.Send([header, MPI.INT64_T], dest=server, tag=rs.TAG_HEADER)
             status = numpy.empty(rs.STATUS_BYTES, numpy.uint8)
             statuses.append((status, chan.Irecv([status, MPI.BYTE],
@@ -132,8 +158,8 @@ class ReductionServerCommunicator(CommunicatorBase):
 
         def push(j):
             part, server = pending[j].popleft(), self._servers[j]
-            if arrays is not None:
-                buffer.pack_range(arrays, part.start, part.stop, 1)
+            if on_push is not None:
+                on_push(part)
             sends.append(chan.Isend([data[part], MPI.BYTE], dest=server,
                                     tag=rs.TAG_DATA))
             recvs.append(chan.Irecv([result[part], MPI.BYTE], source=server,
@@ -172,9 +198,8 @@ class ReductionServerCommunicator(CommunicatorBase):
                 j, part = owner[i]
                 if pending[j]:
                     push(j)
-                if arrays is not None:
-                    buffer.unpack_range(arrays, result[part], part.start,
-                                        part.stop)
+                if on_result is not None:
+                    on_result(part, result[part])
             if t_sent is None and not any(pending.values()):
                 t_sent = time.perf_counter()
         _mpi.wait_all(sends)
@@ -183,11 +208,6 @@ class ReductionServerCommunicator(CommunicatorBase):
             self.stats.add('send', t1 - t0)
             self.stats.add('recv', time.perf_counter() - t0)
             self.stats.bytes += 2 * data.nbytes
-        if arrays is None:
-            # The means arrived in the second buffer: adopt it, keep the
-            # other.
-            group.result = buffer.swap_host(result)
-            buffer.from_host()
 
     def _goodbye(self):
         """Colocated: stop this communicator's server threads (after every

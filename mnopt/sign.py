@@ -1,0 +1,229 @@
+"""Sign compression: signSGD with majority vote and error feedback.
+
+Every worker turns its gradient ``g`` (plus its error-feedback residual
+``e``) into one sign bit per element and one scale per array:
+
+    p = g + e;  scale_w = mean(|p|) per array;  bits = p > 0
+    e <- p - scale_w * sign(p)                 (error feedback, local)
+
+The workers then *vote*: element by element, the majority of their signs.
+Every rank ends with the same result, ``mean_w(scale_w) * majority``.
+
+Ties (only possible for an even number of workers) and exact zeros are
+decided by a coin: a hash of the element's index in the packed buffer and
+the step number.  It is the same on every rank and every communicator,
+changes from step to step (no element drifts one way), and needs no extra
+bits on the wire.
+
+How the vote travels is the communicator's business:
+
+- ``counting_ring_vote`` (flat, hierarchical): the all-reducible signSGD
+  ring.  The reduce-scatter passes per-element counts bit-packed with
+  ceil(log2(i+1)) bits when they cover i workers; the all-gather passes the
+  majority, 1 bit per element.
+- the reduction server (mnopt/server.py, wire 'sign'): workers push their
+  packed bits, servers count and push back the majority bits.
+
+Bits are packed 8 elements per byte (numpy/cupy ``packbits``, big-endian
+bit order within a byte), so buffers of K elements are ceil(K/8) bytes.
+"""
+
+import math
+
+import numpy
+
+from mnopt import _mpi
+
+
+COMPRESSIONS = (None, 'sign')
+
+
+def normalize_compression(name):
+    if name in (None, 'none'):
+        return None
+    if name not in COMPRESSIONS:
+        raise ValueError('unknown compression %r; choose one of %s'
+                         % (name, ', '.join(repr(c) for c in COMPRESSIONS)))
+    return name
+
+
+# ------------------------------------------------------------------ coin
+
+def coin(index, step):
+    """Pseudo-random bits (0/1, uint8) for element indices ``index`` (uint64
+    array) at ``step``: splitmix64 of index and step, top bit.  Any array
+    module."""
+    xp = _xp(index)
+    with numpy.errstate(over='ignore'):
+        z = index.astype(xp.uint64) + xp.uint64(
+            (0x9E3779B97F4A7C15 * (step + 1)) & 0xFFFFFFFFFFFFFFFF)
+        z = (z ^ (z >> xp.uint64(30))) * xp.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> xp.uint64(27))) * xp.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> xp.uint64(31))
+    return (z >> xp.uint64(63)).astype(xp.uint8)
+
+
+def _xp(array):
+    if type(array).__module__.split('.')[0] == 'cupy':
+        import cupy
+        return cupy
+    return numpy
+
+
+def majority_bits(counts, n_voters, first_index, step):
+    """Majority of ``n_voters`` from per-element counts of positive votes
+    (elements ``first_index`` onward): uint8 0/1, ties by the coin."""
+    xp = _xp(counts)
+    twice = counts.astype(xp.int32) * 2
+    out = (twice > n_voters).astype(xp.uint8)
+    if n_voters % 2 == 0:
+        tie = xp.nonzero(twice == n_voters)[0]
+        if tie.size:
+            out[tie] = coin(tie.astype(xp.uint64) + xp.uint64(first_index),
+                            step)
+    return out
+
+
+# ------------------------------------------------------------------ codec
+
+class SignCodec(object):
+    """One worker's side of the vote for one gradient layout: the residual
+    (error feedback), signs and scales in, the voted gradients out."""
+
+    def __init__(self, layout, xp=numpy, error_feedback=True):
+        self.layout = layout
+        self.xp = xp
+        self.error_feedback = error_feedback
+        self.offsets = numpy.cumsum([0] + list(layout.sizes))
+        self.total = int(self.offsets[-1])
+        self.n_bytes = (self.total + 7) // 8
+        self.p = xp.zeros(self.total, dtype=xp.float32)
+        self.residual = xp.zeros(self.total, dtype=xp.float32) \
+            if error_feedback else None
+
+    def encode(self, arrays, step):
+        """(packed sign bits, per-array scales as float64 numpy)."""
+        xp, p, offs = self.xp, self.p, self.offsets
+        for i, a in enumerate(arrays):
+            p[offs[i]:offs[i + 1]] = a.reshape(-1)
+        if self.residual is not None:
+            p += self.residual
+        positive = (p > 0).astype(xp.uint8)
+        zero = xp.nonzero(p == 0)[0]
+        if zero.size:
+            positive[zero] = coin(zero.astype(xp.uint64), step)
+        scales = numpy.zeros(len(arrays), numpy.float64)
+        for i in range(len(arrays)):
+            part = p[offs[i]:offs[i + 1]]
+            if part.size:
+                scales[i] = float(xp.abs(part).astype(xp.float64).mean())
+        if self.residual is not None:
+            # e = p - scale * sign(p), sign taken as the bit voted.
+            for i in range(len(arrays)):
+                lo, hi = offs[i], offs[i + 1]
+                signed = positive[lo:hi].astype(xp.float32) * 2 - 1
+                self.residual[lo:hi] = p[lo:hi] - xp.float32(scales[i]) * signed
+        return xp.packbits(positive), scales
+
+    def decode(self, majority, mean_scales, arrays):
+        """arrays[i][...] = mean_scales[i] * (+1 or -1 as voted)."""
+        xp, offs = self.xp, self.offsets
+        signs = xp.unpackbits(majority)[:self.total].astype(xp.float32) * 2 - 1
+        for i, a in enumerate(arrays):
+            value = signs[offs[i]:offs[i + 1]] * xp.float32(mean_scales[i])
+            a[...] = value.reshape(a.shape).astype(a.dtype, copy=False)
+
+
+def mean_scales(comm, scales):
+    """Every rank's per-array scales, averaged identically on every rank
+    (gathered, then summed in rank order)."""
+    gathered = numpy.empty((comm.size, scales.size), numpy.float64)
+    comm.Allgather(numpy.ascontiguousarray(scales, numpy.float64), gathered)
+    total = numpy.zeros(scales.size, numpy.float64)
+    for row in gathered:
+        total += row
+    return (total / comm.size).astype(numpy.float32)
+
+
+# ------------------------------------------------------------------ ring
+
+def count_bits(n_counted):
+    """Bits to carry a count of positive votes among ``n_counted`` workers
+    (0..n_counted): ceil(log2(n_counted + 1))."""
+    return max(1, int(math.ceil(math.log2(n_counted + 1))))
+
+
+def pack_counts(counts, bits):
+    """Counts (< 2**bits) as ``bits`` bit-planes, each packed 8 per byte."""
+    xp = _xp(counts)
+    planes = [xp.packbits(((counts >> k) & 1).astype(xp.uint8))
+              for k in range(bits)]
+    return xp.concatenate(planes) if planes else xp.zeros(0, xp.uint8)
+
+
+def unpack_counts(packed, bits, n, dtype):
+    xp = _xp(packed)
+    plane_bytes = (n + 7) // 8
+    counts = xp.zeros(n, dtype)
+    for k in range(bits):
+        plane = xp.unpackbits(packed[k * plane_bytes:(k + 1) * plane_bytes])
+        counts += plane[:n].astype(dtype) << k
+    return counts
+
+
+def segment_bounds(n_elements, n_segments):
+    """Near-equal segments whose starts are multiples of 8 elements, so each
+    starts on a byte of the packed bits."""
+    n_bytes = (n_elements + 7) // 8
+    return [min(n_elements, 8 * (n_bytes * i // n_segments))
+            for i in range(n_segments + 1)]
+
+
+def counting_ring_vote(comm, bits, n_elements, step, stats=None):
+    """Majority of every rank's packed sign ``bits`` (numpy uint8, ceil(n/8)
+    bytes) over ``comm``, on a ring: returns the packed majority bits, the
+    same on every rank.  ``stats`` (a dict), if given, gets the bytes this
+    rank sent."""
+    size, rank = comm.size, comm.rank
+    if size == 1 or n_elements == 0:
+        return bits.copy()
+    bounds = segment_bounds(n_elements, size)
+    count_dtype = numpy.uint8 if size < 256 else numpy.uint16
+    own = numpy.unpackbits(bits)[:n_elements]
+    right, left = (rank + 1) % size, (rank - 1) % size
+    tag = 0x516
+    sent = 0
+
+    def seg(i):
+        i %= size
+        return bounds[i], bounds[i + 1]
+
+    # Reduce-scatter: at step s the counts passed on cover s + 1 workers.
+    lo, hi = seg(rank)
+    counts = own[lo:hi].astype(count_dtype)
+    for s in range(size - 1):
+        out = pack_counts(counts, count_bits(s + 1))
+        lo, hi = seg(rank - s - 1)
+        got = numpy.empty(count_bits(s + 1) * ((hi - lo + 7) // 8), numpy.uint8)
+        comm.Sendrecv([out, _mpi.MPI.BYTE], right, tag,
+                      [got, _mpi.MPI.BYTE], left, tag)
+        sent += out.size
+        counts = unpack_counts(got, count_bits(s + 1), hi - lo, count_dtype)
+        counts += own[lo:hi]
+    # This rank now holds every worker's count for segment rank + 1.
+    lo, hi = seg(rank + 1)
+    majority = numpy.empty((n_elements + 7) // 8, numpy.uint8)
+    majority[lo // 8:(hi + 7) // 8] = numpy.packbits(
+        majority_bits(counts, size, lo, step))
+    # All-gather: 1 bit per element.
+    for s in range(size - 1):
+        out_lo, out_hi = seg(rank + 1 - s)
+        in_lo, in_hi = seg(rank - s)
+        out = majority[out_lo // 8:(out_hi + 7) // 8]
+        into = majority[in_lo // 8:(in_hi + 7) // 8]
+        comm.Sendrecv([out.copy(), _mpi.MPI.BYTE], right, tag,
+                      [into, _mpi.MPI.BYTE], left, tag)
+        sent += out.size
+    if stats is not None:
+        stats['bytes_sent'] = stats.get('bytes_sent', 0) + sent
+    return majority
