@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from mnopt.server import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.spawn
 
@@ -144,7 +145,7 @@ def test_signature_mismatch_fails_fast_on_every_process():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for w in (0, 1):
         assert 'worker %d: the reduction servers refused' % w in proc.stdout
-    assert 'worker 0 and worker 1 disagree on workers (protocol 1' \
+    assert 'worker 0 and worker 1 disagree on workers (protocol %d' % PROTOCOL_VERSION \
         in proc.stdout
     assert 'mnopt.server 0: refused a reduction' in proc.stderr
 
