@@ -61,6 +61,9 @@ def _limit_case(comm, n_elements, chunk):
     return run
 
 
+SIGN_COMMS = {}  # case label -> its sign-compressed communicator
+
+
 def build_cases(args, world):
     import mnopt
     from mnopt import server
@@ -85,15 +88,21 @@ def build_cases(args, world):
             print('# ChainerMN not available (%s); skipping it' % e)
     for name in args.communicators:
         for wire in args.dtypes:
+            # 'sign': sign compression (majority vote), not a dtype.
+            options = {'compression': 'sign'} if wire == 'sign' else \
+                {'allreduce_grad_dtype': wire}
+            if name == 'reduction_server':
+                options['stats'] = True
             comm = mnopt.create_communicator(
-                name, allreduce_grad_dtype=wire, bucket_bytes=args.bucket_bytes,
-                **({'stats': True} if name == 'reduction_server' else {}))
+                name, bucket_bytes=args.bucket_bytes, **options)
             if name == 'reduction_server' and world.rank == 0:
                 atexit.register(lambda c=comm: print(c.stats.format(
                     'worker 0 %s' % c.allreduce_grad_dtype)))
             model = grad_model(shapes, world.rank)
             cases.append(('mnopt %s %s' % (name, wire), name,
                           lambda c=comm, m=model: c.multi_node_mean_grad(m)))
+            if wire == 'sign':
+                SIGN_COMMS[cases[-1][0]] = comm
     return cases, total
 
 
@@ -442,6 +451,8 @@ def main(argv=None):
         row = {'case': label, 'kind': kind, 'median_s': float(med),
                'min_s': float(t.min()), 'max_s': float(t.max()),
                'algbw_GBps': nbytes / med / 1e9, 'x_limit': med / limit}
+        if label in SIGN_COMMS:  # measured: bytes rank 0 sent in its vote
+            row['sent_bytes'] = SIGN_COMMS[label].vote_stats['bytes_sent']
         rows.append(row)
         print('%-34s %9.1f %9.1f %9.1f %9.2f %9.2f' % (
             label, med * 1e3, t.min() * 1e3, t.max() * 1e3,

@@ -108,30 +108,31 @@ class SignCodec(object):
             p[offs[i]:offs[i + 1]] = a.reshape(-1)
         if self.residual is not None:
             p += self.residual
-        positive = (p > 0).astype(xp.uint8)
+        positive = (p > 0).view(xp.uint8)
         zero = xp.nonzero(p == 0)[0]
         if zero.size:
             positive[zero] = coin(zero.astype(xp.uint64), step)
         scales = numpy.zeros(len(arrays), numpy.float64)
         for i in range(len(arrays)):
-            part = p[offs[i]:offs[i + 1]]
-            if part.size:
-                scales[i] = float(xp.abs(part).astype(xp.float64).mean())
-        if self.residual is not None:
-            # e = p - scale * sign(p), sign taken as the bit voted.
-            for i in range(len(arrays)):
-                lo, hi = offs[i], offs[i + 1]
-                signed = positive[lo:hi].astype(xp.float32) * 2 - 1
-                self.residual[lo:hi] = p[lo:hi] - xp.float32(scales[i]) * signed
+            lo, hi = offs[i], offs[i + 1]
+            if hi == lo:
+                continue
+            scales[i] = float(xp.abs(p[lo:hi]).sum(dtype=xp.float64)) \
+                / (hi - lo)
+            if self.residual is not None:
+                # e = p - scale * sign(p), the sign being the bit voted.
+                both = xp.array([-scales[i], scales[i]], xp.float32)
+                xp.subtract(p[lo:hi], both[positive[lo:hi]],
+                            out=self.residual[lo:hi])
         return xp.packbits(positive), scales
 
     def decode(self, majority, mean_scales, arrays):
         """arrays[i][...] = mean_scales[i] * (+1 or -1 as voted)."""
         xp, offs = self.xp, self.offsets
-        signs = xp.unpackbits(majority)[:self.total].astype(xp.float32) * 2 - 1
+        bits = xp.unpackbits(majority)
         for i, a in enumerate(arrays):
-            value = signs[offs[i]:offs[i + 1]] * xp.float32(mean_scales[i])
-            a[...] = value.reshape(a.shape).astype(a.dtype, copy=False)
+            both = xp.array([-mean_scales[i], mean_scales[i]], xp.float32)
+            a[...] = both[bits[offs[i]:offs[i + 1]]].reshape(a.shape)
 
 
 def mean_scales(comm, scales):

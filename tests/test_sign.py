@@ -51,8 +51,8 @@ def expected_vote(all_grads, step):
         total_scale = numpy.zeros((), numpy.float64)
         for grads in all_grads:
             a = grads[k].reshape(-1)
-            total_scale += numpy.abs(a).astype(numpy.float64).mean() \
-                if a.size else 0.0
+            if a.size:
+                total_scale += numpy.abs(a).sum(dtype=numpy.float64) / a.size
         scale = numpy.float32(total_scale / n)
         out.append((majority[offset:offset + size] * scale).reshape(shape))
         offset += size
