@@ -2,6 +2,7 @@
 """Does data-parallel training with mnopt reach the accuracy of one process?
 
     python examples/digits/convergence.py [--seeds 3] [--out docs]
+        [--study precision|sign]
 
 Runs train_digits.py with 1 rank in float32 (the baseline) and with 4 ranks
 in float32, float16, double buffering, and float16 + double buffering, all
@@ -28,6 +29,19 @@ CONFIGS = [
     ('4 ranks, float16 + double buffering', 4,
      ['--allreduce-grad-dtype', 'float16', '--double-buffering']),
 ]
+# Sign compression (--study sign): the voted signs times the mean scale
+# have a larger norm than the mean gradient, so they take a smaller lr.
+SIGN_CONFIGS = [
+    CONFIGS[0],
+    ('4 ranks, sign + error feedback, lr 0.02', 4,
+     ['--compression', 'sign', '--lr', '0.02']),
+    ('4 ranks, sign, no error feedback, lr 0.02', 4,
+     ['--compression', 'sign', '--no-error-feedback', '--lr', '0.02']),
+    ('4 ranks, sign + error feedback, Signum lr 0.002', 4,
+     ['--compression', 'sign', '--optimizer', 'signum', '--lr', '0.002']),
+]
+STUDIES = {'precision': ('digits_convergence', CONFIGS),
+           'sign': ('digits_sign', SIGN_CONFIGS)}
 
 
 def run(n, extra, seed, epochs):
@@ -47,28 +61,30 @@ def main():
     p.add_argument('--seeds', type=int, default=3)
     p.add_argument('--epochs', type=int, default=30)
     p.add_argument('--out', default='docs')
+    p.add_argument('--study', default='precision', choices=sorted(STUDIES))
     args = p.parse_args()
+    stem, configs = STUDIES[args.study]
     results = {}
-    for label, n, extra in CONFIGS:
+    for label, n, extra in configs:
         results[label] = [run(n, extra, s, args.epochs)
                           for s in range(args.seeds)]
         accs = [r['test_accuracy'] for r in results[label]]
         print('%-40s %s' % (label, ' '.join('%.4f' % a for a in accs)),
               flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, 'digits_convergence.json'), 'w') as f:
+    with open(os.path.join(args.out, stem + '.json'), 'w') as f:
         json.dump(results, f, indent=1)
     base = numpy.mean([r['test_accuracy']
-                       for r in results[CONFIGS[0][0]]]) * 100
+                       for r in results[configs[0][0]]]) * 100
     lines = ['| configuration | test accuracy %% (mean of %d seeds) | '
              'per seed | vs baseline (points) |' % args.seeds,
              '|---|---|---|---|']
-    for label, _, _ in CONFIGS:
+    for label, _, _ in configs:
         accs = numpy.array([r['test_accuracy'] for r in results[label]]) * 100
         lines.append('| %s | %.2f | %s | %+.2f |' % (
             label, accs.mean(), ', '.join('%.2f' % a for a in accs),
             accs.mean() - base))
-    with open(os.path.join(args.out, 'digits_convergence.md'), 'w') as f:
+    with open(os.path.join(args.out, stem + '.md'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
     try:
@@ -78,7 +94,7 @@ def main():
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, _, _ in CONFIGS:
+    for label, _, _ in configs:
         curves = numpy.array([r['curve'] for r in results[label]]) * 100
         epochs = numpy.arange(1, curves.shape[1] + 1)
         ax.plot(epochs, curves.mean(axis=0), label=label)
@@ -87,9 +103,10 @@ def main():
     ax.set_ylim(85, 100)
     ax.grid(alpha=0.3)
     ax.legend(loc='lower right', fontsize=8)
-    ax.set_title('Digits MLP, total batch 64: 1 rank vs 4 ranks')
+    ax.set_title('Digits MLP, total batch 64: 1 rank vs 4 ranks (%s)'
+                 % args.study)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, 'digits_convergence.png'), dpi=100)
+    fig.savefig(os.path.join(args.out, stem + '.png'), dpi=100)
 
 
 if __name__ == '__main__':

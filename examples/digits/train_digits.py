@@ -53,6 +53,13 @@ def parse_args(argv=None):
     p.add_argument('--allreduce-grad-dtype', default=None,
                    choices=['float32', 'float16', 'bfloat16'])
     p.add_argument('--double-buffering', action='store_true')
+    p.add_argument('--compression', default=None, choices=['sign'],
+                   help='sign: majority vote of the gradients\' signs')
+    p.add_argument('--no-error-feedback', action='store_true')
+    p.add_argument('--warmup-steps', type=int, default=0,
+                   help='uncompressed steps before --compression starts')
+    p.add_argument('--optimizer', default='momentum_sgd',
+                   choices=['momentum_sgd', 'signum'])
     p.add_argument('--total-batch', type=int, default=64)
     p.add_argument('--epoch', type=int, default=30)
     p.add_argument('--lr', type=float, default=0.05)
@@ -64,7 +71,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     comm = mnopt.create_communicator(
-        args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype)
+        args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype,
+        compression=args.compression,
+        error_feedback=not args.no_error_feedback,
+        warmup_steps=args.warmup_steps)
     if args.total_batch % comm.size:
         raise ValueError('--total-batch %d does not split over %d ranks'
                          % (args.total_batch, comm.size))
@@ -76,8 +86,10 @@ def main(argv=None):
 
     numpy.random.seed(args.seed)  # rank 0's initial weights are broadcast
     model = L.Classifier(MLP())
-    optimizer = mnopt.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9), comm,
+    actual = mnopt.Signum(lr=args.lr, momentum=0.9) \
+        if args.optimizer == 'signum' else \
+        chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9)
+    optimizer = mnopt.create_multi_node_optimizer(actual, comm,
         double_buffering=args.double_buffering).setup(model)
     it = chainer.iterators.SerialIterator(
         train, batch, order_sampler=chainer.iterators.ShuffleOrderSampler(
@@ -96,6 +108,9 @@ def main(argv=None):
     result = {'n_ranks': comm.size, 'communicator': comm.name,
               'allreduce_grad_dtype': args.allreduce_grad_dtype or 'float32',
               'double_buffering': args.double_buffering, 'seed': args.seed,
+              'compression': args.compression,
+              'error_feedback': not args.no_error_feedback,
+              'optimizer': args.optimizer,
               'total_batch': args.total_batch, 'epochs': args.epoch,
               'test_accuracy': curve[-1], 'curve': curve}
     # Every rank must hold the same parameters.
