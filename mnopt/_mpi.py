@@ -134,39 +134,40 @@ def bcast_bytes(comm, array, root=0):
 
 # --------------------------------------------------------------- waiting
 
-#: Longest nap between two polls in ``wait_all`` (seconds).
+#: Longest nap between two polls in ``wait_all``/``wait_some`` (seconds).
 MAX_NAP_SECONDS = 1e-3
 
 
-def wait_all(requests, max_nap=None):
-    """Like ``MPI.Request.Waitall`` but napping between polls.
+def _naps():
+    """Yield before each poll; nap in between, from 20 us doubling up to
+    MAX_NAP_SECONDS: short waits stay short, long ones cost almost no CPU.
 
     MPICH busy-polls inside blocking calls.  A reduction server job runs
-    workers and servers side by side, mostly waiting on the network; spinning
-    processes then steal the cores that the others (and the kernel's TCP
-    stack) need.  Naps grow from 20 us to ``max_nap``: short waits stay
-    short, long ones cost almost no CPU.
-    """
-    requests = [r for r in requests if r != MPI.REQUEST_NULL]
-    max_nap = MAX_NAP_SECONDS if max_nap is None else max_nap
-    nap = 20e-6
-    while not MPI.Request.Testall(requests):
-        time.sleep(nap)
-        nap = min(2 * nap, max_nap)
-
-
-def wait_some(requests, max_nap=None):
-    """Indices of the requests that completed (at least one), napping as
-    ``wait_all`` does; None once none is active.  Completed requests turn
-    into MPI.REQUEST_NULL in the list."""
-    max_nap = MAX_NAP_SECONDS if max_nap is None else max_nap
+    workers and servers side by side, mostly waiting on the network;
+    spinning processes then steal the cores that the others (and the
+    kernel's TCP stack) need."""
     nap = 20e-6
     while True:
+        yield
+        time.sleep(nap)
+        nap = min(2 * nap, MAX_NAP_SECONDS)
+
+
+def wait_all(requests):
+    """Like ``MPI.Request.Waitall``, napping between polls (``_naps``)."""
+    for _ in _naps():
+        if MPI.Request.Testall(requests):
+            return
+
+
+def wait_some(requests):
+    """Indices of the requests that completed (at least one), napping
+    between polls; None once none is active.  Completed requests turn into
+    MPI.REQUEST_NULL in the list."""
+    for _ in _naps():
         done = MPI.Request.Testsome(requests)
         if done is None or done:
             return done
-        time.sleep(nap)
-        nap = min(2 * nap, max_nap)
 
 
 # --------------------------------------------------------------- layouts

@@ -193,9 +193,6 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
 
 class _SignumRule(chainer.optimizer.UpdateRule):
 
-    def __init__(self, parent_hyperparam):
-        super(_SignumRule, self).__init__(parent_hyperparam)
-
     def init_state(self, param):
         xp = chainer.backend.get_array_module(param.data)
         with chainer.using_device(param.device):

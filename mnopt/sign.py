@@ -222,7 +222,7 @@ def counting_ring_vote(comm, bits, n_elements, step, stats=None):
         in_lo, in_hi = seg(rank - s)
         out = majority[out_lo // 8:(out_hi + 7) // 8]
         into = majority[in_lo // 8:(in_hi + 7) // 8]
-        comm.Sendrecv([out.copy(), _mpi.MPI.BYTE], right, tag,
+        comm.Sendrecv([out, _mpi.MPI.BYTE], right, tag,
                       [into, _mpi.MPI.BYTE], left, tag)
         sent += out.size
     if stats is not None:

@@ -50,6 +50,7 @@ class _Group(object):
     def __init__(self, comm):
         self.comm = comm
         self.buffer = None
+        self.sign_codec = None  # compression='sign': codec and residuals
         self.subcomms = []  # algorithm-specific communicators, freed with it
 
     def buffer_for(self, named, wire, xp, **buffer_options):
@@ -59,24 +60,41 @@ class _Group(object):
         Allgather) and before any buffer is built, so a rank whose parameter
         set changed alone gets an error instead of a hang or a corrupted sum.
         """
-        key = (tuple(n for n, _ in named), tuple(a.shape for _, a in named),
-               tuple(a.dtype.name for _, a in named))
-        buffer = self.buffer
-        if (buffer is not None and buffer.xp is xp
-                and buffer.layout.key[:3] == key
-                and (wire is None or buffer.layout.wire == wire)):
-            layout = buffer.layout
-        else:
-            layout = grad_buffer.make_layout(named, wire)
-            buffer = None
-        _mpi.check_layouts(self.comm, layout)
-        if buffer is None:
+        buffer = self.buffer if self.buffer is not None \
+            and self.buffer.xp is xp else None
+        layout = self._checked_layout(named, wire, buffer)
+        if buffer is None or buffer.layout is not layout:
             self.buffer = buffer = grad_buffer.GradBuffer(
                 layout, xp, **buffer_options)
         return buffer
 
+    def sign_codec_for(self, named, xp, error_feedback):
+        """The SignCodec (and its residuals) for this gradient set; rebuilt,
+        residuals zeroed, when the set changes.  Checked as buffer_for."""
+        codec = self.sign_codec if self.sign_codec is not None \
+            and self.sign_codec.xp is xp else None
+        layout = self._checked_layout(named, 'float32', codec)
+        if codec is None or codec.layout is not layout:
+            self.sign_codec = codec = sign.SignCodec(layout, xp,
+                                                     error_feedback)
+        return codec
+
+    def _checked_layout(self, named, wire, holder):
+        """``holder``'s layout (a buffer's or codec's) while it still fits
+        ``named`` and ``wire``, else a new one; checked across ranks."""
+        key = (tuple(n for n, _ in named), tuple(a.shape for _, a in named),
+               tuple(a.dtype.name for _, a in named))
+        if (holder is not None and holder.layout.key[:3] == key
+                and (wire is None or holder.layout.wire == wire)):
+            layout = holder.layout
+        else:
+            layout = grad_buffer.make_layout(named, wire)
+        _mpi.check_layouts(self.comm, layout)
+        return layout
+
     def free(self):
         self.buffer = None
+        self.sign_codec = None
         for c in self.subcomms + [self.comm]:
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -261,13 +279,7 @@ class CommunicatorBase(object):
     def _mean_of_signs(self, group, named, xp, step):
         """The sign-compressed 'mean': majority vote times the mean scale
         (mnopt/sign.py).  Runs at N=1 too: one worker's vote is its sign."""
-        layout = grad_buffer.make_layout(named, 'float32')
-        _mpi.check_layouts(group.comm, layout)
-        codec = getattr(group, 'sign_codec', None)
-        if (codec is None or codec.layout.key != layout.key
-                or codec.xp is not xp):
-            codec = group.sign_codec = sign.SignCodec(
-                layout, xp, self.error_feedback)
+        codec = group.sign_codec_for(named, xp, self.error_feedback)
         arrays = [a for _, a in named]
         bits, scales = codec.encode(arrays, step)
         if xp is not numpy:
