@@ -68,8 +68,10 @@ def _vote_once(comm, seed=0):
     return [p.grad for _, p in sorted(model.namedparams())]
 
 
-def test_vote_is_the_exact_majority(comm_name):
-    comm = mnopt.create_communicator(comm_name, compression='sign')
+@pytest.mark.parametrize('vote', sign.VOTES)
+def test_vote_is_the_exact_majority(comm_name, vote):
+    comm = mnopt.create_communicator(comm_name, compression='sign',
+                                     vote=vote)
     for step in range(3):
         got = _vote_once(comm, seed=step)
         everyone = [rank_grads(r, step) for r in range(comm.size)]
@@ -101,6 +103,21 @@ def test_ring_bytes_per_element_within_the_bound(comm_name):
     want = (sum(sign.count_bits(i) for i in range(1, n)) + n - 1) / n
     assert abs(bits_per_element - want) < 0.01, (bits_per_element, want)
     assert bits_per_element <= math.ceil(math.log2(n + 1)) + 1
+
+
+def test_alltoall_bytes_per_element(comm_name):
+    """1-bit Adam's all-to-all: (N-1)/N bits out, then the rank's
+    majority segment to N-1 others: 2(N-1)/N bits per element."""
+    comm = mnopt.create_communicator(comm_name, compression='sign',
+                                     vote='alltoall')
+    n_elements = 80000
+    model = make_model([(n_elements,)])
+    model.p000.grad = numpy.random.RandomState(comm.rank).standard_normal(
+        n_elements).astype(numpy.float32)
+    comm.multi_node_mean_grad(model)
+    n = comm.size
+    bits_per_element = 8.0 * comm.vote_stats.get('bytes_sent', 0) / n_elements
+    assert abs(bits_per_element - 2.0 * (n - 1) / n) < 0.01
 
 
 def test_counts_survive_bit_packing():
@@ -183,6 +200,13 @@ def test_bad_compression_is_refused():
         mnopt.create_communicator('flat', compression='bogus')
     with pytest.raises(ValueError, match='warmup_steps'):
         mnopt.create_communicator('flat', compression='sign', warmup_steps=-1)
+    with pytest.raises(ValueError, match="unknown vote 'tree'"):
+        mnopt.create_communicator('flat', compression='sign', vote='tree')
+    with pytest.raises(ValueError, match="only applies with compression"):
+        mnopt.create_communicator('flat', vote='alltoall')
+    with pytest.raises(ValueError, match='counts votes on its servers'):
+        mnopt.create_communicator('reduction_server', compression='sign',
+                                  vote='ring')
 
 
 def test_mismatched_layouts_fail_on_every_rank():
@@ -215,7 +239,8 @@ import sys
 sys.path.insert(0, 'tests')
 import numpy, mnopt
 import test_sign as t
-comm = mnopt.create_communicator(sys.argv[1], compression='sign')
+options = {'vote': sys.argv[2]} if len(sys.argv) > 2 else {}
+comm = mnopt.create_communicator(sys.argv[1], compression='sign', **options)
 for step in range(2):
     got = t._vote_once(comm, seed=step)
     if step == 0:
@@ -232,9 +257,10 @@ print('OK vote %d of %d' % (comm.rank, comm.size))
 
 
 @pytest.mark.spawn
+@pytest.mark.parametrize('vote', sign.VOTES)
 @pytest.mark.parametrize('n', [4, 5])
-def test_vote_is_exact_on_4_and_5_ranks(n):
-    proc = run_mpi(n, SPAWNED, timeout=120, args=['flat'])
+def test_vote_is_exact_on_4_and_5_ranks(n, vote):
+    proc = run_mpi(n, SPAWNED, timeout=120, args=['flat', vote])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('OK vote') == n
 

@@ -31,7 +31,7 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
                         allreduce_grad_dtype=None, batched_copy=True,
                         bucket_bytes=None, abort_on_exception=True,
                         compression=None, error_feedback=True,
-                        warmup_steps=0, **options):
+                        warmup_steps=0, vote=None, **options):
     """Create a communicator.
 
     Args:
@@ -58,6 +58,11 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
             error into its next gradient (default True).
         warmup_steps: with ``compression``, the first this many averagings
             are uncompressed means (in ``allreduce_grad_dtype``).
+        vote: with ``compression='sign'`` on a ring communicator, how the
+            votes are counted: ``'ring'`` (default; the counting ring, each
+            rank talks to its neighbours only) or ``'alltoall'`` (1-bit
+            Adam's all-to-all + all-gather: fewer bits and rounds, but
+            every pair of ranks talks; see docs/sign_compression.md).
         **options: the communicator's own; ``reduction_server`` takes
             ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
             server, 6), ``server_memory`` (staging bytes per
@@ -69,6 +74,8 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
     from mnopt import sign
     grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)  # fail early
     sign.normalize_compression(compression)
+    if vote is not None:
+        sign.normalize_vote(vote)
     cls = communicator_class(communicator_name)
     from mpi4py import MPI
     if mpi_comm is None:
@@ -87,7 +94,7 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
                 % (len(servers), cls.name))
     kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype,
               'compression': compression, 'error_feedback': error_feedback,
-              'warmup_steps': warmup_steps}
+              'warmup_steps': warmup_steps, 'vote': vote}
     if bucket_bytes is not None:
         kwargs['bucket_bytes'] = bucket_bytes
     return cls(mpi_comm, **dict(kwargs, **options))

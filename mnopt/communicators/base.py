@@ -143,7 +143,8 @@ class CommunicatorBase(object):
 
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
                  bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
-                 compression=None, error_feedback=True, warmup_steps=0):
+                 compression=None, error_feedback=True, warmup_steps=0,
+                 vote=None):
         self.mpi_comm = mpi_comm
         self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
             allreduce_grad_dtype)
@@ -153,6 +154,10 @@ class CommunicatorBase(object):
             raise ValueError('warmup_steps must be >= 0, not %r'
                              % (warmup_steps,))
         self.warmup_steps = int(warmup_steps)
+        if vote is not None and self.compression is None:
+            raise ValueError("vote=%r only applies with compression='sign'"
+                             % (vote,))
+        self.vote = sign.normalize_vote(vote)
         self.steps = 0  # averagings so far (warm-up, and the votes' coin)
         #: Bytes this rank sent for its last vote (sign compression).
         self.vote_stats = {}
@@ -290,11 +295,13 @@ class CommunicatorBase(object):
         codec.decode(xp.asarray(majority), scales, arrays)
 
     def _vote(self, group, bits, n_elements, step):
-        """Element-wise majority of every rank's packed sign bits: the
-        counting ring over the group's communicator.  (In rank order, which
-        for ranks numbered node by node crosses each node's link once.)"""
-        return sign.counting_ring_vote(group.comm, bits, n_elements, step,
-                                       self.vote_stats)
+        """Element-wise majority of every rank's packed sign bits over the
+        group's communicator: the counting ring (in rank order, which for
+        ranks numbered node by node crosses each node's link once), or the
+        all-to-all."""
+        vote = sign.counting_ring_vote if self.vote == 'ring' \
+            else sign.alltoall_vote
+        return vote(group.comm, bits, n_elements, step, self.vote_stats)
 
     def _pack_sum_unpack(self, buffer, group, arrays):
         """Overridden by transports that pack and unpack piece by piece."""

@@ -25,7 +25,11 @@ class ReductionServerCommunicator(CommunicatorBase):
 
     def __init__(self, mpi_comm, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
                  window=rs.DEFAULT_WINDOW, server_memory=rs.DEFAULT_MEMORY,
-                 stats=False, **kwargs):
+                 stats=False, vote=None, **kwargs):
+        if vote is not None:
+            raise ValueError('the reduction_server communicator counts votes '
+                             'on its servers; vote=%r is for ring '
+                             'communicators' % (vote,))
         job = rs.job()
         if job.servers:
             if mpi_comm != MPI.COMM_WORLD:
@@ -60,6 +64,7 @@ class ReductionServerCommunicator(CommunicatorBase):
                 self._server_threads.append(t)
         self._said_bye = bool(job.servers)  # the job says it at exit
         super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
+        self.vote = 'server'
         atexit.register(self._goodbye)
 
     @property
