@@ -87,10 +87,7 @@ def build_cases(args, world):
         if world.rank == 0:
             print('# ChainerMN not available (%s); skipping it' % e)
     for name in args.communicators:
-        for wire in args.dtypes:
-            # 'sign': sign compression (majority vote), not a dtype.
-            options = {'compression': 'sign'} if wire == 'sign' else \
-                {'allreduce_grad_dtype': wire}
+        for wire, options, label in _variants(name, args):
             if name == 'reduction_server':
                 options['stats'] = True
             comm = mnopt.create_communicator(
@@ -99,11 +96,27 @@ def build_cases(args, world):
                 atexit.register(lambda c=comm: print(c.stats.format(
                     'worker 0 %s' % c.allreduce_grad_dtype)))
             model = grad_model(shapes, world.rank)
-            cases.append(('mnopt %s %s' % (name, wire), name,
+            cases.append(('mnopt %s %s' % (name, label), name,
                           lambda c=comm, m=model: c.multi_node_mean_grad(m)))
             if wire == 'sign':
                 SIGN_COMMS[cases[-1][0]] = comm
     return cases, total
+
+
+def _variants(name, args):
+    """(wire, communicator options, label) for each of --dtypes; 'sign'
+    is sign compression (majority vote), not a dtype, once per --votes
+    (the reduction server votes its own way)."""
+    for wire in args.dtypes:
+        if wire != 'sign':
+            yield wire, {'allreduce_grad_dtype': wire}, wire
+        elif name == 'reduction_server':
+            yield wire, {'compression': 'sign'}, wire
+        else:
+            for vote in args.votes:
+                label = wire if vote == 'ring' else '%s (%s vote)' % (wire,
+                                                                      vote)
+                yield wire, {'compression': 'sign', 'vote': vote}, label
 
 
 def run_cases(cases, world, reps, warmup=2, progress=''):
@@ -369,6 +382,10 @@ def main(argv=None):
                              '--double-buffering)')
     parser.add_argument('--dtypes', nargs='+',
                         default=['float32', 'float16', 'bfloat16'])
+    parser.add_argument('--votes', nargs='+', default=['ring'],
+                        choices=['ring', 'alltoall'],
+                        help="how --dtypes sign counts votes (ring "
+                             "communicators)")
     parser.add_argument('--reps', type=int, default=15)
     parser.add_argument('--bucket-bytes', type=int, default=None,
                         help='bucket size of the mnopt communicators')

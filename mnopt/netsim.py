@@ -5,14 +5,23 @@
     python -m mnopt.netsim up --nodes 4 --rate 1gbit [--delay 1ms]
     python -m mnopt.netsim exec --nodes 4 -- python -m mnopt.benchmark
     python -m mnopt.netsim down
+    python -m mnopt.netsim run --nodes 8 --topology chain --rate 1gbit \
+        --link 3=200mbit -- ...        # a chain, its middle link slow
 
-Each node is a Linux network namespace (``mnopt-n0`` ...) whose ``eth0``
-is a veth joined to a bridge in a switch namespace (``mnopt-sw``).  Both
-ends of every veth are shaped with tc (token bucket at ``--rate``, plus a
-netem ``--delay`` if asked), so each node has a link of that rate in each
-direction.  Nothing is added to the machine's own namespace, and the only
-addresses used are the nodes' own (10.231.7.10 and up), inside namespaces
-this tool creates and deletes.
+Each node is a Linux network namespace (``mnopt-n0`` ...).  Topologies:
+
+- ``star`` (default): each node's ``eth0`` is a veth to a bridge in a
+  switch namespace (``mnopt-sw``); link k is node k's.
+- ``chain``: node k and node k+1 are joined by a veth (link k); a bridge
+  in each node joins its one or two links and its own ``eth0``, so frames
+  for nodes further along are forwarded node by node, every link in turn.
+
+Both ends of every veth are shaped with tc (token bucket at ``--rate``, or
+the rate given for that link with ``--link K=RATE``, plus a netem
+``--delay`` if asked), so every link has its rate in each direction.
+Nothing is added to the machine's own namespace, and the only addresses
+used are the nodes' own (10.231.7.10 and up), inside namespaces this tool
+creates and deletes.
 
 MPI runs across the nodes with hydra's ssh launcher pointed at a script
 that enters the node's namespace with its own hostname (so MPI sees
@@ -36,6 +45,7 @@ SWITCH = PREFIX + 'sw'
 SUBNET = '10.231.7.'
 FIRST_HOST = 10
 MAX_NODES = 64
+TOPOLOGIES = ('star', 'chain')
 TIMEOUT = 30  # seconds for any one ip/tc command
 
 
@@ -103,35 +113,92 @@ def _shape(ns, dev, rate, delay):
         _sh(*(base + ['root'] + tbf))
 
 
-def up(nodes, rate='1gbit', delay=None):
-    """Create ``nodes`` nodes on a bridge, links shaped to ``rate``.
-    Tears down any previous cluster first, so it is idempotent."""
+def up(nodes, rate='1gbit', delay=None, topology='star', link_rates=None):
+    """Create ``nodes`` nodes joined as ``topology``, links shaped to
+    ``rate`` except those in ``link_rates`` ({link index: rate}).  Tears
+    down any previous cluster first, so it is idempotent."""
     if not 1 <= nodes <= MAX_NODES:
         raise NetsimError('--nodes must be 1..%d, not %d' % (MAX_NODES, nodes))
+    if topology not in TOPOLOGIES:
+        raise NetsimError('unknown topology %r; choose one of %s'
+                          % (topology, ', '.join(TOPOLOGIES)))
+    link_rates = dict(link_rates or {})
+    n_links = nodes if topology == 'star' else nodes - 1
+    bad = sorted(k for k in link_rates if not 0 <= k < n_links)
+    if bad:
+        raise NetsimError('no link %s in a %s of %d nodes (links 0..%d)'
+                          % (bad[0], topology, nodes, n_links - 1))
     check_environment()
     down()
     try:
-        _sh('ip', 'netns', 'add', SWITCH)
-        sw = ['ip', 'netns', 'exec', SWITCH]
-        _sh(*(sw + ['ip', 'link', 'add', 'br0', 'type', 'bridge']))
-        _sh(*(sw + ['ip', 'link', 'set', 'br0', 'up']))
         for k in range(nodes):
-            ns, port = node_name(k), 'p%d' % k
+            ns = node_name(k)
             _sh('ip', 'netns', 'add', ns)
-            _sh('ip', 'link', 'add', 'eth0', 'netns', ns, 'type', 'veth',
-                'peer', 'name', port, 'netns', SWITCH)
             node = ['ip', 'netns', 'exec', ns]
+            if topology == 'chain':
+                # The node's bridge br0 joins its links and its own eth0
+                # (a veth to port 'host': UCX's TCP transport skips
+                # bridges as interfaces).
+                _sh(*(node + ['ip', 'link', 'add', 'br0', 'type', 'bridge']))
+                _sh(*(node + ['ip', 'link', 'add', 'eth0', 'type', 'veth',
+                              'peer', 'name', 'host']))
+                _sh(*(node + ['ip', 'link', 'set', 'host', 'master', 'br0']))
+                _sh(*(node + ['ip', 'link', 'set', 'host', 'up']))
+                _sh(*(node + ['ip', 'link', 'set', 'br0', 'up']))
+            _sh(*(node + ['ip', 'link', 'set', 'lo', 'up']))
+        join = _join_star if topology == 'star' else _join_chain
+        for k in range(n_links):
+            join(k, link_rates.get(k, rate), delay)
+        for k in range(nodes):
+            node = ['ip', 'netns', 'exec', node_name(k)]
             _sh(*(node + ['ip', 'addr', 'add', node_address(k) + '/24',
                           'dev', 'eth0']))
             _sh(*(node + ['ip', 'link', 'set', 'eth0', 'up']))
-            _sh(*(node + ['ip', 'link', 'set', 'lo', 'up']))
-            _sh(*(sw + ['ip', 'link', 'set', port, 'master', 'br0']))
-            _sh(*(sw + ['ip', 'link', 'set', port, 'up']))
-            _shape(ns, 'eth0', rate, delay)      # node -> switch
-            _shape(SWITCH, port, rate, delay)    # switch -> node
     except BaseException:
         down()
         raise
+
+
+def _join_star(k, rate, delay):
+    """Link k: node k's eth0 to port pk of the switch's bridge."""
+    sw = ['ip', 'netns', 'exec', SWITCH]
+    if k == 0:
+        _sh('ip', 'netns', 'add', SWITCH)
+        _sh(*(sw + ['ip', 'link', 'add', 'br0', 'type', 'bridge']))
+        _sh(*(sw + ['ip', 'link', 'set', 'br0', 'up']))
+    port = 'p%d' % k
+    _sh('ip', 'link', 'add', 'eth0', 'netns', node_name(k), 'type', 'veth',
+        'peer', 'name', port, 'netns', SWITCH)
+    _sh(*(sw + ['ip', 'link', 'set', port, 'master', 'br0']))
+    _sh(*(sw + ['ip', 'link', 'set', port, 'up']))
+    _shape(node_name(k), 'eth0', rate, delay)   # node -> switch
+    _shape(SWITCH, port, rate, delay)           # switch -> node
+
+
+def _join_chain(k, rate, delay):
+    """Link k: node k's 'right' veth to node k+1's 'left', both ports of
+    their node's bridge (STP off: a chain has no loops, and ports forward
+    at once)."""
+    a, b = node_name(k), node_name(k + 1)
+    _sh('ip', 'link', 'add', 'right', 'netns', a, 'type', 'veth', 'peer',
+        'name', 'left', 'netns', b)
+    for ns, dev in ((a, 'right'), (b, 'left')):
+        node = ['ip', 'netns', 'exec', ns]
+        _sh(*(node + ['ip', 'link', 'set', dev, 'master', 'br0']))
+        _sh(*(node + ['ip', 'link', 'set', dev, 'up']))
+        _shape(ns, dev, rate, delay)
+
+
+def parse_links(specs):
+    """['3=200mbit', ...] -> {3: '200mbit'}."""
+    rates = {}
+    for spec in specs or ():
+        k, sep, rate = spec.partition('=')
+        if not sep or not k.strip().isdigit() or not rate:
+            raise NetsimError('--link takes K=RATE (e.g. 3=200mbit), not %r'
+                              % spec)
+        rates[int(k)] = rate
+    return rates
 
 
 _LAUNCHER = '''#!/bin/sh
@@ -217,6 +284,11 @@ def main(argv=None):
                            help='each link, each direction (tc syntax)')
             s.add_argument('--delay', default=None,
                            help='one-way delay per link end, e.g. 1ms')
+            s.add_argument('--topology', default='star', choices=TOPOLOGIES)
+            s.add_argument('--link', action='append', default=[],
+                           metavar='K=RATE',
+                           help='link K at RATE instead (star: node K\'s '
+                                'link; chain: nodes K and K+1); repeatable')
         if verb in ('run', 'exec'):
             s.add_argument('--ranks-per-node', type=int, default=1)
             s.add_argument('--servers', type=int, default=0,
@@ -234,10 +306,15 @@ def main(argv=None):
         if args.verb == 'down':
             down()
             return 0
+        if args.verb in ('up', 'run'):
+            shape = dict(rate=args.rate, delay=args.delay,
+                         topology=args.topology,
+                         link_rates=parse_links(args.link))
         if args.verb == 'up':
-            up(args.nodes, args.rate, args.delay)
-            print('up: %d nodes at %s%s (%s)' % (
-                args.nodes, args.rate,
+            up(args.nodes, **shape)
+            print('up: %d nodes, %s, at %s%s%s (%s)' % (
+                args.nodes, args.topology, args.rate,
+                ''.join(', link %s' % l for l in args.link),
                 ', delay %s' % args.delay if args.delay else '',
                 ', '.join(node_address(k) for k in range(args.nodes))))
             return 0
@@ -249,7 +326,7 @@ def main(argv=None):
             return exec_in_cluster(args.nodes, args.ranks_per_node, command,
                                    args.timeout, **extra).returncode
         _terminate_on_sigterm()
-        up(args.nodes + args.servers, args.rate, args.delay)
+        up(args.nodes + args.servers, **shape)
         try:
             return exec_in_cluster(args.nodes, args.ranks_per_node, command,
                                    args.timeout, **extra).returncode

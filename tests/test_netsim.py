@@ -103,3 +103,58 @@ def test_refuses_without_iproute2(monkeypatch):
 def test_node_count_is_bounded():
     with pytest.raises(netsim.NetsimError, match='--nodes'):
         netsim.up(0)
+
+
+PAIRS = '''
+import time, numpy
+from mpi4py import MPI
+w = MPI.COMM_WORLD
+x = numpy.ones(1_250_000, numpy.uint8)  # 10 Mbit
+times = []
+for a, b in ((0, 1), (1, 2), (0, 2)):
+    w.Barrier()
+    t0 = time.perf_counter()
+    if w.rank == a:
+        w.Send(x, b)
+    elif w.rank == b:
+        w.Recv(x, a)
+    w.Barrier()
+    times.append(time.perf_counter() - t0)
+if w.rank == 0:
+    print('RESULT', times)
+'''
+
+
+@needs_netns
+def test_chain_with_one_slow_link(tmp_path):
+    """Nodes 0 - 1 - 2 in a chain, link 1 (between nodes 1 and 2) slow:
+    0 -> 1 is fast, 1 -> 2 and 0 -> 2 (forwarded by node 1) are slow."""
+    script = tmp_path / 'pairs.py'
+    script.write_text(PAIRS)
+    try:
+        netsim.up(3, rate='1gbit', topology='chain', link_rates={1: '50mbit'})
+        assert netsim.namespaces() == ['mnopt-n0', 'mnopt-n1', 'mnopt-n2']
+        proc = subprocess.run(
+            [sys.executable, '-m', 'mnopt.netsim', 'exec', '--nodes', '3',
+             '--', sys.executable, str(script)],
+            capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, PYTHONPATH=REPO))
+    finally:
+        netsim.down()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')][0]
+    fast, slow, across = eval(line[len('RESULT'):])
+    # 10 Mbit: 0.2 s at 50 Mbit/s, 0.01 s at 1 Gbit/s.
+    assert 0.16 < slow < 5 and 0.16 < across < 5, (slow, across)
+    assert fast < slow / 4, (fast, slow)
+
+
+def test_bad_topology_and_links_are_refused():
+    with pytest.raises(netsim.NetsimError, match='unknown topology'):
+        netsim.up(3, topology='ring')
+    with pytest.raises(netsim.NetsimError, match='no link 2 in a chain'):
+        netsim.up(2, topology='chain', link_rates={2: '1mbit'})
+    with pytest.raises(netsim.NetsimError, match='K=RATE'):
+        netsim.parse_links(['middle=1mbit'])
+    assert netsim.parse_links(['3=200mbit', '0=1gbit']) == {
+        3: '200mbit', 0: '1gbit'}
