@@ -37,7 +37,8 @@ def ring_bound_s(n, nbytes, rate):
 REPORT_ONLY = False  # --report-only: rebuild the tables from saved JSON
 
 
-def bench(nodes, ranks_per_node, rate, args, name, servers=0):
+def bench(nodes, ranks_per_node, rate, args, name, servers=0,
+          netsim_args=()):
     """Run the benchmark across a fresh cluster; returns its JSON."""
     path = os.path.join(OUT, name + '.json')
     if REPORT_ONLY:
@@ -45,7 +46,8 @@ def bench(nodes, ranks_per_node, rate, args, name, servers=0):
             return json.load(f)
     cmd = [sys.executable, '-m', 'mnopt.netsim', 'run', '--nodes', str(nodes),
            '--ranks-per-node', str(ranks_per_node), '--rate', rate,
-           '--servers', str(servers), '--server-args=--stats', '--',
+           '--servers', str(servers), '--server-args=--stats'] + list(
+               netsim_args) + ['--',
            sys.executable, '-m', 'mnopt.benchmark', '--json', path] + args
     print('$ ' + ' '.join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO, timeout=3600,
@@ -198,9 +200,92 @@ def reduction_server(rate, lines):
     fig.savefig(os.path.join(OUT, 'reduction_server.png'), dpi=100)
 
 
+def sign_vote_bits_across(vote, n):
+    """Bits per gradient element that cross the slow middle link of an
+    n-node chain, each way, for one vote.  Ring: each direction carries
+    one ring edge (the wrap-around goes back along the chain), i.e. one
+    rank's whole send.  All-to-all: the (n/2)^2 pairs across each send
+    1/n of the bits; then the all-gather (MPICH: a ring) like the ring's
+    second half."""
+    from mnopt.sign import count_bits
+    gather = (n - 1) / n
+    if vote == 'ring':
+        return sum(count_bits(i) for i in range(1, n)) / n + gather
+    return (n // 2) * (n - n // 2) / n + gather
+
+
+def sign_chain(rate, lines, slow_rate='200mbit', sizes=(4, 8, 16)):
+    """The all-reducible signSGD paper's Table 1: a chain of nodes whose
+    middle link is 5x slower than the others."""
+    results = {}
+    for n in sizes:
+        results[n] = bench(n, 1, rate, [
+            '--communicators', 'flat', '--dtypes', 'float32', 'float16',
+            'sign', '--votes', 'ring', 'alltoall', '--reps', '3',
+            '--only-mnopt', '--link-bytes'], 'sign_chain_%d' % n,
+            netsim_args=['--topology', 'chain',
+                         '--link', '%d=%s' % (n // 2 - 1, slow_rate)])
+    slow = rate_bytes_per_s(slow_rate)
+    elements = RESNET50_BYTES // 4
+    lines += ['## Sign compression on a chain with one slow link (%s '
+              'links, the middle one %s)' % (rate, slow_rate), '',
+              'ResNet-50 gradients, 1 rank per node.  "Across": bytes '
+              'measured on the slow link per averaging (Linux interface '
+              'counters, TCP/IP headers included), the busier direction; '
+              '"link time" is that over the slow rate.  Model: the bits '
+              'per element benchmarks/experiments.py predicts for the '
+              'votes.', '',
+              '| nodes | case | median s | vs float32 | across MB | link '
+              'time s | model MB |', '|---|---|---|---|---|---|---|']
+    for n, r in results.items():
+        fp32 = None
+        for row in r['rows']:
+            b = row['link_tx_bytes']
+            across = max(b.get('mnopt-n%d:right' % (n // 2 - 1), 0),
+                         b.get('mnopt-n%d:left' % (n // 2), 0))
+            row['across_bytes'] = across
+            vote = ('alltoall' if 'alltoall' in row['case'] else 'ring') \
+                if 'sign' in row['case'] else None
+            model = '%.1f' % (sign_vote_bits_across(vote, n) * elements
+                              / 8e6) if vote else '-'
+            fp32 = fp32 or (row['median_s'] if 'float32' in row['case']
+                            else None)
+            lines.append('| %d | %s | %.3f | %.2fx | %.1f | %.3f | %s |' % (
+                n, row['case'].replace('mnopt flat ', ''), row['median_s'],
+                fp32 / row['median_s'] if fp32 else float('nan'),
+                across / 1e6, across / slow, model))
+    lines.append('')
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ns = sorted(results)
+    cases = [row['case'] for row in results[ns[0]]['rows']]
+    width = 0.8 / len(cases)
+    for i, case in enumerate(cases):
+        rows = [next(r for r in results[n]['rows'] if r['case'] == case)
+                for n in ns]
+        xs = [k + (i - (len(cases) - 1) / 2) * width for k in range(len(ns))]
+        label = case.replace('mnopt flat ', '')
+        left.bar(xs, [r['across_bytes'] / 1e6 for r in rows], width,
+                 label=label)
+        right.bar(xs, [r['median_s'] for r in rows], width, label=label)
+    for ax, title in ((left, 'MB across the slow link per averaging'),
+                      (right, 'seconds per averaging (median)')):
+        ax.set_xticks(range(len(ns)))
+        ax.set_xticklabels(['%d nodes' % n for n in ns])
+        ax.set_yscale('log')
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis='y', alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle('ResNet-50 gradients on a chain of %s links, middle link '
+                 '%s' % (rate, slow_rate), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, 'sign_chain.png'), dpi=100)
+
+
 EXPERIMENTS = {'wire': wire_dtypes, 'topology': topology,
                'scaling': scaling, 'sweep': sweep,
-               'reduction_server': reduction_server}
+               'reduction_server': reduction_server,
+               'sign_chain': sign_chain}
 
 
 def main():

@@ -15,7 +15,10 @@ hits all of them alike; each time is the slowest rank's.
 
 import argparse
 import atexit
+import collections
 import json
+import os
+import socket
 import sys
 import time
 
@@ -72,10 +75,12 @@ def build_cases(args, world):
     cases = []
     limit_comm = world.Dup()
     chunks_mib = [4, 16] if args.quick else [1, 4, 16, 64]
-    for mib in chunks_mib:
+    for mib in [] if args.only_mnopt else chunks_mib:
         cases.append(('limit: Allreduce, %d MiB chunks' % mib, 'limit',
                       _limit_case(limit_comm, total, mib << 18)))
     try:
+        if args.only_mnopt:
+            raise RuntimeError('--only-mnopt')
         if server.job().servers:
             raise RuntimeError('a job with reduction servers')
         import chainermn
@@ -117,6 +122,62 @@ def _variants(name, args):
                 label = wire if vote == 'ring' else '%s (%s vote)' % (wire,
                                                                       vote)
                 yield wire, {'compression': 'sign', 'vote': vote}, label
+
+
+def link_tx_bytes():
+    """{interface: bytes sent so far} of this node's network interfaces
+    but loopback (Linux's /sys counters; frames a bridge forwards count on
+    the interface they leave by)."""
+    out = {}
+    root = '/sys/class/net'
+    for dev in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        try:
+            with open(os.path.join(root, dev, 'statistics', 'tx_bytes')) as f:
+                out[dev] = int(f.read())
+        except (OSError, ValueError):
+            continue
+    out.pop('lo', None)
+    return out
+
+
+def counting_link_bytes(cases):
+    """``cases`` with each function wrapped to add up the bytes this node's
+    interfaces sent while it ran; returns (wrapped cases, per_call) where
+    ``per_call()`` is, per case, {interface: mean bytes per call}."""
+    totals = [collections.Counter() for _ in cases]
+    calls = [0] * len(cases)
+
+    def wrap(i, fn):
+        def run():
+            before = link_tx_bytes()
+            fn()
+            for dev, n in link_tx_bytes().items():
+                totals[i][dev] += n - before.get(dev, n)
+            calls[i] += 1
+        return run
+
+    def per_call():
+        return [{dev: n / max(1, c) for dev, n in t.items()}
+                for t, c in zip(totals, calls)]
+    return ([(label, kind, wrap(i, fn))
+             for i, (label, kind, fn) in enumerate(cases)], per_call)
+
+
+def gather_link_bytes(world, per_case):
+    """Rank 0: per case {'host:interface': bytes per call}, one entry per
+    node (the first rank of each host speaks for it)."""
+    gathered = world.gather((socket.gethostname(), per_case))
+    if gathered is None:
+        return None
+    merged = [{} for _ in per_case]
+    seen = set()
+    for host, cases in gathered:
+        if host in seen:
+            continue
+        seen.add(host)
+        for out, counts in zip(merged, cases):
+            out.update(('%s:%s' % (host, dev), n) for dev, n in counts.items())
+    return merged
 
 
 def run_cases(cases, world, reps, warmup=2, progress=''):
@@ -387,6 +448,12 @@ def main(argv=None):
                         help="how --dtypes sign counts votes (ring "
                              "communicators)")
     parser.add_argument('--reps', type=int, default=15)
+    parser.add_argument('--only-mnopt', action='store_true',
+                        help='time the mnopt communicators only (not the '
+                             'raw-Allreduce limit nor ChainerMN)')
+    parser.add_argument('--link-bytes', action='store_true',
+                        help='record the bytes each node\'s interfaces sent '
+                             'per averaging (JSON: link_tx_bytes)')
     parser.add_argument('--bucket-bytes', type=int, default=None,
                         help='bucket size of the mnopt communicators')
     parser.add_argument('--quick', action='store_true',
@@ -452,12 +519,17 @@ def main(argv=None):
                            % world.size)
         return
     cases, total = build_cases(args, world)
+    if args.link_bytes:
+        cases, link_bytes_per_call = counting_link_bytes(cases)
     times = run_cases(cases, world, args.reps)
+    link_bytes = gather_link_bytes(world, link_bytes_per_call()) \
+        if args.link_bytes else None
     if world.rank != 0:
         return
     nbytes = total * 4
     medians = numpy.median(times, axis=1)
-    limit = min(m for m, c in zip(medians, cases) if c[1] == 'limit')
+    limit = min([m for m, c in zip(medians, cases) if c[1] == 'limit'],
+                default=None)
     rows = []
     print('# multi_node_mean_grad, ResNet-50 gradients (%d float32, %.1f MB), '
           'N=%d, %d repetitions, slowest rank' % (total, nbytes / 1e6,
@@ -467,13 +539,16 @@ def main(argv=None):
     for (label, kind, _), t, med in zip(cases, times, medians):
         row = {'case': label, 'kind': kind, 'median_s': float(med),
                'min_s': float(t.min()), 'max_s': float(t.max()),
-               'algbw_GBps': nbytes / med / 1e9, 'x_limit': med / limit}
+               'algbw_GBps': nbytes / med / 1e9,
+               'x_limit': float(med / limit) if limit else None}
         if label in SIGN_COMMS:  # measured: bytes rank 0 sent in its vote
             row['sent_bytes'] = SIGN_COMMS[label].vote_stats['bytes_sent']
+        if link_bytes is not None:
+            row['link_tx_bytes'] = link_bytes[len(rows)]
         rows.append(row)
-        print('%-34s %9.1f %9.1f %9.1f %9.2f %9.2f' % (
+        print('%-34s %9.1f %9.1f %9.1f %9.2f %9s' % (
             label, med * 1e3, t.min() * 1e3, t.max() * 1e3,
-            row['algbw_GBps'], row['x_limit']))
+            row['algbw_GBps'], '%.2f' % row['x_limit'] if limit else '-'))
     if args.json:
         with open(args.json, 'w') as f:
             json.dump({'n_ranks': world.size, 'n_elements': total,
