@@ -11,8 +11,10 @@ setup(
     python_requires='>=3.8',
     # Fast float16/bfloat16 casts; optional: without a C compiler mnopt
     # falls back to numpy (bit-identical, about 10x slower).
-    ext_modules=[Extension('mnopt._halfcast', ['mnopt/_halfcast.c'],
-                           extra_compile_args=['-O3'], optional=True)],
+    # The sign codec's one-pass loops likewise (numpy fallback, bit-exact).
+    ext_modules=[Extension('mnopt.' + name, ['mnopt/%s.c' % name],
+                           extra_compile_args=['-O3'], optional=True)
+                 for name in ('_halfcast', '_signbits')],
     install_requires=[
         # Chainer 7.8.1 uses np.sctypes, removed in NumPy 2.
         'numpy<2',

@@ -40,6 +40,11 @@ import numpy
 
 from mnopt import _mpi
 
+try:  # optional one-pass C loops (mnopt/_signbits.c), bit-identical
+    from mnopt import _signbits
+except ImportError:  # pragma: no cover - built without a C compiler
+    _signbits = None
+
 
 COMPRESSIONS = (None, 'sign')
 VOTES = ('ring', 'alltoall')  # how ring communicators vote; see above
@@ -116,6 +121,7 @@ class SignCodec(object):
         self.p = xp.zeros(self.total, dtype=xp.float32)
         self.residual = xp.zeros(self.total, dtype=xp.float32) \
             if error_feedback else None
+        self._bits = None
 
     def encode(self, arrays, step):
         """(packed sign bits, per-array scales as float64 numpy)."""
@@ -124,18 +130,30 @@ class SignCodec(object):
             p[offs[i]:offs[i + 1]] = a.reshape(-1)
         if self.residual is not None:
             p += self.residual
+        scales = numpy.zeros(len(arrays), numpy.float64)
+        for i in range(len(arrays)):
+            lo, hi = offs[i], offs[i + 1]
+            if hi > lo:
+                scales[i] = float(xp.abs(p[lo:hi]).sum(dtype=xp.float64)) \
+                    / (hi - lo)
+        if xp is numpy and _signbits is not None:
+            if self._bits is None:  # each step writes every element's bit;
+                # the padding after the last stays 0, as packbits makes it
+                self._bits = numpy.zeros(self.n_bytes, numpy.uint8)
+            bits = self._bits
+            for i in range(len(arrays)):
+                lo, hi = offs[i], offs[i + 1]
+                _signbits.encode(p[lo:hi], scales[i], bits, lo, step, None
+                                 if self.residual is None
+                                 else self.residual[lo:hi])
+            return bits, scales
         positive = (p > 0).view(xp.uint8)
         zero = xp.nonzero(p == 0)[0]
         if zero.size:
             positive[zero] = coin(zero.astype(xp.uint64), step)
-        scales = numpy.zeros(len(arrays), numpy.float64)
-        for i in range(len(arrays)):
-            lo, hi = offs[i], offs[i + 1]
-            if hi == lo:
-                continue
-            scales[i] = float(xp.abs(p[lo:hi]).sum(dtype=xp.float64)) \
-                / (hi - lo)
-            if self.residual is not None:
+        if self.residual is not None:
+            for i in range(len(arrays)):
+                lo, hi = offs[i], offs[i + 1]
                 # e = p - scale * sign(p), the sign being the bit voted.
                 both = xp.array([-scales[i], scales[i]], xp.float32)
                 xp.subtract(p[lo:hi], both[positive[lo:hi]],
@@ -145,8 +163,14 @@ class SignCodec(object):
     def decode(self, majority, mean_scales, arrays):
         """arrays[i][...] = mean_scales[i] * (+1 or -1 as voted)."""
         xp, offs = self.xp, self.offsets
-        bits = xp.unpackbits(majority)
+        bits = None
         for i, a in enumerate(arrays):
+            if _signbits is not None and isinstance(a, numpy.ndarray) \
+                    and a.dtype == numpy.float32 and a.flags.c_contiguous:
+                _signbits.decode(majority, offs[i], mean_scales[i], a)
+                continue
+            if bits is None:
+                bits = xp.unpackbits(majority)
             both = xp.array([-mean_scales[i], mean_scales[i]], xp.float32)
             a[...] = both[bits[offs[i]:offs[i + 1]]].reshape(a.shape)
 
@@ -173,6 +197,10 @@ def count_bits(n_counted):
 def pack_counts(counts, bits):
     """Counts (< 2**bits) as ``bits`` bit-planes, each packed 8 per byte."""
     xp = _xp(counts)
+    if _fast_counts(counts):
+        out = numpy.empty(bits * ((counts.size + 7) // 8), numpy.uint8)
+        _signbits.pack_counts(counts, bits, out)
+        return out
     planes = [xp.packbits(((counts >> k) & 1).astype(xp.uint8))
               for k in range(bits)]
     return xp.concatenate(planes) if planes else xp.zeros(0, xp.uint8)
@@ -180,12 +208,31 @@ def pack_counts(counts, bits):
 
 def unpack_counts(packed, bits, n, dtype):
     xp = _xp(packed)
-    plane_bytes = (n + 7) // 8
     counts = xp.zeros(n, dtype)
+    if _fast_counts(counts):
+        _signbits.unpack_counts(packed, bits, counts)
+        return counts
+    plane_bytes = (n + 7) // 8
     for k in range(bits):
         plane = xp.unpackbits(packed[k * plane_bytes:(k + 1) * plane_bytes])
         counts += plane[:n].astype(dtype) << k
     return counts
+
+
+def add_bits(counts, bits, first):
+    """counts += the 0/1 bits of elements first.. of packed ``bits``."""
+    if _fast_counts(counts):
+        _signbits.add_bits(bits, first, counts)
+        return
+    xp = _xp(counts)
+    lo = first // 8
+    plane = xp.unpackbits(bits[lo:(first + counts.size + 7) // 8 + 1])
+    counts += plane[first - 8 * lo:first - 8 * lo + counts.size]
+
+
+def _fast_counts(counts):
+    return (_signbits is not None and isinstance(counts, numpy.ndarray)
+            and counts.dtype == numpy.uint8)
 
 
 def segment_bounds(n_elements, n_segments):
@@ -206,7 +253,6 @@ def counting_ring_vote(comm, bits, n_elements, step, stats=None):
         return bits.copy()
     bounds = segment_bounds(n_elements, size)
     count_dtype = numpy.uint8 if size < 256 else numpy.uint16
-    own = numpy.unpackbits(bits)[:n_elements]
     right, left = (rank + 1) % size, (rank - 1) % size
     tag = 0x516
     sent = 0
@@ -217,7 +263,8 @@ def counting_ring_vote(comm, bits, n_elements, step, stats=None):
 
     # Reduce-scatter: at step s the counts passed on cover s + 1 workers.
     lo, hi = seg(rank)
-    counts = own[lo:hi].astype(count_dtype)
+    counts = numpy.zeros(hi - lo, count_dtype)
+    add_bits(counts, bits, lo)
     for s in range(size - 1):
         out = pack_counts(counts, count_bits(s + 1))
         lo, hi = seg(rank - s - 1)
@@ -226,7 +273,7 @@ def counting_ring_vote(comm, bits, n_elements, step, stats=None):
                       [got, _mpi.MPI.BYTE], left, tag)
         sent += out.size
         counts = unpack_counts(got, count_bits(s + 1), hi - lo, count_dtype)
-        counts += own[lo:hi]
+        add_bits(counts, bits, lo)
     # This rank now holds every worker's count for segment rank + 1.
     lo, hi = seg(rank + 1)
     majority = numpy.empty((n_elements + 7) // 8, numpy.uint8)
@@ -269,8 +316,9 @@ def alltoall_vote(comm, bits, n_elements, step, stats=None):
                     _mpi.MPI.BYTE])
     lo, hi = bounds[rank], bounds[rank + 1]
     count_dtype = numpy.uint8 if size < 256 else numpy.uint16
-    counts = numpy.unpackbits(gathered, axis=1)[:, :hi - lo].sum(
-        axis=0, dtype=count_dtype)
+    counts = numpy.zeros(hi - lo, count_dtype)
+    for row in gathered:
+        add_bits(counts, row, 0)
     majority = numpy.empty((n_elements + 7) // 8, numpy.uint8)
     majority[first[rank]:first[rank] + mine] = numpy.packbits(
         majority_bits(counts, size, lo, step))

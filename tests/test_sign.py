@@ -120,6 +120,59 @@ def test_alltoall_bytes_per_element(comm_name):
     assert abs(bits_per_element - 2.0 * (n - 1) / n) < 0.01
 
 
+@pytest.fixture(params=['C', 'numpy'])
+def codec_loops(request, monkeypatch):
+    """The sign codec with its C loops (mnopt/_signbits.c) and with
+    numpy's; both must give the same bits."""
+    if request.param == 'C':
+        if sign._signbits is None:
+            pytest.skip('mnopt._signbits was not built (no C compiler)')
+    else:
+        monkeypatch.setattr(sign, '_signbits', None)
+    return request.param
+
+
+def test_vote_is_exact_with_either_codec(comm_name, codec_loops):
+    comm = mnopt.create_communicator(comm_name, compression='sign')
+    got = _vote_once(comm, seed=5)
+    everyone = [rank_grads(r, 5) for r in range(comm.size)]
+    for g, w in zip(got, expected_vote(everyone, 0)):
+        numpy.testing.assert_array_equal(g, w)
+
+
+def test_c_loops_match_numpy(monkeypatch):
+    if sign._signbits is None:
+        pytest.skip('mnopt._signbits was not built (no C compiler)')
+    rng = numpy.random.RandomState(3)
+    shapes = [(13,), (0,), (7, 9), (1,), (4000,)]
+    layout = mnopt.grad_buffer.make_layout(
+        [('p%d' % i, numpy.zeros(s, numpy.float32))
+         for i, s in enumerate(shapes)], 'float32')
+    grads = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
+    grads[-1][::5] = 0
+    counts = rng.randint(0, 8, size=1001).astype(numpy.uint8)
+    results = {}
+    for loops in ('C', 'numpy'):
+        if loops == 'numpy':
+            monkeypatch.setattr(sign, '_signbits', None)
+        codec = sign.SignCodec(layout)
+        for step in range(3):  # residuals carried over
+            bits, scales = codec.encode(grads, step)
+        out = [numpy.empty_like(g) for g in grads]
+        codec.decode(bits, scales.astype(numpy.float32), out)
+        packed = sign.pack_counts(counts, 3)
+        plus = sign.unpack_counts(packed, 3, 1001, numpy.uint8)
+        sign.add_bits(plus, bits, 5)
+        results[loops] = (bits.copy(), scales, codec.residual.copy(), out,
+                          packed, plus)
+    for a, b in zip(results['C'], results['numpy']):
+        if isinstance(a, list):
+            for x, y in zip(a, b):
+                numpy.testing.assert_array_equal(x, y)
+        else:
+            numpy.testing.assert_array_equal(a, b)
+
+
 def test_counts_survive_bit_packing():
     rng = numpy.random.RandomState(0)
     for bits in range(1, 9):
