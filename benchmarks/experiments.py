@@ -200,6 +200,29 @@ def reduction_server(rate, lines):
     fig.savefig(os.path.join(OUT, 'reduction_server.png'), dpi=100)
 
 
+def sign_star(rate, lines, sizes=(4, 8)):
+    """Sign compression against FP32 and FP16 on a switch (every node one
+    link of ``rate``)."""
+    lines += ['## Sign compression vs float32 and float16 (%s links to a '
+              'switch, 1 rank per node)' % rate, '',
+              'ResNet-50 gradients.  Sent: bytes rank 0 sent per averaging '
+              '(its interface counter, headers included).', '',
+              '| nodes | case | median s | vs float32 | sent MB |',
+              '|---|---|---|---|---|']
+    for n in sizes:
+        r = bench(n, 1, rate, [
+            '--communicators', 'flat', '--dtypes', 'float32', 'float16',
+            'sign', '--votes', 'ring', 'alltoall', '--reps', '5',
+            '--only-mnopt', '--link-bytes'], 'sign_%d' % n)
+        fp32 = r['rows'][0]['median_s']
+        for row in r['rows']:
+            lines.append('| %d | %s | %.3f | %.2fx | %.1f |' % (
+                n, row['case'].replace('mnopt flat ', ''), row['median_s'],
+                fp32 / row['median_s'],
+                row['link_tx_bytes']['mnopt-n0:eth0'] / 1e6))
+    lines.append('')
+
+
 def sign_vote_bits_across(vote, n):
     """Bits per gradient element that cross the slow middle link of an
     n-node chain, each way, for one vote.  Ring: each direction carries
@@ -275,17 +298,19 @@ def sign_chain(rate, lines, slow_rate='200mbit', sizes=(4, 8, 16)):
         ax.set_yscale('log')
         ax.set_title(title, fontsize=10)
         ax.grid(axis='y', alpha=0.3)
-    left.legend(fontsize=8)
+    handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles, labels, loc='lower center', ncol=len(cases),
+               fontsize=8)
     fig.suptitle('ResNet-50 gradients on a chain of %s links, middle link '
                  '%s' % (rate, slow_rate), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(os.path.join(OUT, 'sign_chain.png'), dpi=100)
 
 
 EXPERIMENTS = {'wire': wire_dtypes, 'topology': topology,
                'scaling': scaling, 'sweep': sweep,
                'reduction_server': reduction_server,
-               'sign_chain': sign_chain}
+               'sign': sign_star, 'sign_chain': sign_chain}
 
 
 def main():
