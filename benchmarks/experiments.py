@@ -200,6 +200,12 @@ def reduction_server(rate, lines):
     fig.savefig(os.path.join(OUT, 'reduction_server.png'), dpi=100)
 
 
+# float32, float16 and sign with both votes, bytes on every interface.
+SIGN_CASES = ['--communicators', 'flat', '--dtypes', 'float32', 'float16',
+              'sign', '--votes', 'ring', 'alltoall', '--only-mnopt',
+              '--link-bytes']
+
+
 def sign_star(rate, lines, sizes=(4, 8)):
     """Sign compression against FP32 and FP16 on a switch (every node one
     link of ``rate``)."""
@@ -210,10 +216,7 @@ def sign_star(rate, lines, sizes=(4, 8)):
               '| nodes | case | median s | vs float32 | sent MB |',
               '|---|---|---|---|---|']
     for n in sizes:
-        r = bench(n, 1, rate, [
-            '--communicators', 'flat', '--dtypes', 'float32', 'float16',
-            'sign', '--votes', 'ring', 'alltoall', '--reps', '5',
-            '--only-mnopt', '--link-bytes'], 'sign_%d' % n)
+        r = bench(n, 1, rate, SIGN_CASES + ['--reps', '5'], 'sign_%d' % n)
         fp32 = r['rows'][0]['median_s']
         for row in r['rows']:
             lines.append('| %d | %s | %.3f | %.2fx | %.1f |' % (
@@ -242,10 +245,8 @@ def sign_chain(rate, lines, slow_rate='200mbit', sizes=(4, 8, 16)):
     middle link is 5x slower than the others."""
     results = {}
     for n in sizes:
-        results[n] = bench(n, 1, rate, [
-            '--communicators', 'flat', '--dtypes', 'float32', 'float16',
-            'sign', '--votes', 'ring', 'alltoall', '--reps', '3',
-            '--only-mnopt', '--link-bytes'], 'sign_chain_%d' % n,
+        results[n] = bench(n, 1, rate, SIGN_CASES + ['--reps', '3'],
+                           'sign_chain_%d' % n,
             netsim_args=['--topology', 'chain',
                          '--link', '%d=%s' % (n // 2 - 1, slow_rate)])
     slow = rate_bytes_per_s(slow_rate)

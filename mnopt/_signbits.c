@@ -88,6 +88,27 @@ static int check(Py_buffer *b, Py_ssize_t need, const char *what)
     return 0;
 }
 
+/* Bits of elements first..first+n-1 must lie inside the buffer. */
+static int check_bits(Py_buffer *bits, Py_ssize_t first, Py_ssize_t n)
+{
+    if (first < 0) {
+        PyErr_SetString(PyExc_ValueError, "first must be >= 0");
+        return -1;
+    }
+    return check(bits, (first + n + 7) / 8, "bits");
+}
+
+/* One element of encode, for the ends and where SSE2 is missing. */
+static inline void encode_one(const float *pv, float *rv, uint8_t *bv,
+                              Py_ssize_t j, Py_ssize_t first, uint64_t salt,
+                              const float both[2])
+{
+    unsigned bit = pv[j] > 0.0f
+        || (pv[j] == 0.0f && coin((uint64_t)(first + j), salt));
+    put_bit(bv, first + j, bit);
+    if (rv) rv[j] = pv[j] - both[bit];
+}
+
 /* encode(p f32[n], scale, bits, first, step, residual f32[n] or None):
  * bit of element first+j = p[j] > 0 (p[j] == 0: the coin);
  * residual[j] = p[j] - (bit ? scale : -scale). */
@@ -102,7 +123,7 @@ static PyObject *py_encode(PyObject *m, PyObject *args)
                           &step, &res_obj))
         return NULL;
     Py_ssize_t n = p.len / 4;
-    int ok = first >= 0 && check(&bits, (first + n + 7) / 8, "bits") == 0;
+    int ok = check_bits(&bits, first, n) == 0;
     if (ok && res_obj != Py_None) {
         ok = PyObject_GetBuffer(res_obj, &res, PyBUF_WRITABLE) == 0
              && check(&res, p.len, "residual") == 0;
@@ -111,23 +132,18 @@ static PyObject *py_encode(PyObject *m, PyObject *args)
         const float *pv = (const float *)p.buf;
         float *rv = (float *)res.buf;  /* NULL without error feedback */
         uint8_t *bv = (uint8_t *)bits.buf;
-        const float s = (float)scale_d;
+        const float s = (float)scale_d, both[2] = {-s, s};
         const uint64_t salt = coin_salt(step);
         Py_BEGIN_ALLOW_THREADS
         Py_ssize_t j = 0;
         /* Up to a byte boundary, then 8 elements per byte. */
-        for (; j < n && ((first + j) & 7); j++) {
-            unsigned bit = pv[j] > 0.0f
-                || (pv[j] == 0.0f && coin((uint64_t)(first + j), salt));
-            put_bit(bv, first + j, bit);
-            if (rv) rv[j] = pv[j] - (bit ? s : -s);
-        }
-        /* Branch-free: signs are random, a branch on them mispredicts
-         * half the time.  Zeros (rare) are mended after. */
-        const float both[2] = {-s, s};
+        for (; j < n && ((first + j) & 7); j++)
+            encode_one(pv, rv, bv, j, first, salt, both);
 #if defined(__SSE2__)
-        /* Four floats per compare; movemask puts element k on bit k,
-         * REVERSED4 turns that into packbits' order. */
+        /* Branch-free (signs are random: a branch on them mispredicts half
+         * the time), four floats per compare; movemask puts element k on
+         * bit k, REVERSED4 turns that into packbits' order.  Zeros (rare)
+         * are mended after. */
         static const uint8_t REVERSED4[16] = {0, 8, 4, 12, 2, 10, 6, 14,
                                               1, 9, 5, 13, 3, 11, 7, 15};
         const __m128 zero = _mm_setzero_ps(), vs = _mm_set1_ps(s);
@@ -154,30 +170,9 @@ static PyObject *py_encode(PyObject *m, PyObject *args)
             bv[(first + j) >> 3] = (uint8_t)byte;
         }
 #endif
-        for (; j + 8 <= n; j += 8) {
-            unsigned byte = 0, zeros = 0;
-            for (int k = 0; k < 8; k++) {
-                float x = pv[j + k];
-                byte |= (unsigned)(x > 0.0f) << (7 - k);
-                zeros |= (unsigned)(x == 0.0f) << (7 - k);
-            }
-            for (int k = 0; zeros && k < 8; k++)
-                if (zeros & (0x80u >> k))
-                    byte |= coin((uint64_t)(first + j + k), salt) << (7 - k);
-            bv[(first + j) >> 3] = (uint8_t)byte;
-            if (rv)
-                for (int k = 0; k < 8; k++)
-                    rv[j + k] = pv[j + k] - both[(byte >> (7 - k)) & 1u];
-        }
-        for (; j < n; j++) {
-            unsigned bit = pv[j] > 0.0f
-                || (pv[j] == 0.0f && coin((uint64_t)(first + j), salt));
-            put_bit(bv, first + j, bit);
-            if (rv) rv[j] = pv[j] - (bit ? s : -s);
-        }
+        for (; j < n; j++)
+            encode_one(pv, rv, bv, j, first, salt, both);
         Py_END_ALLOW_THREADS
-    } else if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "first must be >= 0");
     }
     PyBuffer_Release(&p);
     PyBuffer_Release(&bits);
@@ -196,7 +191,7 @@ static PyObject *py_decode(PyObject *m, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*ndw*", &bits, &first, &scale_d, &out))
         return NULL;
     Py_ssize_t n = out.len / 4;
-    if (first >= 0 && check(&bits, (first + n + 7) / 8, "bits") == 0) {
+    if (check_bits(&bits, first, n) == 0) {
         const uint8_t *bv = (const uint8_t *)bits.buf;
         float *ov = (float *)out.buf;
         const float both[2] = {-(float)scale_d, (float)scale_d};
@@ -212,8 +207,6 @@ static PyObject *py_decode(PyObject *m, PyObject *args)
         for (; j < n; j++)
             ov[j] = both[get_bit(bv, first + j)];
         Py_END_ALLOW_THREADS
-    } else if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "first must be >= 0");
     }
     PyBuffer_Release(&bits);
     PyBuffer_Release(&out);
@@ -229,7 +222,7 @@ static PyObject *py_add_bits(PyObject *m, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*nw*", &bits, &first, &counts))
         return NULL;
     Py_ssize_t n = counts.len;
-    if (first >= 0 && check(&bits, (first + n + 7) / 8, "bits") == 0) {
+    if (check_bits(&bits, first, n) == 0) {
         const uint8_t *bv = (const uint8_t *)bits.buf;
         uint8_t *cv = (uint8_t *)counts.buf;
         Py_BEGIN_ALLOW_THREADS
@@ -241,8 +234,6 @@ static PyObject *py_add_bits(PyObject *m, PyObject *args)
         for (; j < n; j++)
             cv[j] = (uint8_t)(cv[j] + get_bit(bv, first + j));
         Py_END_ALLOW_THREADS
-    } else if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "first must be >= 0");
     }
     PyBuffer_Release(&bits);
     PyBuffer_Release(&counts);
