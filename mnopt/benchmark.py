@@ -69,28 +69,15 @@ SIGN_COMMS = {}  # case label -> its sign-compressed communicator
 
 def build_cases(args, world):
     import mnopt
-    from mnopt import server
     shapes = resnet50_grad_shapes()
     total = sum(int(numpy.prod(s)) for s in shapes)
     cases = []
-    limit_comm = world.Dup()
-    chunks_mib = [4, 16] if args.quick else [1, 4, 16, 64]
-    for mib in [] if args.only_mnopt else chunks_mib:
-        cases.append(('limit: Allreduce, %d MiB chunks' % mib, 'limit',
-                      _limit_case(limit_comm, total, mib << 18)))
-    try:
-        if args.only_mnopt:
-            raise RuntimeError('--only-mnopt')
-        if server.job().servers:
-            raise RuntimeError('a job with reduction servers')
-        import chainermn
-        cmn = chainermn.create_communicator('naive', mpi_comm=world.Dup())
-        model = grad_model(shapes, world.rank)
-        cases.append(('chainermn naive', 'chainermn',
-                      lambda: cmn.multi_node_mean_grad(model)))
-    except Exception as e:  # not installed, or not importable here
-        if world.rank == 0:
-            print('# ChainerMN not available (%s); skipping it' % e)
+    if not args.only_mnopt:
+        limit_comm = world.Dup()
+        for mib in [4, 16] if args.quick else [1, 4, 16, 64]:
+            cases.append(('limit: Allreduce, %d MiB chunks' % mib, 'limit',
+                          _limit_case(limit_comm, total, mib << 18)))
+        cases += _chainermn_cases(shapes, world)
     for name in args.communicators:
         for wire, options, label in _variants(name, args):
             if name == 'reduction_server':
@@ -106,6 +93,23 @@ def build_cases(args, world):
             if wire == 'sign':
                 SIGN_COMMS[cases[-1][0]] = comm
     return cases, total
+
+
+def _chainermn_cases(shapes, world):
+    """ChainerMN's naive communicator, where ChainerMN can run here."""
+    from mnopt import server
+    try:
+        if server.job().servers:
+            raise RuntimeError('a job with reduction servers')
+        import chainermn
+        cmn = chainermn.create_communicator('naive', mpi_comm=world.Dup())
+    except Exception as e:  # not installed, or not importable here
+        if world.rank == 0:
+            print('# ChainerMN not available (%s); skipping it' % e)
+        return []
+    model = grad_model(shapes, world.rank)
+    return [('chainermn naive', 'chainermn',
+             lambda: cmn.multi_node_mean_grad(model))]
 
 
 def _variants(name, args):

@@ -126,27 +126,27 @@ class SignCodec(object):
     def encode(self, arrays, step):
         """(packed sign bits, per-array scales as float64 numpy)."""
         xp, p, offs = self.xp, self.p, self.offsets
-        for i, a in enumerate(arrays):
-            p[offs[i]:offs[i + 1]] = a.reshape(-1)
-        if self.residual is not None:
-            p += self.residual
+        fast = xp is numpy and _signbits is not None
+        if fast and self._bits is None:  # each step writes every element's
+            # bit; the padding after the last stays 0, as packbits makes it
+            self._bits = numpy.zeros(self.n_bytes, numpy.uint8)
         scales = numpy.zeros(len(arrays), numpy.float64)
-        for i in range(len(arrays)):
+        # Array by array, so each is still in cache for its next pass.
+        for i, a in enumerate(arrays):
             lo, hi = offs[i], offs[i + 1]
-            if hi > lo:
-                scales[i] = float(xp.abs(p[lo:hi]).sum(dtype=xp.float64)) \
-                    / (hi - lo)
-        if xp is numpy and _signbits is not None:
-            if self._bits is None:  # each step writes every element's bit;
-                # the padding after the last stays 0, as packbits makes it
-                self._bits = numpy.zeros(self.n_bytes, numpy.uint8)
-            bits = self._bits
-            for i in range(len(arrays)):
-                lo, hi = offs[i], offs[i + 1]
-                _signbits.encode(p[lo:hi], scales[i], bits, lo, step, None
-                                 if self.residual is None
-                                 else self.residual[lo:hi])
-            return bits, scales
+            if hi == lo:
+                continue
+            p[lo:hi] = a.reshape(-1)
+            residual = None if self.residual is None else self.residual[lo:hi]
+            if residual is not None:
+                p[lo:hi] += residual
+            scales[i] = float(xp.abs(p[lo:hi]).sum(dtype=xp.float64)) \
+                / (hi - lo)
+            if fast:
+                _signbits.encode(p[lo:hi], scales[i], self._bits, lo, step,
+                                 residual)
+        if fast:
+            return self._bits, scales
         positive = (p > 0).view(xp.uint8)
         zero = xp.nonzero(p == 0)[0]
         if zero.size:
