@@ -1,21 +1,40 @@
 # `make run`: set up (first time) and run the main job.
-# `make test`: set up (first time) and run the whole test suite.
+# `make test`: set up (first time) and run the whole test suite, on every
+# supported stack.
+#
+# A stack is a virtual environment .venv/STACK built from
+# constraints/STACK.txt:
+#   numpy2  NumPy 2.x (CuPy 14 era), with Chainer: the default
+#   numpy1  NumPy 1.x (CuPy 13 era), with Chainer
+#   core    NumPy 2.x, CuPy 14 and NVRTC but no Chainer and no GPU: the
+#           Chainer-free core, and every CUDA kernel compiled for sm_90
 PYTHON ?= python3
-VENV ?= .venv
+STACK ?= numpy2
+STACKS ?= numpy2 numpy1 core
+NP ?= 2
+VENV := .venv/$(STACK)
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
-NP ?= 2
+
+# What each stack installs on top of mnopt's own requirements.
+EXTRAS_numpy2 := mpich,test,examples
+EXTRAS_numpy1 := mpich,test,examples
+EXTRAS_core := mpich,test
+# CuPy 14 and just the CUDA runtime compiler (not the whole toolkit).
+MORE_core := cupy-cuda13x nvidia-cuda-nvrtc
 
 .PHONY: setup run test bench convergence experiments clean
 
 setup: $(VENV)/.installed
 
 # The constraints reach pip's isolated build environments too: Chainer
-# 7.8.1 builds only with setuptools<70 and runs only with numpy<2.
-$(VENV)/.installed: setup.py constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q \
-	    --disable-pip-version-check -e '.[test,examples]'
+# 7.8.1 builds only with setuptools<70.
+.venv/%/.installed: setup.py constraints/%.txt
+	rm -rf .venv/$*
+	$(PYTHON) -m venv .venv/$*
+	PIP_CONSTRAINT=$(CURDIR)/constraints/$*.txt .venv/$*/bin/python -m pip \
+	    install -q --disable-pip-version-check -e '.[$(EXTRAS_$*)]' \
+	    $(MORE_$*)
 	touch $@
 
 # The main job: the ImageNet example on its embedded dataset (built once,
@@ -34,11 +53,18 @@ convergence: setup
 experiments: setup
 	$(PY) benchmarks/experiments.py
 
-# The same test modules serially and under mpiexec -n 2 and -n 3.
-test: setup
-	$(PY) -m pytest -q
-	$(MPIEXEC) -n 2 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider
-	$(MPIEXEC) -n 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider
+# Every stack in turn: the same test modules serially and under
+# mpiexec -n 2 and -n 3 (the core stack serially: what it adds is the
+# no-Chainer import and the kernel compile check).
+test: $(addprefix test-,$(STACKS))
+
+test-%: .venv/%/.installed
+	@echo "== stack $*: $$(.venv/$*/bin/python -c 'import sys, numpy; print("Python", sys.version.split()[0], "NumPy", numpy.__version__)')"
+	.venv/$*/bin/python -m pytest -q
+	if [ $* != core ]; then \
+	    .venv/$*/bin/mpiexec -n 2 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider && \
+	    .venv/$*/bin/mpiexec -n 3 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider; \
+	fi
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf .venv *.egg-info

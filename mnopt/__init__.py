@@ -1,13 +1,59 @@
 """mnopt: multi-node data-parallel training for Chainer and CuPy.
 
 A drop-in for ChainerMN's data-parallel API (``import mnopt as chainermn``).
+
+Two layers:
+
+- the core, which needs only numpy and mpi4py (and CuPy for GPU arrays):
+  ``create_communicator`` and the communicators' ``mean_grads`` /
+  ``mean_grads_async`` on ``[(name, array), ...]`` lists, the reduction
+  server, sign compression, the benchmark;
+- the Chainer layer on top (``create_multi_node_optimizer``,
+  ``create_multi_node_evaluator``, ``scatter_dataset``, ``Signum``), imported
+  on first use, so ``import mnopt`` works without Chainer.
 """
+
+import importlib
+
+import _mnopt_chainer_numpy2
 
 from mnopt._mpi import LayoutMismatchError  # NOQA
 from mnopt.communicators import create_communicator  # NOQA
 from mnopt.communicators.base import CommunicatorBase  # NOQA
-from mnopt.datasets import scatter_dataset, scatter_index  # NOQA
-from mnopt.evaluator import create_multi_node_evaluator  # NOQA
-from mnopt.optimizers import Signum, create_multi_node_optimizer  # NOQA
 
 __version__ = '0.1.0'
+
+# Chainer 7.8.1 under NumPy 2 (a no-op under NumPy 1 or once Chainer is in).
+_mnopt_chainer_numpy2.install_import_hook()
+
+#: The Chainer layer: name -> the module that defines it.
+_CHAINER_LAYER = {
+    'create_multi_node_optimizer': 'mnopt.optimizers',
+    'Signum': 'mnopt.optimizers',
+    'create_multi_node_evaluator': 'mnopt.evaluator',
+    'scatter_dataset': 'mnopt.datasets',
+    'scatter_index': 'mnopt.datasets',
+}
+
+
+def __getattr__(name):
+    module = _CHAINER_LAYER.get(name)
+    if module is None:
+        raise AttributeError('module %r has no attribute %r'
+                             % (__name__, name))
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        if e.name != 'chainer' and not str(e.name).startswith('chainer.'):
+            raise
+        raise ImportError(
+            'mnopt.%s is part of the Chainer layer and needs Chainer, which '
+            "is not installed: pip install 'mnopt[chainer]' (see "
+            'docs/install.md).  The core (create_communicator, mean_grads) '
+            'works without it.' % name, name='chainer') from e
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_CHAINER_LAYER))

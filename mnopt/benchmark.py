@@ -2,8 +2,8 @@
 
     mpiexec -n 2 python -m mpi4py -m mnopt.benchmark [--quick] [--json FILE]
 
-Times ``multi_node_mean_grad`` on ResNet-50's gradient set (162 arrays,
-25,557,096 float32) for each communicator and wire dtype, next to:
+Times gradient averaging (``mean_grads``) on ResNet-50's gradient set
+(162 arrays, 25,557,096 float32) for each communicator and wire dtype, next to:
 
 - the limit: raw mpi4py ``Allreduce`` of one pre-packed float32 buffer, at
   the best of several chunk sizes (no packing, no casting, no scaling);
@@ -43,15 +43,23 @@ def resnet50_grad_shapes(n_classes=1000):
     return shapes + [(n_classes, 2048), (n_classes,)]
 
 
+def grad_list(shapes, rank, dtype=numpy.float32):
+    """[(name, gradient)] as ``mean_grads`` takes them: no Chainer needed."""
+    rng = numpy.random.RandomState(rank)
+    return [('p%03d' % i, rng.standard_normal(shape).astype(dtype))
+            for i, shape in enumerate(shapes)]
+
+
 def grad_model(shapes, rank, dtype=numpy.float32):
+    """A Chainer Link holding ``grad_list``'s gradients (for the cases that
+    need Chainer: the optimizer wrapper, ChainerMN)."""
     import chainer
     link = chainer.Link()
-    rng = numpy.random.RandomState(rank)
     with link.init_scope():
-        for i, shape in enumerate(shapes):
-            p = chainer.Parameter(numpy.zeros(shape, dtype=dtype))
-            p.grad = rng.standard_normal(shape).astype(dtype)
-            setattr(link, 'p%03d' % i, p)
+        for name, grad in grad_list(shapes, rank, dtype):
+            p = chainer.Parameter(numpy.zeros(grad.shape, dtype=dtype))
+            p.grad = grad
+            setattr(link, name, p)
     return link
 
 
@@ -87,9 +95,9 @@ def build_cases(args, world):
             if name == 'reduction_server' and world.rank == 0:
                 atexit.register(lambda c=comm: print(c.stats.format(
                     'worker 0 %s' % c.allreduce_grad_dtype)))
-            model = grad_model(shapes, world.rank)
+            grads = grad_list(shapes, world.rank)
             cases.append(('mnopt %s %s' % (name, label), name,
-                          lambda c=comm, m=model: c.multi_node_mean_grad(m)))
+                          lambda c=comm, g=grads: c.mean_grads(g)))
             if wire == 'sign':
                 SIGN_COMMS[cases[-1][0]] = comm
     return cases, total
@@ -220,9 +228,8 @@ def _reps_for(nbytes, reps):
 
 
 def sweep(args, world):
-    """multi_node_mean_grad of one float32 array per message size, next to
+    """mean_grads of one float32 array per message size, next to
     one raw Allreduce of the same buffer."""
-    import chainer
     import mnopt
     comms = [(name, wire, mnopt.create_communicator(
         name, allreduce_grad_dtype=wire))
@@ -236,12 +243,9 @@ def sweep(args, world):
         cases = [('mpi4py Allreduce', 'raw',
                   lambda b=buf: raw.Allreduce(MPI.IN_PLACE, b))]
         for name, wire, comm in comms:
-            link = chainer.Link()
-            with link.init_scope():
-                link.w = chainer.Parameter(numpy.zeros(n, numpy.float32))
-            link.w.grad = numpy.ones(n, numpy.float32)
+            grads = [('w', numpy.ones(n, numpy.float32))]
             cases.append(('mnopt %s %s' % (name, wire), name,
-                          lambda c=comm, m=link: c.multi_node_mean_grad(m)))
+                          lambda c=comm, g=grads: c.mean_grads(g)))
         times = run_cases(cases, world, _reps_for(nbytes, args.reps),
                           progress='size %d/%d (%s): ' % (
                               i + 1, len(sizes), _human(nbytes)))
@@ -265,7 +269,7 @@ def _human(nbytes):
 
 
 def print_sweep(rows, world):
-    print('# multi_node_mean_grad of one float32 array, N=%d, slowest rank; '
+    print('# mean_grads of one float32 array, N=%d, slowest rank; '
           'algbw = bytes/time, busbw = algbw*2(N-1)/N' % world.size)
     print('%10s  %-28s %10s %10s %10s %9s %9s' % (
         'size', 'case', 'median ms', 'min ms', 'max ms', 'algbw GB/s',
@@ -535,7 +539,7 @@ def main(argv=None):
     limit = min([m for m, c in zip(medians, cases) if c[1] == 'limit'],
                 default=None)
     rows = []
-    print('# multi_node_mean_grad, ResNet-50 gradients (%d float32, %.1f MB), '
+    print('# mean_grads, ResNet-50 gradients (%d float32, %.1f MB), '
           'N=%d, %d repetitions, slowest rank' % (total, nbytes / 1e6,
                                                   world.size, args.reps))
     print('%-34s %9s %9s %9s %9s %9s' % ('case', 'median ms', 'min ms',

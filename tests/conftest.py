@@ -5,10 +5,14 @@ import os
 import subprocess
 import sys
 
-import chainer
 import numpy
 import pytest
 from mpi4py import MPI
+
+try:
+    import chainer
+except ImportError:  # the core stack: mnopt without Chainer
+    chainer = None
 
 WORLD = MPI.COMM_WORLD
 CPU_COMMUNICATORS = ('naive', 'flat', 'hierarchical')
@@ -39,8 +43,39 @@ def comm_name(request, monkeypatch):
     return name
 
 
+needs_chainer = pytest.mark.skipif(
+    chainer is None, reason='the Chainer layer (this stack has no Chainer; '
+                            'the numpy1 and numpy2 stacks run it)')
+
+
+class _Param(object):
+    def __init__(self, array):
+        self.array, self.grad = array, None
+
+    @property
+    def shape(self):
+        return self.array.shape
+
+
+class _Model(object):
+    """What communicators read of a Chainer Link: ``namedparams()``, and
+    each parameter as an attribute."""
+
+    def __init__(self, params):
+        self._params = params
+        for name, param in params:
+            setattr(self, name.lstrip('/'), param)
+
+    def namedparams(self):
+        return iter(self._params)
+
+
 def make_model(shapes, dtype=numpy.float32):
-    """A Link with one parameter per shape, named p000, p001, ..."""
+    """A Link with one parameter per shape, named p000, p001, ...; without
+    Chainer, an object with the same ``namedparams()``."""
+    if chainer is None:
+        return _Model([('/p%03d' % i, _Param(numpy.zeros(s, dtype=dtype)))
+                       for i, s in enumerate(shapes)])
     link = chainer.Link()
     with link.init_scope():
         for i, shape in enumerate(shapes):

@@ -1,13 +1,12 @@
 """ChainerMN's data-parallel API: ranks, collectives, objects, datasets,
 the evaluator and the multi-node optimizer."""
 
-import chainer
 import numpy
 import pytest
 
 import mnopt
 from mnopt import _mpi
-from conftest import WORLD, make_model
+from conftest import WORLD, chainer, make_model, needs_chainer
 
 
 @pytest.fixture
@@ -133,6 +132,7 @@ def test_bcast_data(comm):
         numpy.testing.assert_array_equal(p.array, 1)
 
 
+@needs_chainer
 def test_scatter_dataset(comm):
     data = list(range(11)) if comm.rank == 0 else None
     mine = mnopt.scatter_dataset(data, comm, shuffle=True, seed=3)
@@ -142,6 +142,7 @@ def test_scatter_dataset(comm):
     assert len(mine) == -(-11 // comm.size)
 
 
+@needs_chainer
 def test_scatter_dataset_without_padding(comm):
     data = list(range(10)) if comm.rank == 0 else None
     mine = mnopt.scatter_dataset(data, comm, force_equal_length=False)
@@ -158,6 +159,7 @@ def test_multi_node_evaluator(comm):
                              'main/acc': 1.0}
 
 
+@needs_chainer
 def test_multi_node_optimizer(comm):
     """First update broadcasts rank 0's parameters; later ones apply the
     mean gradient (plain SGD, lr=1, so the step is exactly the mean)."""
@@ -182,6 +184,7 @@ def test_multi_node_optimizer(comm):
     assert opt.actual_optimizer.lr == 0.5
 
 
+@needs_chainer
 def test_multi_node_optimizer_with_lossfun(comm):
     model = chainer.links.Linear(3, 2)
     opt = mnopt.create_multi_node_optimizer(

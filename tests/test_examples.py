@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO, run_mpi
 
 pytestmark = pytest.mark.spawn
+pytest.importorskip('chainer', reason='the examples need Chainer')
 pytest.importorskip('PIL', reason="the examples need mnopt[examples]")
 TRAIN = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
 DIGITS = os.path.join(REPO, 'examples', 'digits', 'train_digits.py')

@@ -3,7 +3,7 @@ what must end a job rather than hang it."""
 
 import pytest
 
-from conftest import run_mpi
+from conftest import needs_chainer, run_mpi
 
 pytestmark = pytest.mark.spawn
 
@@ -97,6 +97,7 @@ print('rank %d done' % comm.rank)
 '''
 
 
+@needs_chainer
 def test_a_chainermn_script_runs_with_import_mnopt_as_chainermn(tmp_path):
     proc = run_mpi(3, 'OUT = %r\n' % str(tmp_path) + CHAINERMN_SCRIPT,
                    timeout=120)

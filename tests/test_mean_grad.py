@@ -7,7 +7,8 @@ import numpy
 import pytest
 
 import mnopt
-from conftest import WORLD, expected_mean, make_model, rank_grads
+from conftest import (WORLD, chainer, expected_mean, make_model, needs_chainer,
+                      rank_grads)
 
 PARAM_SETS = {
     'none': [],
@@ -103,8 +104,8 @@ def test_none_gradients(comm_name, zero_fill):
                                       want[i], rtol=1e-6)
 
 
+@needs_chainer
 def test_uninitialized_parameters_are_skipped(comm_name):
-    import chainer
     comm = mnopt.create_communicator(comm_name)
     model = make_model([(3,)])
     with model.init_scope():

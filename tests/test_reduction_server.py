@@ -13,7 +13,7 @@ from mnopt.server import PROTOCOL_VERSION
 pytestmark = pytest.mark.spawn
 
 WORKER = r'''
-import sys, numpy, chainer, mnopt
+import sys, numpy, mnopt
 sys.path.insert(0, 'tests')
 from conftest import make_model
 from mnopt import grad_buffer as gb
@@ -50,7 +50,12 @@ for shapes in ([(3,), (5, 7), (1,), (0,), (11, 13, 3), (2000,)], [], [(1,)]):
             if comm.size == 1:
                 back = everyone[0][k].reshape(-1)  # N=1: left untouched
             assert (p.grad.reshape(-1) == back).all(), (shapes, k, it)
-# Double buffering through the same servers.
+# Double buffering through the same servers (the Chainer layer).
+try:
+    import chainer
+except ImportError:
+    print('OK worker %d of %d, %d servers' % (comm.rank, comm.size, comm.n_servers))
+    sys.exit(0)
 model = make_model([(4,), (300,)])
 opt = mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(lr=1.0), comm,
                                         double_buffering=True).setup(model)
@@ -208,16 +213,13 @@ def test_a_server_that_dies_mid_job_ends_the_job():
 
 
 TWO_COMMUNICATORS = '''
-import numpy, chainer, mnopt
+import numpy, mnopt
 comms = [mnopt.create_communicator('reduction_server', allreduce_grad_dtype=w)
          for w in ('float32', 'float16')]
-link = chainer.Link()
-with link.init_scope():
-    link.w = chainer.Parameter(numpy.zeros(1000, numpy.float32))
 for c in comms + comms[1:]:
-    link.w.grad = numpy.full(1000, c.rank, numpy.float32)
-    c.multi_node_mean_grad(link)
-    assert (link.w.grad == (c.size - 1) / 2.0).all()
+    grads = [('w', numpy.full(1000, c.rank, numpy.float32))]
+    c.mean_grads(grads)
+    assert (grads[0][1] == (c.size - 1) / 2.0).all()
     comms[0].finalize()   # must not stop the servers for the other one
 print('OK two communicators')
 '''

@@ -6,13 +6,12 @@ reduction server run as spawned jobs."""
 
 import math
 
-import chainer
 import numpy
 import pytest
 
 import mnopt
 from mnopt import sign
-from conftest import WORLD, make_model, run_mpi
+from conftest import WORLD, chainer, make_model, needs_chainer, run_mpi
 
 # Odd sizes, an empty array, a size that is not a multiple of 8.
 SHAPES = [(3,), (5, 7), (0,), (1,), (11, 13, 3), (2001,)]
@@ -232,6 +231,7 @@ def test_warm_up_steps_are_plain_means(comm_name):
                                           rtol=1e-6)
 
 
+@needs_chainer
 def test_double_buffering_votes_too(comm_name):
     comm = mnopt.create_communicator(comm_name, compression='sign')
     model = make_model([(10,)])
@@ -272,6 +272,7 @@ def test_mismatched_layouts_fail_on_every_rank():
         comm.multi_node_mean_grad(model)
 
 
+@needs_chainer
 def test_signum_steps_by_the_sign_of_its_momentum():
     link = chainer.Link()
     with link.init_scope():
