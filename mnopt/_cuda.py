@@ -102,35 +102,46 @@ def new_stream():
     return cupy().cuda.Stream(non_blocking=True)
 
 
+#: The elementwise kernels: name -> (inputs, outputs, body), as
+#: ``cupy.ElementwiseKernel`` takes them.  T is the gradient dtype (float16,
+#: float32 or float64), W the wire's storage dtype.
+#: tests/test_cuda_kernels.py compiles each for every dtype in
+#: KERNEL_TYPES, without a GPU.
+KERNELS = {
+    # Scale in float32, round to nearest-even bfloat16, keep NaN.
+    'mnopt_encode_bf16': (
+        'T x, float32 divisor', 'uint16 y',
+        '''float f = (float)x / divisor;
+           unsigned int u = __float_as_uint(f);
+           y = isnan(f) ? (unsigned short)0x7FC0 : (unsigned short)(
+               (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);'''),
+    'mnopt_decode_bf16': (
+        'uint16 x', 'T y',
+        'y = (T)__uint_as_float(((unsigned int)x) << 16);'),
+    # Divide in the wider of (gradient, float32), round once.
+    'mnopt_encode': (
+        'T x, float64 divisor', 'W y',
+        'y = (W)((sizeof(T) > 4 ? (double)x : (double)(float)x) / divisor);'),
+}
+
+#: The dtypes each kernel is used with: T over the gradient dtypes, W over
+#: the wire dtypes the generic kernel handles (bfloat16 has its own).
+GRAD_DTYPES = ('float16', 'float32', 'float64')
+KERNEL_TYPES = {
+    'mnopt_encode_bf16': [{'T': t} for t in GRAD_DTYPES],
+    'mnopt_decode_bf16': [{'T': t} for t in GRAD_DTYPES],
+    'mnopt_encode': [{'T': t, 'W': w} for t in GRAD_DTYPES
+                     for w in ('float16', 'float32', 'float64')],
+}
+
 _kernels = {}
 
 
 def _kernel(name):
     """Elementwise kernels, compiled once on first use."""
     if name not in _kernels:
-        cp = cupy()
-        if name == 'encode_bf16':
-            # Scale in float32, round to nearest-even bfloat16, keep NaN.
-            k = cp.ElementwiseKernel(
-                'T x, float32 divisor', 'uint16 y',
-                '''float f = (float)x / divisor;
-                   unsigned int u = __float_as_uint(f);
-                   y = isnan(f) ? (unsigned short)0x7FC0 : (unsigned short)(
-                       (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);''',
-                'mnopt_encode_bf16')
-        elif name == 'decode_bf16':
-            k = cp.ElementwiseKernel(
-                'uint16 x', 'T y',
-                'y = (T)__uint_as_float(((unsigned int)x) << 16);',
-                'mnopt_decode_bf16')
-        elif name == 'encode':
-            # Divide in the wider of (gradient, float32), round once.
-            k = cp.ElementwiseKernel(
-                'T x, float64 divisor', 'W y',
-                'y = (W)((sizeof(T) > 4 ? (double)x : (double)(float)x) '
-                '/ divisor);',
-                'mnopt_encode')
-        _kernels[name] = k
+        inputs, outputs, body = KERNELS[name]
+        _kernels[name] = cupy().ElementwiseKernel(inputs, outputs, body, name)
     return _kernels[name]
 
 
@@ -142,13 +153,13 @@ class Codec(object):
 
     def encode(self, src, dst, divisor):
         if self.wire == 'bfloat16':
-            _kernel('encode_bf16')(src, float(divisor), dst)
+            _kernel('mnopt_encode_bf16')(src, float(divisor), dst)
         else:
-            _kernel('encode')(src, float(divisor), dst)
+            _kernel('mnopt_encode')(src, float(divisor), dst)
 
     def decode(self, src, dst):
         if self.wire == 'bfloat16':
-            _kernel('decode_bf16')(src, dst)
+            _kernel('mnopt_decode_bf16')(src, dst)
         else:
             dst[...] = src
 
