@@ -8,9 +8,11 @@
 #   numpy1  NumPy 1.x (CuPy 13 era), with Chainer
 #   core    NumPy 2.x, CuPy 14 and NVRTC but no Chainer and no GPU: the
 #           Chainer-free core, and every CUDA kernel compiled for sm_90
+#   openmpi NumPy 2.x with Chainer on the system's MPI (Debian's Open MPI,
+#           installed with apt-get), mpi4py compiled against it
 PYTHON ?= python3
 STACK ?= numpy2
-STACKS ?= numpy2 numpy1 core
+STACKS ?= numpy2 numpy1 core openmpi
 NP ?= 2
 VENV := .venv/$(STACK)
 PY := $(VENV)/bin/python
@@ -20,22 +22,40 @@ MPIEXEC := $(VENV)/bin/mpiexec
 EXTRAS_numpy2 := mpich,test,examples
 EXTRAS_numpy1 := mpich,test,examples
 EXTRAS_core := mpich,test
+EXTRAS_openmpi := test,examples
 # CuPy 14 with the CUDA runtime compiler and NCCL (not the whole toolkit).
 MORE_core := cupy-cuda13x nvidia-cuda-nvrtc nvidia-nccl-cu13
+# Build mpi4py from source against the MPI whose mpicc is on PATH.
+PIP_openmpi := --no-binary=mpi4py
+# Open MPI: more ranks than cores, and root (as CI is) must be allowed.
+OPENMPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    OMPI_MCA_rmaps_base_oversubscribe=1
+LAUNCH_openmpi := env $(OPENMPI_ENV) mpiexec
+PRE_openmpi := openmpi-system
 
-.PHONY: setup run test bench convergence experiments clean
+.PHONY: setup run test bench convergence experiments clean openmpi-system
 
 setup: $(VENV)/.installed
 
 # The constraints reach pip's isolated build environments too: Chainer
 # 7.8.1 builds only with setuptools<70.
-.venv/%/.installed: setup.py constraints/%.txt Makefile
+.SECONDEXPANSION:
+.venv/%/.installed: setup.py constraints/%.txt Makefile $$(PRE_$$*)
 	rm -rf .venv/$*
 	$(PYTHON) -m venv .venv/$*
 	PIP_CONSTRAINT=$(CURDIR)/constraints/$*.txt .venv/$*/bin/python -m pip \
-	    install -q --disable-pip-version-check -e '.[$(EXTRAS_$*)]' \
-	    $(MORE_$*)
+	    install -q --disable-pip-version-check $(PIP_$*) \
+	    -e '.[$(EXTRAS_$*)]' $(MORE_$*)
 	touch $@
+
+# Debian's Open MPI, for the openmpi stack (see docs/install.md).
+openmpi-system:
+	@command -v mpicc >/dev/null || [ "$$(id -u)" = 0 ] || { echo \
+	    "the openmpi stack needs a system MPI: sudo apt-get install" \
+	    "openmpi-bin libopenmpi-dev, or make test STACKS='numpy2 numpy1 core'"; \
+	    exit 1; }
+	command -v mpicc >/dev/null || { apt-get update -qq && \
+	    apt-get install -y -qq openmpi-bin libopenmpi-dev; }
 
 # The main job: the ImageNet example on its embedded dataset (built once,
 # cached), about a minute on 2 CPU cores.
@@ -59,13 +79,16 @@ experiments: setup
 test: $(addprefix test-,$(STACKS))
 
 test-%: .venv/%/.installed
-	@.venv/$*/bin/python -c 'import sys, numpy; print("== stack $*: Python", sys.version.split()[0], "NumPy", numpy.__version__)'
+	@.venv/$*/bin/python -c 'import sys, numpy; from mpi4py import MPI; \
+	    print("== stack $*: Python", sys.version.split()[0], "| NumPy", \
+	          numpy.__version__, "|", *MPI.Get_library_version().split()[:3])'
 	if [ $* = core ]; then \
-	    MNOPT_REQUIRE_NVRTC=1 .venv/$*/bin/python -m pytest -q; \
+	    MNOPT_REQUIRE_NVRTC=1 .venv/$*/bin/python -m pytest -q --color=no; \
 	else \
-	    .venv/$*/bin/python -m pytest -q && \
-	    .venv/$*/bin/mpiexec -n 2 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider && \
-	    .venv/$*/bin/mpiexec -n 3 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider; \
+	    export MNOPT_TEST_MPIEXEC="$(LAUNCH_$*)" && \
+	    .venv/$*/bin/python -m pytest -q --color=no && \
+	    $(or $(LAUNCH_$*),.venv/$*/bin/mpiexec) -n 2 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no && \
+	    $(or $(LAUNCH_$*),.venv/$*/bin/mpiexec) -n 3 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no; \
 	fi
 
 clean:

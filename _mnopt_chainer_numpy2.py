@@ -1,11 +1,19 @@
 """Let Chainer 7.8.1 import under NumPy 2, whatever is imported first.
 
-Chainer 7.8.1 reads ``numpy.sctypes`` at import time
-(chainer/functions/array/as_strided.py); NumPy 2 removed it.  That is the
-only NumPy 2 removal Chainer touches (checked by grepping its sources for
-every name NumPy 2 expired), so putting back that one attribute, with
-NumPy 1's value, is all it takes.  Nothing else of numpy is changed, and
-only when the attribute is missing.
+Chainer 7.8.1 (the last release) needs two things at import time that
+today's NumPy no longer has:
+
+- ``numpy.sctypes`` (chainer/functions/array/as_strided.py), removed in
+  NumPy 2.0.  It is the only NumPy 2 removal Chainer touches (checked by
+  grepping its sources for every name NumPy 2 expired); it comes back with
+  NumPy 1's value.
+- ``numpy.distutils.system_info`` (chainer/_environment_check.py imports
+  it, and calls ``get_info('blas_opt')`` on macOS only, to warn about
+  Accelerate).  NumPy has no ``numpy.distutils`` on Python 3.12 and later;
+  a stand-in module whose ``get_info`` finds nothing takes its place, so
+  Chainer skips that warning.
+
+Nothing else of numpy is changed, and each only when it is missing.
 
 The patch is applied just before ``chainer`` is imported, by a one-shot
 import hook, never at interpreter start-up (numpy is not even imported
@@ -38,9 +46,20 @@ def _numpy1_sctypes(numpy):
     }
 
 
+def _system_info_stand_in():
+    import types
+    module = types.ModuleType(
+        'numpy.distutils.system_info',
+        'Stand-in for Chainer 7.8.1 (added by mnopt where numpy has no '
+        'numpy.distutils): get_info finds no library.')
+    module.get_info = lambda name, notfound_action=0: {}
+    return module
+
+
 def add_missing_numpy_names():
     """Give numpy the names Chainer 7.8.1 needs, where they are missing.
-    Returns the names added (none under NumPy 1)."""
+    Returns the names added (none under NumPy 1 on Python < 3.12)."""
+    import importlib.util
     import numpy
     added = []
     try:
@@ -48,6 +67,15 @@ def add_missing_numpy_names():
     except AttributeError:  # NumPy 2: its module __getattr__ refuses it
         numpy.sctypes = _numpy1_sctypes(numpy)
         added.append('sctypes')
+    if 'numpy.distutils' not in sys.modules and \
+            importlib.util.find_spec('numpy.distutils') is None:
+        import types
+        distutils = types.ModuleType('numpy.distutils')
+        distutils.system_info = _system_info_stand_in()
+        sys.modules['numpy.distutils'] = distutils
+        sys.modules['numpy.distutils.system_info'] = distutils.system_info
+        numpy.distutils = distutils  # as an import would bind it
+        added.append('distutils.system_info')
     return added
 
 

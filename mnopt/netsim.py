@@ -79,6 +79,7 @@ def check_environment():
         if shutil.which(tool) is None:
             raise NetsimError('netsim needs %r (apt-get install iproute2 '
                               'util-linux)' % tool)
+    hydra_mpiexec()
     probe = PREFIX + 'probe'
     made = _sh('ip', 'netns', 'add', probe, check=False)
     _sh('ip', 'netns', 'del', probe, check=False)
@@ -212,15 +213,31 @@ exec ip netns exec %(prefix)sn$k unshare --uts sh -c \
 '''
 
 
+def hydra_mpiexec():
+    """MPICH's mpiexec (hydra), which netsim drives with ``-launcher ssh
+    -launcher-exec``: the environment's own, else the one on PATH."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which('mpiexec') or 'mpiexec'
+    try:
+        version = subprocess.run([mpiexec, '--version'], capture_output=True,
+                                 text=True, timeout=30).stdout
+    except OSError as e:
+        raise NetsimError('netsim needs MPICH\'s mpiexec: %s' % e)
+    if 'HYDRA' not in version:
+        raise NetsimError('netsim launches through MPICH\'s mpiexec (hydra); '
+                          '%s is another (%s)' % (mpiexec, version.strip()
+                                                  .splitlines()[:1]))
+    return mpiexec
+
+
 def mpiexec_command(nodes, ranks_per_node, command, launcher, extra_env=(),
                     servers=0, server_args=()):
     """The argv that runs ``command`` on ``nodes`` x ``ranks_per_node``
     ranks, and with ``servers``, one ``python -m mnopt.server`` on each of
     the next ``servers`` nodes; it must itself run inside node 0 (see
     ``exec_in_cluster``)."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    if not os.path.exists(mpiexec):
-        mpiexec = shutil.which('mpiexec') or 'mpiexec'
+    mpiexec = hydra_mpiexec()
     env = [('UCX_TLS', 'tcp')] + list(extra_env)
     hosts = ['%s:%d' % (node_address(k), ranks_per_node) for k in range(nodes)]
     hosts += ['%s:1' % node_address(nodes + k) for k in range(servers)]

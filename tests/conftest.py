@@ -1,7 +1,9 @@
 """Shared test helpers.  The same modules run serially and under
 ``mpiexec -n 2`` / ``-n 3`` (see the Makefile's ``test`` target)."""
 
+import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 
@@ -9,10 +11,12 @@ import numpy
 import pytest
 from mpi4py import MPI
 
-try:
-    import chainer
-except ImportError:  # the core stack: mnopt without Chainer
+# The core stack has no Chainer; elsewhere a Chainer that fails to import
+# must fail the run, not skip the Chainer layer's tests.
+if importlib.util.find_spec('chainer') is None:
     chainer = None
+else:
+    import chainer
 
 WORLD = MPI.COMM_WORLD
 CPU_COMMUNICATORS = ('naive', 'flat', 'hierarchical')
@@ -98,20 +102,35 @@ def expected_mean(shapes, size):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def mpiexec():
+    """The launcher for spawned jobs, as an argv prefix: $MNOPT_TEST_MPIEXEC
+    (e.g. Open MPI's 'mpiexec --oversubscribe'), else the environment's own
+    mpiexec (the mpich wheel's), else the one on PATH."""
+    if os.environ.get('MNOPT_TEST_MPIEXEC'):
+        return shlex.split(os.environ['MNOPT_TEST_MPIEXEC'])
+    beside = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    return [beside if os.path.exists(beside) else 'mpiexec']
+
+
+def mpi_library():
+    """'mpich', 'openmpi' or 'other': what mpi4py runs on."""
+    version = MPI.Get_library_version()
+    if 'MPICH' in version:
+        return 'mpich'
+    return 'openmpi' if 'Open MPI' in version else 'other'
+
+
 def run_mpi(n, code, timeout=60, args=(), env=None, module_runner=True):
     """Run ``code`` as a script under ``mpiexec -n n``; returns the
     CompletedProcess.  A hang fails the calling test via the timeout."""
     script = os.path.join(REPO, 'tests', '.spawned_%d.py' % os.getpid())
     with open(script, 'w') as f:
         f.write(code)
-    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    if not os.path.exists(mpiexec):
-        mpiexec = 'mpiexec'
     runner = ['-m', 'mpi4py'] if module_runner else []
     full_env = dict(os.environ, PYTHONPATH=REPO, **(env or {}))
     try:
         return subprocess.run(
-            [mpiexec, '-n', str(n), sys.executable] + runner + [script]
+            mpiexec() + ['-n', str(n), sys.executable] + runner + [script]
             + list(args), capture_output=True, text=True, timeout=timeout,
             env=full_env, cwd=REPO)
     finally:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, mpiexec
 from mnopt.server import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.spawn
@@ -78,9 +78,8 @@ def run_job(workers, servers, wire='float32', worker_code=WORKER,
     script = os.path.join(REPO, 'tests', '.rs_worker_%d.py' % os.getpid())
     with open(script, 'w') as f:
         f.write(worker_code)
-    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    cmd = [mpiexec, '-n', str(workers), sys.executable, '-m', 'mpi4py',
-           script] + list(worker_args if worker_args is not None else [wire])
+    cmd = mpiexec() + ['-n', str(workers), sys.executable, '-m', 'mpi4py',
+                       script] + list(worker_args if worker_args is not None else [wire])
     server = ['-m', 'mnopt.server']
     if server_code is not None:
         server = [script + '.server']

@@ -137,17 +137,24 @@ def test_numpy_is_left_alone_unless_chainer_is_imported():
     assert proc.stdout.split() == [str(not NUMPY2), 'False']
 
 
-def test_added_names_are_numpy1s():
-    import _mnopt_chainer_numpy2 as hook
-    if not NUMPY2:
-        before = numpy.sctypes
-        assert hook.add_missing_numpy_names() == []
-        assert numpy.sctypes is before
-        return
-    proc = python('import _mnopt_chainer_numpy2 as h\n'
-                  'assert h.add_missing_numpy_names() == ["sctypes"]\n'
-                  'assert h.add_missing_numpy_names() == []\n' + SCTYPES)
+def test_added_names_are_added_once_and_only_when_missing():
+    """sctypes under NumPy 2; numpy.distutils where numpy has none (Python
+    3.12+); nothing under NumPy 1 on Python 3.11."""
+    proc = python(
+        'import importlib.util, sys, numpy\n'
+        'missing = [n for n, gone in [\n'
+        '    ("sctypes", "sctypes" not in dir(numpy)),\n'
+        '    ("distutils.system_info",\n'
+        '     importlib.util.find_spec("numpy.distutils") is None)] if gone]\n'
+        'import _mnopt_chainer_numpy2 as h\n'
+        'assert h.add_missing_numpy_names() == missing, missing\n'
+        'assert h.add_missing_numpy_names() == []\n'
+        'from numpy.distutils.system_info import get_info\n'
+        'print(missing, type(get_info("blas_opt")).__name__)\n' + SCTYPES)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    want = (['sctypes'] if NUMPY2 else []) + (
+        ['distutils.system_info'] if sys.version_info >= (3, 12) else [])
+    assert proc.stdout.strip() == '%s dict' % want
 
 
 def test_a_wrong_gpu_stack_names_the_fix():
