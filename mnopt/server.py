@@ -32,6 +32,7 @@ from mpi4py import MPI
 from mnopt import _mpi
 from mnopt import grad_buffer
 from mnopt import sign
+from mnopt import stall
 
 PROTOCOL_VERSION = 2
 # Wires: the gradient dtypes, and 'sign' (packed sign bits; the servers
@@ -79,6 +80,20 @@ class Job(object):
         self.servers = [r for r, role in enumerate(roles) if role == 'server']
         self.workers = [r for r, role in enumerate(roles) if role == 'worker']
         self._channels = None
+        self._monitor = None
+
+    def name_of(self, world_rank):
+        """'worker k' or 'server k' (k counts within the role)."""
+        if world_rank in self.servers:
+            return 'server %d' % self.servers.index(world_rank)
+        return 'worker %d' % self.workers.index(world_rank)
+
+    def monitor(self):
+        """Stall detection over the whole job (workers and servers), made
+        with the channels; shared by every process's reduction_server
+        communicators."""
+        self.channels()
+        return self._monitor
 
     def channels(self):
         """(this role's communicator, [sync channel, async channel]).
@@ -92,6 +107,8 @@ class Job(object):
             is_server = world.rank in self.servers
             mine = world.Split(1 if is_server else 0, world.rank)
             self._channels = (mine, [world.Dup(), world.Dup()])
+            self._monitor = stall.Monitor(world, 'job', names=self.name_of,
+                                          helpers=self.servers)
             if not is_server:
                 atexit.register(say_goodbye, self._channels[1], self.servers)
         return self._channels
@@ -149,40 +166,61 @@ class Stats(object):
 
 
 def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
-          stats=None, on_error=None):
+          stats=None, on_error=None, monitor=None):
     """Serve reductions on ``chan`` until every worker says goodbye.
 
     ``workers`` are the workers' ranks in ``chan`` (in worker order);
-    ``my_index`` is this server's shard index.
+    ``my_index`` is this server's shard index.  With a stall-detection
+    ``monitor``, each request is watched from its first header on (the
+    wait for a first header is idle time, not a stall).
     """
     n = len(workers)
     headers = numpy.empty((n, HEADER_FIELDS), dtype=numpy.int64)
     byes = set()
     while len(byes) < n:
-        for i, w in enumerate(workers):
-            if w in byes:
-                headers[i] = 0
-                continue
-            _mpi.wait_all([chan.Irecv([headers[i], MPI.INT64_T], source=w,
-                                      tag=TAG_HEADER)])
-            if headers[i, 0] == KIND_BYE:
-                byes.add(w)
-        active = [i for i, w in enumerate(workers) if headers[i, 0] ==
-                  KIND_REDUCE]
-        if not active:
-            continue
-        problem = _check_headers(headers, active, n, my_index, n_servers)
-        status = numpy.frombuffer(
-            (problem or '').encode()[:STATUS_BYTES].ljust(STATUS_BYTES, b'\0'),
-            numpy.uint8)
-        for i in active:
-            chan.Send([status, MPI.BYTE], dest=workers[i], tag=TAG_STATUS)
-        if problem:
-            if on_error:
-                on_error(problem)
-            _drain(chan, workers, headers, active)
-            continue
-        _reduce(chan, workers, headers[active[0]], memory, stats)
+        request = None
+        try:
+            for i, w in enumerate(workers):
+                if w in byes:
+                    headers[i] = 0
+                    continue
+                if request is not None:
+                    request.detail = "(waiting for worker %d's header)" % i
+                _mpi.wait_all([chan.Irecv([headers[i], MPI.INT64_T],
+                                          source=w, tag=TAG_HEADER)])
+                if request is None and monitor is not None:
+                    request = monitor.op('serve').__enter__()
+                if headers[i, 0] == KIND_BYE:
+                    byes.add(w)
+            if request is not None:
+                request.detail = '(reducing)'
+            _serve_request(chan, workers, headers, my_index, n_servers,
+                           memory, stats, on_error)
+        finally:
+            if request is not None:
+                request.__exit__(None, None, None)
+
+
+def _serve_request(chan, workers, headers, my_index, n_servers, memory,
+                   stats, on_error):
+    """One request, its headers in: check them, answer, reduce."""
+    n = len(workers)
+    active = [i for i, w in enumerate(workers) if headers[i, 0] ==
+              KIND_REDUCE]
+    if not active:
+        return
+    problem = _check_headers(headers, active, n, my_index, n_servers)
+    status = numpy.frombuffer(
+        (problem or '').encode()[:STATUS_BYTES].ljust(STATUS_BYTES, b'\0'),
+        numpy.uint8)
+    for i in active:
+        chan.Send([status, MPI.BYTE], dest=workers[i], tag=TAG_STATUS)
+    if problem:
+        if on_error:
+            on_error(problem)
+        _drain(chan, workers, headers, active)
+        return
+    _reduce(chan, workers, headers[active[0]], memory, stats)
 
 
 def _check_headers(headers, active, n, my_index, n_servers):
@@ -349,7 +387,7 @@ def main(argv=None):
 
     threads = [threading.Thread(target=serve, args=(
         chan, the_job.workers, index, len(the_job.servers), args.memory,
-        stats, report)) for chan in chans]
+        stats, report, the_job.monitor())) for chan in chans]
     start = time.perf_counter()
     for t in threads:
         t.start()

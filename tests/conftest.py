@@ -4,6 +4,7 @@
 import importlib.util
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -129,9 +130,23 @@ def run_mpi(n, code, timeout=60, args=(), env=None, module_runner=True):
     runner = ['-m', 'mpi4py'] if module_runner else []
     full_env = dict(os.environ, PYTHONPATH=REPO, **(env or {}))
     try:
-        return subprocess.run(
-            mpiexec() + ['-n', str(n), sys.executable] + runner + [script]
-            + list(args), capture_output=True, text=True, timeout=timeout,
-            env=full_env, cwd=REPO)
+        return run_job(mpiexec() + ['-n', str(n), sys.executable] + runner
+                       + [script] + list(args), timeout, full_env)
     finally:
         os.remove(script)
+
+
+def run_job(argv, timeout, env):
+    """subprocess.run for a launcher: on a timeout the launcher's whole
+    process group is killed (its ranks included, even stopped ones), then
+    TimeoutExpired is raised as usual."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, mpiexec
+from conftest import REPO, mpiexec, run_job as run_launcher
 from mnopt.server import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.spawn
@@ -89,9 +89,7 @@ def run_job(workers, servers, wire='float32', worker_code=WORKER,
         cmd += [':', '-n', str(servers), sys.executable, '-m', 'mpi4py'] \
             + server + list(server_args)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True,
-                              timeout=timeout, cwd=REPO,
-                              env=dict(os.environ, PYTHONPATH=REPO))
+        return run_launcher(cmd, timeout, dict(os.environ, PYTHONPATH=REPO))
     finally:
         os.remove(script)
         if server_code is not None:

@@ -31,7 +31,8 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
                         allreduce_grad_dtype=None, batched_copy=True,
                         bucket_bytes=None, abort_on_exception=True,
                         compression=None, error_feedback=True,
-                        warmup_steps=0, vote=None, **options):
+                        warmup_steps=0, vote=None, stall_warning=None,
+                        timeout=None, **options):
     """Create a communicator.
 
     Args:
@@ -63,6 +64,12 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
             rank talks to its neighbours only) or ``'alltoall'`` (1-bit
             Adam's all-to-all + all-gather: fewer bits and rounds, but
             every pair of ranks talks; see docs/sign_compression.md).
+        stall_warning: seconds a rank waits in an mnopt operation before
+            it prints which ranks have not arrived (default
+            $MNOPT_STALL_WARNING, else 60; 0 disables); see mnopt/stall.py.
+        timeout: seconds after which a rank still waiting aborts the whole
+            MPI job with that report (default $MNOPT_TIMEOUT, else 600;
+            0 disables).
         **options: the communicator's own; ``reduction_server`` takes
             ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
             server, 6), ``server_memory`` (staging bytes per
@@ -72,7 +79,9 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
     del batched_copy
     from mnopt import grad_buffer
     from mnopt import sign
+    from mnopt import stall
     grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)  # fail early
+    stall.settings(stall_warning, timeout)
     sign.normalize_compression(compression)
     if vote is not None:
         sign.normalize_vote(vote)
@@ -95,6 +104,8 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
     kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype,
               'compression': compression, 'error_feedback': error_feedback,
               'warmup_steps': warmup_steps, 'vote': vote}
+    if stall_warning is not None or timeout is not None:
+        kwargs.update(stall_warning=stall_warning, timeout=timeout)
     if bucket_bytes is not None:
         kwargs['bucket_bytes'] = bucket_bytes
     return cls(mpi_comm, **dict(kwargs, **options))

@@ -16,6 +16,8 @@ from mpi4py import MPI
 from mnopt import _mpi
 from mnopt import grad_buffer
 from mnopt import sign
+from mnopt import stall
+from mnopt.stall import watched
 
 
 def node_split(comm):
@@ -140,12 +142,19 @@ class CommunicatorBase(object):
     """
 
     name = None
+    _created = 0  # communicators made by this process: their labels
 
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
                  bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
                  compression=None, error_feedback=True, warmup_steps=0,
-                 vote=None):
+                 vote=None, stall_warning=None, timeout=None):
         self.mpi_comm = mpi_comm
+        self._stall_settings = {'stall_warning': stall_warning,
+                                'timeout': timeout}
+        label = '%s#%d' % (self.name, CommunicatorBase._created)
+        CommunicatorBase._created += 1
+        self._monitor = self._make_monitor(mpi_comm, label,
+                                           **self._stall_settings)
         self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
             allreduce_grad_dtype)
         self.compression = sign.normalize_compression(compression)
@@ -211,6 +220,11 @@ class CommunicatorBase(object):
     def _make_group(self, comm):
         return _Group(comm)
 
+    def _make_monitor(self, mpi_comm, label, **settings):
+        """The stall-detection Monitor of this communicator's operations
+        (mnopt/stall.py)."""
+        return stall.Monitor(mpi_comm, label, **settings)
+
     def _buffer_options(self):
         return {'bucket_bytes': self.bucket_bytes,
                 'in_place_min_bytes': grad_buffer.DEFAULT_IN_PLACE_MIN_BYTES}
@@ -224,6 +238,7 @@ class CommunicatorBase(object):
         return self.size
 
     # ----------------------------------------------------------- gradients
+    @watched('mean_grads')
     def mean_grads(self, named_grads):
         """Average ``[(name, array), ...]`` in place across all ranks.
 
@@ -232,6 +247,7 @@ class CommunicatorBase(object):
         """
         self._mean(self._sync_group, list(named_grads))
 
+    @watched('mean_grads_async')
     def mean_grads_async(self, named_grads):
         """Start averaging ``named_grads`` in place in the background.
 
@@ -259,6 +275,7 @@ class CommunicatorBase(object):
             self._mean_in_background, self._async_group, named, xp, ready))
         return self._in_flight
 
+    @watched('mean_grads_async.background')
     def _mean_in_background(self, group, named, xp, ready):
         if xp is numpy:
             return self._mean(group, named)
@@ -322,6 +339,7 @@ class CommunicatorBase(object):
         """Deprecated ChainerMN name of multi_node_mean_grad."""
         self.multi_node_mean_grad(model, zero_fill)
 
+    @watched('bcast_data')
     def bcast_data(self, model, root=0):
         """Broadcast every parameter's data from ``root`` (checked first)."""
         named = [(n, p.array) for n, p in sorted(model.namedparams())
@@ -352,40 +370,54 @@ class CommunicatorBase(object):
             for group in (self._sync_group, self._async_group):
                 if group is not None and not MPI.Is_finalized():
                     group.free()
+            self._sync_group = self._async_group = None
+            self._free_monitor()
+
+    def _free_monitor(self):
+        self._monitor.free()
 
     # ----------------------------------------------------------- collectives
+    @watched('split')
     def split(self, color, key):
         """A communicator of the same kind over ``mpi_comm.Split``."""
         sub = self.mpi_comm.Split(color, key)
         return type(self)(sub, **self._init_kwargs())
 
     def _init_kwargs(self):
-        return {'allreduce_grad_dtype': self.allreduce_grad_dtype,
-                'bucket_bytes': self.bucket_bytes}
+        return dict({'allreduce_grad_dtype': self.allreduce_grad_dtype,
+                     'bucket_bytes': self.bucket_bytes},
+                    **self._stall_settings)
 
+    @watched('send')
     def send(self, data, dest, tag):
         _mpi.send_obj(self.mpi_comm, _host_message(data), dest, tag)
 
+    @watched('recv')
     def recv(self, source, tag):
         return _device_message(_mpi.recv_obj(self.mpi_comm, source, tag))
 
+    @watched('bcast')
     def bcast(self, x, root=0):
         msg = _mpi.bcast_obj(self.mpi_comm, _host_message(x)
                              if self.rank == root else None, root)
         return x if self.rank == root else _device_message(msg)
 
+    @watched('gather')
     def gather(self, x, root=0):
         msgs = _mpi.gather_obj(self.mpi_comm, _host_message(x), root)
         return None if msgs is None else tuple(map(_device_message, msgs))
 
+    @watched('allgather')
     def allgather(self, x):
         return tuple(map(_device_message,
                          _mpi.allgather_obj(self.mpi_comm, _host_message(x))))
 
+    @watched('scatter')
     def scatter(self, xs, root=0):
         msgs = [_host_message(x) for x in xs] if self.rank == root else None
         return _device_message(_mpi.scatter_obj(self.mpi_comm, msgs, root))
 
+    @watched('alltoall')
     def alltoall(self, xs):
         if len(xs) != self.size:
             raise ValueError('alltoall needs one array per rank (%d), got %d'
@@ -395,6 +427,7 @@ class CommunicatorBase(object):
             out.append(self.scatter(xs if self.rank == root else None, root))
         return tuple(out)
 
+    @watched('allreduce')
     def allreduce(self, x):
         """Element-wise sum of ``x`` over all ranks (a new array)."""
         host = numpy.array(_to_host(x), copy=True)
@@ -409,21 +442,27 @@ class CommunicatorBase(object):
             self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
         return _like(host, x)
 
+    @watched('send_obj')
     def send_obj(self, obj, dest, tag=0):
         _mpi.send_obj(self.mpi_comm, obj, dest, tag)
 
+    @watched('recv_obj')
     def recv_obj(self, source, status=None, tag=MPI.ANY_TAG):
         return _mpi.recv_obj(self.mpi_comm, source, tag, status)
 
+    @watched('bcast_obj')
     def bcast_obj(self, obj, max_buf_len=None, root=0):
         return _mpi.bcast_obj(self.mpi_comm, obj, root)
 
+    @watched('gather_obj')
     def gather_obj(self, obj, root=0):
         return _mpi.gather_obj(self.mpi_comm, obj, root)
 
+    @watched('allgather_obj')
     def allgather_obj(self, obj):
         return _mpi.allgather_obj(self.mpi_comm, obj)
 
+    @watched('allreduce_obj')
     def allreduce_obj(self, obj):
         """Sum of ``obj`` over ranks with ``+``, in rank order (the same
         result on every rank)."""
@@ -433,6 +472,7 @@ class CommunicatorBase(object):
             total = total + o
         return total
 
+    @watched('scatter_obj')
     def scatter_obj(self, objs, root=0):
         return _mpi.scatter_obj(self.mpi_comm, objs, root)
 

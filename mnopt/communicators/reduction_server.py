@@ -55,17 +55,37 @@ class ReductionServerCommunicator(CommunicatorBase):
                              '%r and %r' % (chunk_bytes, window))
         self.stats = rs.Stats() if stats else None
         self._server_threads = []
+        self._said_bye = bool(job.servers)  # the job says it at exit
+        super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
         if not job.servers:  # colocated: this worker serves shard `rank`
             for chan in channels:
                 t = threading.Thread(target=rs.serve, daemon=True, args=(
                     chan, self._workers, mpi_comm.rank, mpi_comm.size,
-                    server_memory), name='mnopt-colocated-server')
+                    server_memory, None, None, self._monitor),
+                    name='mnopt-colocated-server')
                 t.start()
                 self._server_threads.append(t)
-        self._said_bye = bool(job.servers)  # the job says it at exit
-        super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
         self.vote = 'server'
         atexit.register(self._goodbye)
+
+    def _make_monitor(self, mpi_comm, label, **settings):
+        job = rs.job()
+        if not job.servers:
+            return super(ReductionServerCommunicator, self)._make_monitor(
+                mpi_comm, label, **settings)
+        # Workers and servers together: made once by the job, at start-up.
+        monitor = job.monitor()
+        if settings.get('stall_warning') is not None or \
+                settings.get('timeout') is not None:
+            raise ValueError(
+                'with reduction servers, stall detection covers the whole '
+                'job: set MNOPT_STALL_WARNING / MNOPT_TIMEOUT in the '
+                'environment of every process instead')
+        return monitor
+
+    def _free_monitor(self):
+        if not rs.job().servers:
+            super(ReductionServerCommunicator, self)._free_monitor()
 
     @property
     def n_servers(self):

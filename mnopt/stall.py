@@ -1,0 +1,334 @@
+"""Stall detection: no mnopt collective waits forever in silence.
+
+Every operation a communicator runs across ranks (gradient averaging, sync
+or in the background, the reduction server's push/pull, bcast_data, the
+array and object collectives) is *watched*: it registers itself with its
+communicator's Monitor for as long as it runs, under its name and call
+count (``flat#0.mean_grads #17``).  That costs a dict insert and delete per
+call; the operation itself is untouched (still one blocking MPI call).
+
+One watchdog thread per process wakes every ``TICK_S``.  When one of its
+operations has waited longer than the warning time, it asks every other
+rank of the communicator, over a private duplicate of it, what that rank
+is doing.  A rank answers from its own watchdog thread, so it answers
+while its main thread is blocked in MPI or busy computing; a rank that is
+stopped (SIGSTOP, a frozen node) or gone does not answer.  After the
+answers (or ``ANSWER_WAIT_S``), the waiting rank prints once which ranks
+have not arrived at the operation and what each is doing instead, and
+keeps waiting.  After the timeout it prints the same and aborts the whole
+MPI job, so the scheduler frees the nodes.  Nothing is sent unless an
+operation is already late.
+
+Settings (seconds; 0 disables): ``create_communicator(stall_warning=...,
+timeout=...)``, else the environment variables ``MNOPT_STALL_WARNING`` and
+``MNOPT_TIMEOUT``, else 60 and 600.
+
+The watchdog needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default);
+with a lower thread level stall detection is off, with a warning.
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+import warnings
+
+from mpi4py import MPI
+
+DEFAULT_WARNING_S = 60.0
+DEFAULT_TIMEOUT_S = 600.0
+#: How often the watchdog looks at its operations and for questions.
+TICK_S = 0.2
+#: How long before a report the watchdog asks the other ranks (their
+#: answers come back within a tick or two; a stopped rank never answers).
+ANSWER_WAIT_S = 2.0
+TAG_QUESTION, TAG_ANSWER = 0x57A1, 0x57A2
+
+
+def _seconds(value, name, env):
+    if value is None:
+        value = os.environ.get(env)
+        if value is None or value == '':
+            return None
+        where = '%s=%r' % (env, value)
+    else:
+        where = '%s=%r' % (name, value)
+    try:
+        seconds = float(value)
+        if not seconds >= 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError('%s: a number of seconds >= 0 (0 disables) was '
+                         'expected' % where)
+    return seconds
+
+
+def settings(stall_warning=None, timeout=None):
+    """(warning, timeout) in seconds, None where disabled: the arguments,
+    else $MNOPT_STALL_WARNING / $MNOPT_TIMEOUT, else the defaults."""
+    warning = _seconds(stall_warning, 'stall_warning', 'MNOPT_STALL_WARNING')
+    timeout = _seconds(timeout, 'timeout', 'MNOPT_TIMEOUT')
+    warning = DEFAULT_WARNING_S if warning is None else warning
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    return warning or None, timeout or None
+
+
+class _Operation(object):
+    """One watched call in progress."""
+
+    __slots__ = ('monitor', 'name', 'count', 'since', 'detail', 'asked',
+                 'answers', 'warned')
+
+    def __init__(self, monitor, name, count):
+        self.monitor, self.name, self.count = monitor, name, count
+        self.since = time.monotonic()
+        self.detail = ''   # what it waits for, where the code knows
+        self.asked = None  # (question id, when) once late
+        self.answers = {}
+        self.warned = False
+
+    def __enter__(self):
+        self.monitor._active[id(self)] = self
+        return self
+
+    def __exit__(self, *exc):
+        self.monitor._active.pop(id(self), None)
+
+    def label(self):
+        return '%s.%s #%d' % (self.monitor.label, self.name, self.count)
+
+
+class Monitor(object):
+    """The watched operations of one communicator, and a private duplicate
+    of its MPI communicator for the watchdogs' questions and answers.
+
+    ``names`` gives a rank's name in reports (e.g. 'worker 2', 'server 5');
+    by default 'rank R'.  ``helpers`` are ranks that serve the others (the
+    reduction servers): reports list what they do, but they never "arrive"
+    at the others' operations.  Creating one is collective over ``comm``."""
+
+    def __init__(self, comm, label, stall_warning=None, timeout=None,
+                 names=None, helpers=()):
+        self.warning, self.timeout = settings(stall_warning, timeout)
+        self.label = label
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self._names = names
+        self.helpers = frozenset(helpers)
+        self._counts = {}
+        self._active = {}
+        self.enabled = (self.warning or self.timeout) is not None \
+            and self.size > 1 and _watchdog().start()
+        if self.enabled:
+            _watchdog().add(self)
+
+    def name_of(self, rank):
+        return self._names(rank) if self._names else 'rank %d' % rank
+
+    def op(self, name):
+        """Context manager around one watched call of operation ``name``
+        (counted per name, so ranks agree on '#k')."""
+        count = self._counts[name] = self._counts.get(name, 0) + 1
+        return _Operation(self, name, count)
+
+    def state(self):
+        """What this rank is doing, for another rank's question."""
+        now = time.monotonic()
+        return [(o.name, o.count, now - o.since, o.detail)
+                for o in list(self._active.values())]
+
+    def free(self):
+        _watchdog().remove(self)
+        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
+            self.comm.Free()
+        self.comm = MPI.COMM_NULL
+
+
+def watched(name):
+    """Decorator: run a communicator method as watched operation ``name``
+    on ``self._monitor``."""
+    def wrap(method):
+        def run(self, *args, **kwargs):
+            with self._monitor.op(name):
+                return method(self, *args, **kwargs)
+        run.__name__ = method.__name__
+        run.__doc__ = method.__doc__
+        run.__wrapped__ = method
+        return run
+    return wrap
+
+
+# ----------------------------------------------------------- the watchdog
+
+class _Watchdog(object):
+    """The one thread per process that looks after every Monitor."""
+
+    def __init__(self):
+        self._monitors = []
+        self._lock = threading.Lock()
+        self._thread = None
+        self._stop = threading.Event()
+        self._questions = 0
+        self._pending = []  # isend requests not yet known complete
+
+    def start(self):
+        """True once the thread runs (False without THREAD_MULTIPLE)."""
+        if self._thread is not None:
+            return True
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            warnings.warn('mnopt: MPI was initialised without '
+                          'MPI_THREAD_MULTIPLE; stall detection is off')
+            return False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name='mnopt-watchdog')
+        self._thread.start()
+        atexit.register(self.stop)  # before mpi4py finalizes MPI
+        return True
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None and \
+                self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def add(self, monitor):
+        with self._lock:
+            self._monitors.append(monitor)
+
+    def remove(self, monitor):
+        with self._lock:
+            if monitor in self._monitors:
+                self._monitors.remove(monitor)
+
+    def _run(self):
+        while not self._stop.wait(TICK_S):
+            with self._lock:
+                monitors = list(self._monitors)
+                try:
+                    for m in monitors:
+                        self._answer_questions(m)
+                        self._collect_answers(m)
+                        for op in list(m._active.values()):
+                            self._look_after(m, op)
+                    self._pending = [r for r in self._pending
+                                     if not r.Test()]
+                except Exception as e:  # never let the watchdog die silently
+                    sys.stderr.write('mnopt: stall detection failed: %r\n'
+                                     % (e,))
+                    return
+
+    def _answer_questions(self, m):
+        while m.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_QUESTION):
+            status = MPI.Status()
+            qid = m.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_QUESTION,
+                              status=status)
+            self._pending.append(m.comm.isend(
+                (qid, m.state()), dest=status.Get_source(), tag=TAG_ANSWER))
+
+    def _collect_answers(self, m):
+        while m.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_ANSWER):
+            status = MPI.Status()
+            qid, state = m.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_ANSWER,
+                                     status=status)
+            for op in list(m._active.values()):
+                if op.asked is not None and op.asked[0] == qid:
+                    op.answers[status.Get_source()] = state
+
+    def _ask(self, m, op):
+        self._questions += 1
+        qid = (m.rank, self._questions)
+        op.asked, op.answers = (qid, time.monotonic()), {}
+        for r in range(m.size):
+            if r != m.rank:
+                self._pending.append(m.comm.isend(qid, dest=r,
+                                                  tag=TAG_QUESTION))
+
+    def _look_after(self, m, op):
+        """Ask, then report, when ``op`` passes the warning time (once)
+        and again at the timeout (then abort)."""
+        now = time.monotonic()
+        waited = now - op.since
+        if not op.warned and m.warning is not None and (
+                m.timeout is None or m.warning < m.timeout):
+            due = m.warning
+        else:
+            due = m.timeout
+        if due is None:
+            return
+        # Ask ahead, so that the report is out at the due time.
+        ask_at = max(due / 2, due - ANSWER_WAIT_S)
+        if waited < ask_at:
+            return
+        if op.asked is None or op.asked[1] < op.since + ask_at:
+            self._ask(m, op)   # fresh answers for this report
+            return
+        if waited < due:
+            return
+        timed_out = due == m.timeout
+        op.warned = True
+        sys.stderr.write(describe(m, op, waited, timed_out) + '\n')
+        sys.stderr.flush()
+        if timed_out:
+            _abort()
+
+
+def describe(m, op, waited, timed_out):
+    """The report: who has not arrived at ``op`` and what they do."""
+    missing, arrived, helpers = [], [m.rank], []
+    for r in range(m.size):
+        if r == m.rank:
+            continue
+        ops = op.answers.get(r)
+        if ops is None:
+            what = 'no answer: stopped, hung outside Python, or gone'
+        elif any(name == op.name and count == op.count
+                 for name, count, _, _ in ops) and r not in m.helpers:
+            arrived.append(r)
+            continue
+        elif ops:
+            what = 'in ' + ', '.join(
+                '%s.%s #%d for %.1f s%s' % (m.label, name, count, t,
+                                            ' ' + d if d else '')
+                for name, count, t, d in ops)
+        elif r in m.helpers:
+            what = 'idle: no request in progress'
+        else:
+            what = ('busy outside %s: computing, or stuck before its next '
+                    'call' % m.label)
+        (helpers if r in m.helpers else missing).append(
+            '%s (%s)' % (m.name_of(r), what))
+    head = 'mnopt: %s has waited %.1f s in %s%s' % (
+        m.name_of(m.rank), waited, op.label(),
+        ' (%s)' % op.detail if op.detail else '')
+    body = '; not arrived: %s; arrived: %s' % (
+        '; '.join(missing) or 'none (all ranks are in it: a slow '
+        'operation, not a missing rank)',
+        ', '.join(m.name_of(r) for r in sorted(arrived)))
+    if helpers:
+        body += '; servers: ' + '; '.join(helpers)
+    if timed_out:
+        tail = '. Timeout (%.0f s, MNOPT_TIMEOUT): aborting the MPI job.' \
+            % m.timeout
+    else:
+        tail = '. Still waiting%s.' % (
+            '; the job is aborted after %.0f s (MNOPT_TIMEOUT)' % m.timeout
+            if m.timeout else '')
+    return head + body + tail
+
+
+def _abort():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(1.0)  # let the launcher forward the report
+    MPI.COMM_WORLD.Abort(1)
+
+
+_the_watchdog = None
+
+
+def _watchdog():
+    global _the_watchdog
+    if _the_watchdog is None:
+        _the_watchdog = _Watchdog()
+    return _the_watchdog

@@ -1,0 +1,169 @@
+"""Stall detection (mnopt/stall.py), as whole mpiexec jobs with short
+times: a stopped rank is named within the warning time by every waiting
+rank, and the job ends at the timeout."""
+
+import os
+import time
+
+import pytest
+
+from conftest import REPO, run_mpi
+from mnopt import stall
+
+pytestmark = pytest.mark.spawn
+
+# argv: communicator, what rank 1 does before the second averaging.
+STALLS = r'''
+import os, signal, sys, time, numpy, mnopt
+name, how = sys.argv[1], sys.argv[2]
+comm = mnopt.create_communicator(name)
+grads = [('w', numpy.ones(1000, numpy.float32))]
+comm.mean_grads(grads)
+if comm.rank == 1:
+    if how == 'stop':
+        os.kill(os.getpid(), signal.SIGSTOP)   # a frozen node
+    elif how == 'busy':
+        time.sleep(float(sys.argv[3]))          # a long step
+    elif how == 'desync':
+        comm.bcast_obj('x')                     # a different collective
+if how == 'async':
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    comm.mean_grads_async(grads).wait()
+else:
+    comm.mean_grads(grads)
+print('rank %d finished at %.1f' % (comm.rank, time.time()))
+'''
+
+
+def stalled_job(n, name, how, warning, timeout, *extra, env=None):
+    start = time.time()
+    proc = run_mpi(n, STALLS, timeout=timeout + 60, args=[name, how] +
+                   list(extra), env=dict({'MNOPT_STALL_WARNING': str(warning),
+                                          'MNOPT_TIMEOUT': str(timeout)},
+                                         **(env or {})))
+    return proc, time.time() - start
+
+
+def reports(proc, rank):
+    return [line for line in proc.stderr.splitlines()
+            if line.startswith('mnopt: rank %d has waited' % rank)]
+
+
+@pytest.mark.parametrize('name,env', [
+    ('flat', {}),
+    ('hierarchical', {'MNOPT_RANKS_PER_NODE': '2'}),
+    ('reduction_server', {}),   # colocated: every worker also serves
+], ids=['flat', 'hierarchical', 'reduction_server'])
+def test_a_stopped_rank_is_named_then_the_job_ends(name, env):
+    proc, elapsed = stalled_job(3, name, 'stop', 2, 8, env=env)
+    assert proc.returncode != 0
+    assert 'finished' not in proc.stdout
+    for r in (0, 2):
+        warning, final = reports(proc, r)
+        assert ' in %s#0.mean_grads #2; not arrived: rank 1 (no answer: ' \
+            'stopped' % name in warning, warning
+        assert 'arrived: rank 0, rank 2. Still waiting; the job is aborted ' \
+            'after 8 s' in warning
+        waited = float(warning.split('has waited ')[1].split(' s')[0])
+        assert 2.0 <= waited < 3.0, warning   # at the warning time
+        assert 'Timeout (8 s, MNOPT_TIMEOUT): aborting the MPI job' in final
+        waited = float(final.split('has waited ')[1].split(' s')[0])
+        assert 8.0 <= waited < 9.0, final
+    assert elapsed < 8 + 15, elapsed  # start-up, the report, the abort
+
+
+def test_a_busy_rank_is_told_from_a_stopped_one():
+    proc, _ = stalled_job(2, 'flat', 'busy', 2, 0, '5')
+    assert proc.returncode == 0, proc.stderr[-3000:]   # timeout 0: no abort
+    assert proc.stdout.count('finished') == 2
+    (warning,) = reports(proc, 0)
+    assert 'not arrived: rank 1 (busy outside flat#0: computing, or stuck ' \
+        'before its next call); arrived: rank 0. Still waiting.' in warning
+
+
+def test_a_desynchronised_rank_says_where_it_is():
+    proc, _ = stalled_job(2, 'naive', 'desync', 2, 5)
+    assert proc.returncode != 0
+    warning = reports(proc, 0)[0]
+    assert 'in naive#0.mean_grads #2; not arrived: rank 1 (in ' \
+        'naive#0.bcast_obj #1 for ' in warning, warning
+    # Rank 1 waits in its bcast_obj and reports rank 0 in mean_grads.
+    assert 'in naive#0.bcast_obj #1; not arrived: rank 0 (in ' \
+        'naive#0.mean_grads #2 for ' in reports(proc, 1)[0]
+
+
+def test_background_averaging_is_watched():
+    proc, _ = stalled_job(2, 'flat', 'async', 2, 5)
+    assert proc.returncode != 0
+    warning = reports(proc, 0)[0]
+    assert 'in flat#0.mean_grads_async #1; not arrived: rank 1 (no ' \
+        'answer' in warning, warning
+
+
+SERVER_STOPS_AFTER_ONE_REDUCTION = '''
+import os, signal
+from mnopt import server
+serve_one = server._reduce
+def serve_then_stop(*args, **kwargs):
+    serve_one(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGSTOP)
+server._reduce = serve_then_stop
+server.main()
+'''
+
+
+@pytest.mark.parametrize('who', ['worker', 'server'])
+def test_reduction_server_job_names_a_stopped_process(who):
+    from test_reduction_server import run_job
+    worker = STALLS.replace('name, how = sys.argv[1], sys.argv[2]',
+                            'name, how = "reduction_server", %r'
+                            % ('stop' if who == 'worker' else 'none'))
+    env = dict(os.environ, MNOPT_STALL_WARNING='2', MNOPT_TIMEOUT='6',
+               PYTHONPATH=REPO)
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        proc = run_job(2, 1, worker_code=worker, timeout=60, worker_args=[],
+                       server_code=SERVER_STOPS_AFTER_ONE_REDUCTION
+                       if who == 'server' else None)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines()
+             if line.startswith('mnopt: worker 0 has waited')]
+    assert lines, proc.stderr[-3000:]
+    if who == 'worker':
+        assert 'in job.mean_grads #2; not arrived: worker 1 (no answer' \
+            in lines[0], lines[0]
+        # Worker 0 waits in the layout check among the workers, before
+        # any header reaches the server.
+        assert '; servers: server 0 (idle: no request in progress)' \
+            in lines[0]
+    else:
+        assert 'in job.mean_grads #2; not arrived: none (all ranks are in ' \
+            'it' in lines[0], lines[0]
+        assert 'servers: server 0 (no answer' in lines[0]
+    assert 'Timeout (6 s, MNOPT_TIMEOUT): aborting' in lines[-1]
+
+
+def test_settings_from_arguments_then_environment(monkeypatch):
+    monkeypatch.delenv('MNOPT_STALL_WARNING', raising=False)
+    monkeypatch.delenv('MNOPT_TIMEOUT', raising=False)
+    assert stall.settings() == (60.0, 600.0)
+    monkeypatch.setenv('MNOPT_STALL_WARNING', '5')
+    monkeypatch.setenv('MNOPT_TIMEOUT', '0')
+    assert stall.settings() == (5.0, None)
+    assert stall.settings(stall_warning=1, timeout=2) == (1.0, 2.0)
+    monkeypatch.setenv('MNOPT_TIMEOUT', 'soon')
+    with pytest.raises(ValueError, match="MNOPT_TIMEOUT='soon'"):
+        stall.settings()
+    with pytest.raises(ValueError, match='stall_warning=-1'):
+        stall.settings(stall_warning=-1, timeout=1)
+
+
+def test_bad_settings_fail_in_create_communicator():
+    import mnopt
+    with pytest.raises(ValueError, match='timeout'):
+        mnopt.create_communicator('flat', timeout='never')
