@@ -20,6 +20,7 @@ import _mnopt_chainer_numpy2
 from mnopt._mpi import LayoutMismatchError  # NOQA
 from mnopt.communicators import create_communicator  # NOQA
 from mnopt.communicators.base import CommunicatorBase  # NOQA
+from mnopt.overflow import GradientOverflowError  # NOQA
 
 __version__ = '0.1.0'
 

@@ -9,7 +9,10 @@
  * nearest-even, keep NaN a NaN.
  *
  * All functions take contiguous buffers (anything with the buffer
- * protocol) and release the GIL.
+ * protocol) and release the GIL.  Encodes return how many source values
+ * were not finite (NaN or infinite), decodes how many results are not: the
+ * two counts that tell an overflow on the wire from gradients that were
+ * already non-finite, at no extra pass over memory.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +37,10 @@ static inline uint16_t bf16_round(float f)
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
 }
 static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+/* Not finite: all exponent bits set (the sign and mantissa do not matter). */
+static inline int f32_bad(float f) { return (f2u(f) & 0x7F800000u) == 0x7F800000u; }
+static inline int bf16_bad(uint16_t h) { return (h & 0x7F80u) == 0x7F80u; }
+static inline int f16_bad(uint16_t h) { return (h & 0x7C00u) == 0x7C00u; }
 
 /* ---------------------------------------------------------- float16 */
 /* Portable round-to-nearest-even float32 -> float16 (as numpy does). */
@@ -91,28 +98,45 @@ static int f16c(void)
 }
 
 __attribute__((target("avx,f16c")))
-static void enc_f16_x86(const float *s, uint16_t *d, Py_ssize_t n, float div)
+static Py_ssize_t enc_f16_x86(const float *s, uint16_t *d, Py_ssize_t n,
+                              float div)
 {
-    Py_ssize_t i = 0;
+    Py_ssize_t i = 0, bad = 0;
     __m256 vd = _mm256_set1_ps(div);
+    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 inf = _mm256_set1_ps(INFINITY);
     for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(s + i), vd);
-        _mm_storeu_si128((__m128i *)(d + i),
-                         _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        __m256 x = _mm256_loadu_ps(s + i);
+        /* !(|x| < inf): NaN or infinite */
+        bad += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(
+            _mm256_and_ps(x, abs_mask), inf, _CMP_NLT_UQ)));
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(
+            _mm256_div_ps(x, vd), _MM_FROUND_TO_NEAREST_INT));
     }
-    for (; i < n; i++)
+    for (; i < n; i++) {
+        bad += f32_bad(s[i]);
         d[i] = f16_round(s[i] / div);
+    }
+    return bad;
 }
 
 __attribute__((target("avx,f16c")))
-static void dec_f16_x86(const uint16_t *s, float *d, Py_ssize_t n)
+static Py_ssize_t dec_f16_x86(const uint16_t *s, float *d, Py_ssize_t n)
 {
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(
-            _mm_loadu_si128((const __m128i *)(s + i))));
-    for (; i < n; i++)
+    Py_ssize_t i = 0, bad = 0;
+    __m128i exp_mask = _mm_set1_epi16(0x7C00);
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(s + i));
+        /* two mask bits per 16-bit lane */
+        bad += __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(
+            _mm_and_si128(h, exp_mask), exp_mask))) >> 1;
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(h));
+    }
+    for (; i < n; i++) {
+        bad += f16_bad(s[i]);
         d[i] = f16_to_f32_portable(s[i]);
+    }
+    return bad;
 }
 
 __attribute__((target("avx,f16c")))
@@ -138,19 +162,30 @@ static void sum_f16_x86(const uint16_t *a, uint16_t *b, Py_ssize_t n)
 #else
 #define VECTOR_CLONES
 #endif
-static void enc_f16(const float *s, uint16_t *d, Py_ssize_t n, float div)
+static Py_ssize_t enc_f16(const float *s, uint16_t *d, Py_ssize_t n,
+                          float div)
 {
 #ifdef HAVE_X86
-    if (f16c()) { enc_f16_x86(s, d, n, div); return; }
+    if (f16c()) return enc_f16_x86(s, d, n, div);
 #endif
-    for (Py_ssize_t i = 0; i < n; i++) d[i] = f16_round(s[i] / div);
+    Py_ssize_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        bad += f32_bad(s[i]);
+        d[i] = f16_round(s[i] / div);
+    }
+    return bad;
 }
-static void dec_f16(const uint16_t *s, float *d, Py_ssize_t n)
+static Py_ssize_t dec_f16(const uint16_t *s, float *d, Py_ssize_t n)
 {
 #ifdef HAVE_X86
-    if (f16c()) { dec_f16_x86(s, d, n); return; }
+    if (f16c()) return dec_f16_x86(s, d, n);
 #endif
-    for (Py_ssize_t i = 0; i < n; i++) d[i] = f16_to_f32_portable(s[i]);
+    Py_ssize_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        bad += f16_bad(s[i]);
+        d[i] = f16_to_f32_portable(s[i]);
+    }
+    return bad;
 }
 static void sum_f16(const uint16_t *a, uint16_t *b, Py_ssize_t n)
 {
@@ -161,14 +196,25 @@ static void sum_f16(const uint16_t *a, uint16_t *b, Py_ssize_t n)
         b[i] = f16_round(f16_to_f32_portable(a[i]) + f16_to_f32_portable(b[i]));
 }
 VECTOR_CLONES
-static void enc_bf16(const float *s, uint16_t *d, Py_ssize_t n, float div)
+static Py_ssize_t enc_bf16(const float *s, uint16_t *d, Py_ssize_t n,
+                           float div)
 {
-    for (Py_ssize_t i = 0; i < n; i++) d[i] = bf16_round(s[i] / div);
+    Py_ssize_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        bad += f32_bad(s[i]);
+        d[i] = bf16_round(s[i] / div);
+    }
+    return bad;
 }
 VECTOR_CLONES
-static void dec_bf16(const uint16_t *s, float *d, Py_ssize_t n)
+static Py_ssize_t dec_bf16(const uint16_t *s, float *d, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) d[i] = bf16_to_f32(s[i]);
+    Py_ssize_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        bad += bf16_bad(s[i]);
+        d[i] = bf16_to_f32(s[i]);
+    }
+    return bad;
 }
 VECTOR_CLONES
 static void sum_bf16(const uint16_t *a, uint16_t *b, Py_ssize_t n)
@@ -191,42 +237,44 @@ static int check_sizes(Py_buffer *src, Py_ssize_t src_item, Py_buffer *dst,
     return 0;
 }
 
-typedef void (*enc_fn)(const float *, uint16_t *, Py_ssize_t, float);
-typedef void (*dec_fn)(const uint16_t *, float *, Py_ssize_t);
+typedef Py_ssize_t (*enc_fn)(const float *, uint16_t *, Py_ssize_t, float);
+typedef Py_ssize_t (*dec_fn)(const uint16_t *, float *, Py_ssize_t);
 typedef void (*sum_fn)(const uint16_t *, uint16_t *, Py_ssize_t);
 
 static PyObject *run_encode(PyObject *args, enc_fn fn)
 {
     Py_buffer src, dst;
     double div;
+    Py_ssize_t bad = 0;
     if (!PyArg_ParseTuple(args, "y*w*d", &src, &dst, &div))
         return NULL;
     if (check_sizes(&src, 4, &dst, 2) == 0) {
         Py_BEGIN_ALLOW_THREADS
-        fn((const float *)src.buf, (uint16_t *)dst.buf, src.len / 4,
-           (float)div);
+        bad = fn((const float *)src.buf, (uint16_t *)dst.buf, src.len / 4,
+                 (float)div);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(bad);
 }
 
 static PyObject *run_decode(PyObject *args, dec_fn fn)
 {
     Py_buffer src, dst;
+    Py_ssize_t bad = 0;
     if (!PyArg_ParseTuple(args, "y*w*", &src, &dst))
         return NULL;
     if (check_sizes(&src, 2, &dst, 4) == 0) {
         Py_BEGIN_ALLOW_THREADS
-        fn((const uint16_t *)src.buf, (float *)dst.buf, src.len / 2);
+        bad = fn((const uint16_t *)src.buf, (float *)dst.buf, src.len / 2);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(bad);
 }
 
 static PyObject *run_sum(PyObject *args, sum_fn fn)
@@ -270,15 +318,17 @@ static PyObject *py_sum_bf16(PyObject *m, PyObject *a) { return run_sum(a, sum_b
 
 static PyMethodDef methods[] = {
     {"encode_float16", py_enc_f16, METH_VARARGS,
-     "encode_float16(float32 src, uint16 dst, divisor): dst = f16(src / divisor)"},
+     "encode_float16(float32 src, uint16 dst, divisor): dst = f16(src / "
+     "divisor); returns how many src values are not finite"},
     {"decode_float16", py_dec_f16, METH_VARARGS,
-     "decode_float16(uint16 src, float32 dst): dst = f32(src)"},
+     "decode_float16(uint16 src, float32 dst): dst = f32(src); returns how "
+     "many are not finite"},
     {"sum_float16", py_sum_f16, METH_VARARGS,
      "sum_float16(uint16 a, uint16 b): b = f16(f32(a) + f32(b))"},
     {"encode_bfloat16", py_enc_bf16, METH_VARARGS,
-     "encode_bfloat16(float32 src, uint16 dst, divisor)"},
+     "encode_bfloat16(float32 src, uint16 dst, divisor): as encode_float16"},
     {"decode_bfloat16", py_dec_bf16, METH_VARARGS,
-     "decode_bfloat16(uint16 src, float32 dst)"},
+     "decode_bfloat16(uint16 src, float32 dst): as decode_float16"},
     {"sum_bfloat16", py_sum_bf16, METH_VARARGS,
      "sum_bfloat16(uint16 a, uint16 b): b = bf16(f32(a) + f32(b))"},
     {"use_f16c", py_use_f16c, METH_VARARGS,

@@ -194,6 +194,19 @@ class GradBuffer(object):
             self._codec = _cuda.Codec(layout.wire)
         else:
             self._codec = HostCodec(layout.wire)
+        #: Per array: gradient values, and averaged values, that were not
+        #: finite in the last averaging (16-bit wires on the host; None
+        #: where not counted).
+        self.nonfinite_in = [None] * len(layout.sizes)
+        self.nonfinite_out = [None] * len(layout.sizes)
+
+    def _count(self, counts, i, n):
+        if n is not None:
+            counts[i] = n + (counts[i] or 0)
+
+    def reset_counts(self):
+        self.nonfinite_in = [None] * len(self.layout.sizes)
+        self.nonfinite_out = [None] * len(self.layout.sizes)
 
     def _slices(self, n):
         step = self.bucket_elems
@@ -217,8 +230,8 @@ class GradBuffer(object):
                     else numpy.ascontiguousarray(a).reshape(-1)
                 self._in_place_arrays.append(flat)
             elif offs[i] != offs[i + 1]:
-                self._codec.encode(a.reshape(-1), self.wire[offs[i]:offs[i + 1]],
-                                   divisor)
+                self._count(self.nonfinite_in, i, self._codec.encode(
+                    a.reshape(-1), self.wire[offs[i]:offs[i + 1]], divisor))
 
     # Ranges: a transport that moves the packed buffer piece by piece packs
     # each piece just before it leaves and unpacks each sum as it arrives,
@@ -241,14 +254,15 @@ class GradBuffer(object):
 
     def pack_range(self, arrays, lo, hi, divisor):
         for i, inside, packed in self._overlaps(lo, hi):
-            self._codec.encode(arrays[i].reshape(-1)[inside],
-                               self.wire[packed], divisor)
+            self._count(self.nonfinite_in, i, self._codec.encode(
+                arrays[i].reshape(-1)[inside], self.wire[packed], divisor))
 
     def unpack_range(self, arrays, sums, lo, hi):
         """Decode ``sums`` (holding buffer range [lo, hi)) into the arrays."""
         for i, inside, packed in self._overlaps(lo, hi):
-            self._codec.decode(sums[packed.start - lo:packed.stop - lo],
-                               arrays[i].reshape(-1)[inside])
+            self._count(self.nonfinite_out, i, self._codec.decode(
+                sums[packed.start - lo:packed.stop - lo],
+                arrays[i].reshape(-1)[inside]))
 
     def host_parts(self):
         """Yield the contiguous numpy arrays to sum across ranks, in order.
@@ -297,11 +311,12 @@ class GradBuffer(object):
             elif offs[i] != offs[i + 1]:
                 src = self.wire[offs[i]:offs[i + 1]]
                 if a.flags.c_contiguous:
-                    self._codec.decode(src, a.reshape(-1))
+                    n = self._codec.decode(src, a.reshape(-1))
                 else:  # reshape(-1) would be a copy: decode, then assign
                     flat = self.xp.empty(a.size, dtype=a.dtype)
-                    self._codec.decode(src, flat)
+                    n = self._codec.decode(src, flat)
                     a[...] = flat.reshape(a.shape)
+                self._count(self.nonfinite_out, i, n)
 
 
 def _fast_path(src, dst):
@@ -310,34 +325,49 @@ def _fast_path(src, dst):
             and dst.flags.c_contiguous)
 
 
+def _count_nonfinite(a):
+    return int(a.size - numpy.count_nonzero(numpy.isfinite(a)))
+
+
 class HostCodec(object):
+    """Casts between gradients and the wire, on the host.
+
+    On the 16-bit wires (the ones a mean can overflow) ``encode`` returns
+    how many source values are not finite and ``decode`` how many results
+    are not; the C loops count while they convert.  Other wires return
+    None (nothing counted)."""
 
     def __init__(self, wire):
         self.wire = wire
         self.storage = storage_dtype(wire)
+        self.counts = wire in ('float16', 'bfloat16')
         self.fast = None
-        if _halfcast is not None and wire in ('float16', 'bfloat16'):
+        if _halfcast is not None and self.counts:
             self.fast = (getattr(_halfcast, 'encode_' + wire),
                          getattr(_halfcast, 'decode_' + wire))
 
     def encode(self, src, dst, divisor):
         if self.fast and src.dtype == numpy.float32 and _fast_path(src, dst):
-            self.fast[0](src, dst.view(numpy.uint16), float(divisor))
-            return
+            return self.fast[0](src, dst.view(numpy.uint16), float(divisor))
         if self.wire == 'bfloat16':
             scaled = numpy.divide(src, divisor, dtype=numpy.float32)
             dst[...] = float32_to_bfloat16_bits(scaled)
-            return
-        # Compute in the wider of the two dtypes (never below float32), then
-        # round once into the wire dtype.
-        compute = numpy.promote_types(
-            numpy.promote_types(src.dtype, self.storage), numpy.float32)
-        numpy.divide(src, divisor, out=dst, dtype=compute, casting='unsafe')
+        else:
+            # Compute in the wider of the two dtypes (never below float32),
+            # then round once into the wire dtype.
+            compute = numpy.promote_types(
+                numpy.promote_types(src.dtype, self.storage), numpy.float32)
+            # Overflow into a 16-bit wire is counted and reported by mnopt
+            # (mnopt/overflow.py), not warned about by numpy.
+            with numpy.errstate(over='ignore'):
+                numpy.divide(src, divisor, out=dst, dtype=compute,
+                             casting='unsafe')
+        return _count_nonfinite(src) if self.counts else None
 
     def decode(self, src, dst):
         if self.fast and dst.dtype == numpy.float32 and _fast_path(src, dst):
-            self.fast[1](src.view(numpy.uint16), dst)
-            return
+            return self.fast[1](src.view(numpy.uint16), dst)
         if self.wire == 'bfloat16':
             src = bfloat16_bits_to_float32(src)
         numpy.copyto(dst, src, casting='unsafe')
+        return _count_nonfinite(dst) if self.counts else None

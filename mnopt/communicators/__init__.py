@@ -32,7 +32,7 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
                         bucket_bytes=None, abort_on_exception=True,
                         compression=None, error_feedback=True,
                         warmup_steps=0, vote=None, stall_warning=None,
-                        timeout=None, **options):
+                        timeout=None, on_overflow='warn', **options):
     """Create a communicator.
 
     Args:
@@ -70,6 +70,10 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
         timeout: seconds after which a rank still waiting aborts the whole
             MPI job with that report (default $MNOPT_TIMEOUT, else 600;
             0 disables).
+        on_overflow: what happens when averaging on a 16-bit wire turns
+            finite gradients into inf/NaN (mnopt/overflow.py): ``'warn'``
+            (rank 0, rate-limited), ``'error'`` (GradientOverflowError on
+            every rank) or ``'ignore'``.
         **options: the communicator's own; ``reduction_server`` takes
             ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
             server, 6), ``server_memory`` (staging bytes per
@@ -78,10 +82,12 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
     """
     del batched_copy
     from mnopt import grad_buffer
+    from mnopt import overflow
     from mnopt import sign
     from mnopt import stall
     grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)  # fail early
     stall.settings(stall_warning, timeout)
+    overflow.normalize(on_overflow)
     sign.normalize_compression(compression)
     if vote is not None:
         sign.normalize_vote(vote)
@@ -103,7 +109,8 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
                 % (len(servers), cls.name))
     kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype,
               'compression': compression, 'error_feedback': error_feedback,
-              'warmup_steps': warmup_steps, 'vote': vote}
+              'warmup_steps': warmup_steps, 'vote': vote,
+              'on_overflow': on_overflow}
     if stall_warning is not None or timeout is not None:
         kwargs.update(stall_warning=stall_warning, timeout=timeout)
     if bucket_bytes is not None:

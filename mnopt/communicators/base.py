@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from mnopt import _mpi
 from mnopt import grad_buffer
+from mnopt import overflow
 from mnopt import sign
 from mnopt import stall
 from mnopt.stall import watched
@@ -147,8 +148,10 @@ class CommunicatorBase(object):
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
                  bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
                  compression=None, error_feedback=True, warmup_steps=0,
-                 vote=None, stall_warning=None, timeout=None):
+                 vote=None, stall_warning=None, timeout=None,
+                 on_overflow='warn'):
         self.mpi_comm = mpi_comm
+        self._overflow = overflow.Reporter(on_overflow)
         self._stall_settings = {'stall_warning': stall_warning,
                                 'timeout': timeout}
         label = '%s#%d' % (self.name, CommunicatorBase._created)
@@ -296,7 +299,9 @@ class CommunicatorBase(object):
                                   **self._buffer_options())
         if self.size == 1:
             return  # the mean of one gradient is itself: nothing to move
+        buffer.reset_counts()
         self._pack_sum_unpack(buffer, group, [a for _, a in named])
+        self._overflow.check(buffer, group.comm, step)
 
     def _mean_of_signs(self, group, named, xp, step):
         """The sign-compressed 'mean': majority vote times the mean scale
@@ -385,7 +390,8 @@ class CommunicatorBase(object):
 
     def _init_kwargs(self):
         return dict({'allreduce_grad_dtype': self.allreduce_grad_dtype,
-                     'bucket_bytes': self.bucket_bytes},
+                     'bucket_bytes': self.bucket_bytes,
+                     'on_overflow': self._overflow.on_overflow},
                     **self._stall_settings)
 
     @watched('send')

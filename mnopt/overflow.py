@@ -1,0 +1,90 @@
+"""Overflow on 16-bit wires: reported, not silent.
+
+float16 holds at most 65504.  Dividing before summing (grad_buffer) keeps
+every mean that fits finite, but a mean beyond that range still turns into
+inf.  The host codec counts, at no extra pass, how many gradient values
+were not finite going in and how many means are not finite coming out
+(per array).  An averaging *overflowed* in an array whose means are not all
+finite though no rank's gradients in it were: NaN/Inf that were already in
+the gradients pass through unchanged and are not reported.
+
+All ranks hold the same means, so they find the same suspects and decide
+together (one small allgather, only when some mean is not finite).
+``on_overflow``: 'warn' (default: rank 0 warns, at most once every
+``WARNING_INTERVAL_S``, with a count of what it did not say), 'error'
+(every rank raises GradientOverflowError) or 'ignore'.
+"""
+
+import sys
+import time
+
+from mnopt import _mpi
+
+CHOICES = ('warn', 'error', 'ignore')
+WARNING_INTERVAL_S = 60.0
+
+
+class GradientOverflowError(FloatingPointError):
+    """Averaging on a 16-bit wire turned finite gradients into inf/NaN."""
+
+
+def normalize(on_overflow):
+    if on_overflow not in CHOICES:
+        raise ValueError('on_overflow must be one of %s, not %r'
+                         % (', '.join(CHOICES), on_overflow))
+    return on_overflow
+
+
+class Reporter(object):
+    """One communicator's overflow checks and their rate-limited warning."""
+
+    def __init__(self, on_overflow='warn'):
+        self.on_overflow = normalize(on_overflow)
+        self.overflows = 0      # averagings that overflowed, in all
+        self._unsaid = 0        # ... since the last warning
+        self._last_warning = None
+
+    def check(self, buffer, comm, step):
+        """After an averaging with ``buffer``'s counts, over ``comm``."""
+        if self.on_overflow == 'ignore':
+            return
+        suspects = [i for i, n in enumerate(buffer.nonfinite_out) if n]
+        if not suspects:
+            return
+        had = _mpi.allgather_obj(comm, [bool(buffer.nonfinite_in[i])
+                                        for i in suspects])
+        overflowed = [i for k, i in enumerate(suspects)
+                      if not any(flags[k] for flags in had)]
+        if not overflowed:
+            return
+        self.overflows += 1
+        message = self.describe(buffer, overflowed, step)
+        if self.on_overflow == 'error':
+            raise GradientOverflowError(message)
+        now = time.monotonic()
+        if self._last_warning is not None and \
+                now - self._last_warning < WARNING_INTERVAL_S:
+            self._unsaid += 1
+            return
+        if comm.rank == 0:
+            if self._unsaid:
+                message += ' (%d more overflowed averaging(s) since the ' \
+                    'last warning)' % self._unsaid
+            sys.stderr.write('mnopt: warning: %s\n' % message)
+            sys.stderr.flush()
+        self._last_warning, self._unsaid = now, 0
+
+    @staticmethod
+    def describe(buffer, overflowed, step):
+        layout = buffer.layout
+        first = layout.names[overflowed[0]]
+        more = len(overflowed) - 1
+        return (
+            'averaging #%d on the %s wire overflowed: the mean of %r%s is '
+            'not finite though every rank\'s gradients were (%s holds at '
+            'most %s).  Use allreduce_grad_dtype=\'bfloat16\' (float32\'s '
+            'range) or a smaller loss scale.' % (
+                step, layout.wire, first,
+                ' and %d more parameter(s)' % more if more else '',
+                layout.wire, '65504' if layout.wire == 'float16'
+                else '3.4e38'))

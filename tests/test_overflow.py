@@ -1,0 +1,130 @@
+"""Overflow on 16-bit wires is reported (mnopt/overflow.py); NaN/Inf that
+were in the gradients pass through unreported.  Serially and under
+mpiexec -n 2 / -n 3 (one rank moves nothing, so nothing can overflow)."""
+
+import numpy
+import pytest
+
+import mnopt
+from mnopt import grad_buffer, overflow
+from conftest import WORLD
+
+COMMUNICATORS = ('naive', 'flat', 'hierarchical', 'reduction_server')
+
+
+@pytest.fixture(params=['C loops', 'numpy'])
+def codec_loops(request, monkeypatch):
+    if request.param == 'numpy':
+        monkeypatch.setattr(grad_buffer, '_halfcast', None)
+    elif grad_buffer._halfcast is None:
+        pytest.skip('the optional C extension was not built')
+    return request.param
+
+
+def grads(big):
+    return [('a', numpy.full(5, 1.0, numpy.float32)),
+            ('b/big', numpy.full(7, big, numpy.float32)),
+            ('c/bigger', numpy.full(3, 2 * big, numpy.float32))]
+
+
+@pytest.mark.parametrize('name', COMMUNICATORS)
+def test_float16_overflow_warns_once_on_rank_0(name, codec_loops, capfd,
+                                               monkeypatch):
+    comm = mnopt.create_communicator(name, allreduce_grad_dtype='float16')
+    for _ in range(3):
+        g = grads(1e5)
+        comm.mean_grads(g)
+    err = capfd.readouterr().err
+    if comm.size == 1:
+        numpy.testing.assert_array_equal(g[1][1], 1e5)  # nothing moved
+        assert 'overflow' not in err
+        return
+    assert numpy.isinf(g[1][1]).all() and (g[0][1] == 1.0).all()
+    assert comm._overflow.overflows == 3
+    said = [line for line in err.splitlines() if 'overflowed' in line]
+    if comm.rank == 0:
+        assert said == [
+            "mnopt: warning: averaging #0 on the float16 wire overflowed: the "
+            "mean of 'b/big' and 1 more parameter(s) is not finite though "
+            "every rank's gradients were (float16 holds at most 65504).  Use "
+            "allreduce_grad_dtype='bfloat16' (float32's range) or a smaller "
+            "loss scale."]
+    else:
+        assert said == []
+    # After the interval, the next warning counts what was not said.
+    monkeypatch.setattr(overflow, 'WARNING_INTERVAL_S', 0.0)
+    comm.mean_grads(grads(1e5))
+    err = capfd.readouterr().err
+    if comm.rank == 0:
+        assert '(2 more overflowed averaging(s) since the last warning)' \
+            in err
+    comm.finalize()
+
+
+@pytest.mark.parametrize('name', COMMUNICATORS)
+def test_overflow_as_an_error_on_every_rank(name, codec_loops):
+    comm = mnopt.create_communicator(name, allreduce_grad_dtype='float16',
+                                     on_overflow='error')
+    g = grads(4e4)
+    if comm.size == 1:
+        comm.mean_grads(g)
+        return
+    # 4e4 fits float16; its mean does too; 8e4 does not.
+    with pytest.raises(mnopt.GradientOverflowError,
+                       match="the mean of 'c/bigger' is not finite"):
+        comm.mean_grads(g)
+    numpy.testing.assert_array_equal(g[1][1], 4e4)
+    comm.mean_grads(grads(1.0))  # still usable
+    comm.finalize()
+
+
+@pytest.mark.parametrize('name', COMMUNICATORS)
+def test_nan_and_inf_already_there_pass_unreported(name, codec_loops,
+                                                   capfd):
+    comm = mnopt.create_communicator(name, allreduce_grad_dtype='float16',
+                                     on_overflow='error')
+    r = comm.rank
+    g = [('x', numpy.array([numpy.nan if r == 0 else 1.0, 2.0,
+                            numpy.inf if r == comm.size - 1 else 0.0],
+                           numpy.float32))]
+    comm.mean_grads(g)
+    assert numpy.isnan(g[0][1][0]) and numpy.isinf(g[0][1][2])
+    assert g[0][1][1] == 2.0
+    assert 'overflow' not in capfd.readouterr().err
+    comm.finalize()
+
+
+def test_bfloat16_has_the_range_and_ignore_is_silent(capfd):
+    comm = mnopt.create_communicator('flat', allreduce_grad_dtype='bfloat16')
+    g = grads(1e5)
+    comm.mean_grads(g)
+    assert numpy.isfinite(g[1][1]).all()
+    quiet = mnopt.create_communicator('flat', allreduce_grad_dtype='float16',
+                                      on_overflow='ignore')
+    quiet.mean_grads(grads(1e5))
+    assert 'overflow' not in capfd.readouterr().err
+    assert quiet._overflow.overflows == 0
+
+
+def test_bad_choice_is_refused():
+    with pytest.raises(ValueError, match='on_overflow must be one of warn, '
+                                         'error, ignore'):
+        mnopt.create_communicator('flat', on_overflow='raise')
+
+
+def test_codec_counts_match_numpy(codec_loops):
+    """The counts the C loops return are numpy's, on every 16-bit wire."""
+    rng = numpy.random.RandomState(WORLD.rank)
+    x = (rng.standard_normal(1003) * 3e4).astype(numpy.float32)
+    x[[3, 500, 1000]] = [numpy.nan, numpy.inf, -numpy.inf]
+    for wire in ('float16', 'bfloat16'):
+        codec = grad_buffer.HostCodec(wire)
+        wire_values = numpy.empty(x.size, grad_buffer.storage_dtype(wire))
+        assert codec.encode(x, wire_values, 0.5) == 3
+        back = numpy.empty(x.size, numpy.float32)
+        n = codec.decode(wire_values, back)
+        assert n == numpy.count_nonzero(~numpy.isfinite(back))
+        if wire == 'float16':
+            assert n > 3   # 2 x 3e4 overflows float16 often
+    assert grad_buffer.HostCodec('float32').encode(
+        x, numpy.empty_like(x), 1) is None
