@@ -343,4 +343,16 @@ static struct PyModuleDef module = {
     methods
 };
 
-PyMODINIT_FUNC PyInit__halfcast(void) { return PyModule_Create(&module); }
+/* Bumped when a function's contract changes (2: encodes and decodes return
+ * counts of non-finite values), so a stale build is not used. */
+#define HALFCAST_API 2
+
+PyMODINIT_FUNC PyInit__halfcast(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "API", HALFCAST_API) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -100,6 +100,15 @@ def build_cases(args, world):
                           lambda c=comm, g=grads: c.mean_grads(g)))
             if wire == 'sign':
                 SIGN_COMMS[cases[-1][0]] = comm
+            if args.compare_checks and name != 'reduction_server':
+                # The same averaging with stall detection and the overflow
+                # check off: what the checks cost.
+                off = mnopt.create_communicator(
+                    name, bucket_bytes=args.bucket_bytes, stall_warning=0,
+                    timeout=0, on_overflow='ignore', **options)
+                cases.append(('mnopt %s %s, checks off' % (name, label),
+                              name + ' checks off',
+                              lambda c=off, g=grads: c.mean_grads(g)))
     return cases, total
 
 
@@ -466,6 +475,10 @@ def main(argv=None):
                         help='bucket size of the mnopt communicators')
     parser.add_argument('--quick', action='store_true',
                         help='fewer cases and repetitions (a smoke run)')
+    parser.add_argument('--compare-checks', action='store_true',
+                        help='time each case also with stall detection and '
+                             'the overflow check off (stall_warning=0, '
+                             'timeout=0, on_overflow=ignore)')
     parser.add_argument('--json', help='write the results to this file')
     parser.add_argument('--sizes', action='store_true',
                         help='sweep message sizes from 1 KiB to --max-size')

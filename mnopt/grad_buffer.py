@@ -27,6 +27,11 @@ try:  # optional C loops for float16/bfloat16 (mnopt/_halfcast.c)
     from mnopt import _halfcast
 except ImportError:  # no compiler at install time: numpy does it, slower
     _halfcast = None
+if _halfcast is not None and getattr(_halfcast, 'API', 1) != 2:
+    import warnings
+    warnings.warn('mnopt/_halfcast was built from older sources; using numpy '
+                  'instead (pip install -e . rebuilds it)')
+    _halfcast = None
 
 WIRE_DTYPES = ('float16', 'bfloat16', 'float32', 'float64')
 

@@ -85,7 +85,10 @@ def parse_args(argv=None):
                    help='stop after this many iterations (overrides --epoch)')
     p.add_argument('--lr', type=float, default=0.01)
     p.add_argument('--out', '-o', default='result')
-    p.add_argument('--resume', help='snapshot to resume from')
+    p.add_argument('--resume', help="snapshot to resume from, or 'auto': "
+                   "the newest one in --out that every rank holds "
+                   "completely (none: start afresh); for python -m "
+                   "mnopt.launch")
     p.add_argument('--snapshot-interval', type=int, default=None,
                    help='iterations between snapshots (default: each epoch)')
     p.add_argument('--keep-snapshots', type=int, default=2,
@@ -219,21 +222,49 @@ class SnapshotTrigger(object):
         self._interval.serialize(serializer['interval'])
 
 
+class SeededOrder(chainer.iterators.OrderSampler):
+    """A shuffled order per epoch from a RandomState of its own, which
+    snapshots save (Chainer's ShuffleOrderSampler keeps its generator
+    private, so a resumed run drew other orders after the next epoch
+    boundary than the uninterrupted one)."""
+
+    def __init__(self, seed):
+        self.random = numpy.random.RandomState(seed)
+
+    def __call__(self, current_order, current_position):
+        return self.random.permutation(len(current_order))
+
+
+def _serialize_random_state(serializer, random):
+    """Save or restore a numpy RandomState through a Chainer serializer."""
+    _, keys, pos, has_gauss, gauss = random.get_state()
+    keys = serializer('keys', keys)
+    pos = int(serializer('pos', pos))
+    has_gauss = int(serializer('has_gauss', has_gauss))
+    gauss = float(serializer('gauss', gauss))
+    if isinstance(serializer, chainer.serializer.Deserializer):
+        random.set_state(('MT19937', keys, pos, has_gauss, gauss))
+
+
 class _RankState(object):
+    """What differs between ranks: the iterator and its order's generator,
+    and the global generator the augmentation draws from."""
 
     def __init__(self, iterator, size):
         self.iterator, self.size = iterator, size
 
     def serialize(self, serializer):
         self.iterator.serialize(serializer['iterator'])
-        _, keys, pos, has_gauss, gauss = numpy.random.get_state()
-        keys = serializer('rng_keys', keys)
-        pos = int(serializer('rng_pos', pos))
-        has_gauss = int(serializer('rng_has_gauss', has_gauss))
-        gauss = float(serializer('rng_gauss', gauss))
+        # numpy.random's global generator, as a RandomState view of it.
+        state = numpy.random.RandomState()
+        state.set_state(numpy.random.get_state())
+        _serialize_random_state(serializer['rng'], state)
+        order = getattr(self.iterator, 'order_sampler', None)
+        if isinstance(order, SeededOrder):
+            _serialize_random_state(serializer['order_rng'], order.random)
         serializer('n_ranks', self.size)
         if isinstance(serializer, chainer.serializer.Deserializer):
-            numpy.random.set_state(('MT19937', keys, pos, has_gauss, gauss))
+            numpy.random.set_state(state.get_state())
 
 
 def _start_epoch(iterator, epoch):
@@ -294,6 +325,39 @@ def resume(path, trainer, comm):
     return same_layout
 
 
+def _complete(path, rank):
+    """Whether this rank can resume from ``path``: the shared file and
+    this rank's file (where the snapshot has one for it) are whole."""
+    import zipfile
+
+    def whole(f):
+        try:
+            with zipfile.ZipFile(f) as z:
+                return z.testzip() is None
+        except (OSError, zipfile.BadZipFile):
+            return False
+    if not whole(path) or not whole(rank_file(path, 0)):
+        return False
+    with numpy.load(rank_file(path, 0)) as f:
+        saved_size = int(f['n_ranks'])
+    return rank >= saved_size or whole(rank_file(path, rank))
+
+
+def newest_complete_snapshot(out, comm):
+    """The newest snapshot in ``out`` that every rank holds completely
+    (a crash mid-write leaves the others behind), or None."""
+    import re
+    mine = []
+    for name in os.listdir(out) if os.path.isdir(out) else ():
+        m = re.match(r'snapshot_iter_(\d+)\.npz$', name)
+        if m and _complete(os.path.join(out, name), comm.rank):
+            mine.append(int(m.group(1)))
+    everyone = comm.allgather_obj(mine)
+    common = set(everyone[0]).intersection(*everyone[1:])
+    return os.path.join(out, 'snapshot_iter_%d.npz' % max(common)) \
+        if common else None
+
+
 def check_identical_parameters(model, comm):
     """Raise on every rank unless all ranks hold the same parameters."""
     import hashlib
@@ -323,8 +387,7 @@ def main(argv=None):
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
 
-    order = chainer.iterators.ShuffleOrderSampler(
-        numpy.random.RandomState(args.seed + comm.rank))
+    order = SeededOrder(args.seed + comm.rank)
     if args.loaderjob > 0:
         train_iter = chainer.iterators.MultiprocessIterator(
             train, args.batchsize, n_processes=args.loaderjob,
@@ -377,6 +440,12 @@ def main(argv=None):
                  ', double buffering' if args.double_buffering else '',
                  args.arch, 'GPU' if device >= 0 else 'CPU', args.batchsize,
                  len(train) * comm.size))
+    if args.resume == 'auto':
+        args.resume = newest_complete_snapshot(args.out, comm)
+        if comm.rank == 0 and os.environ.get('MNOPT_RESTART', '0') != '0':
+            print('restart %s: %s' % (os.environ['MNOPT_RESTART'], (
+                'resuming from ' + args.resume) if args.resume else
+                'no complete snapshot yet, starting afresh'))
     if args.resume:
         same = resume(args.resume, trainer, comm)
         check_identical_parameters(model, comm)

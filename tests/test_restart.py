@@ -1,0 +1,146 @@
+"""Restart without losing work: a rank SIGKILLed at a random point of an
+ImageNet-example run; python -m mnopt.launch relaunches the job, which
+resumes from the newest complete snapshot (--resume auto) and ends with
+parameters bit-identical to an uninterrupted run, across an epoch
+boundary, for the plain and the double-buffered optimizer."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy
+import pytest
+
+from conftest import REPO, mpiexec, run_mpi
+
+pytestmark = pytest.mark.spawn
+pytest.importorskip('chainer', reason='the example needs Chainer')
+pytest.importorskip('PIL', reason="the example needs mnopt[examples]")
+TRAIN = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
+# 640 images at 2 ranks x 32: 10 iterations an epoch.  The run resumes
+# in epoch 1 (a new order was drawn once) and crosses into epoch 2 (drawn
+# again): the order's generator must come back with the snapshot.
+ITERATIONS, INTERVAL, EPOCH = 24, 4, 10
+
+
+@pytest.fixture(scope='module')
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp('embedded'))
+
+
+def flags(out, cache, double_buffering):
+    return ['--out', str(out), '--data-cache', cache, '--batchsize', '32',
+            '--val-batchsize', '8', '--cpu', '--seed', '3',
+            '--iteration', str(ITERATIONS), '--snapshot-interval',
+            str(INTERVAL), '--keep-snapshots', '2'] + (
+                ['--double-buffering'] if double_buffering else [])
+
+
+def model_params(path):
+    with numpy.load(path) as f:
+        return {k: f[k] for k in f.files
+                if k.startswith('updater/model:main/')}
+
+
+def ranks_of(out):
+    """PIDs of the job's ranks (python processes running the example with
+    this output directory), from /proc."""
+    pids = []
+    for pid in os.listdir('/proc'):
+        try:
+            with open('/proc/%s/cmdline' % pid, 'rb') as f:
+                argv = f.read().split(b'\0')
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]).startswith(b'python') and \
+                TRAIN.encode() in argv and str(out).encode() in argv and \
+                b'mnopt.launch' not in argv:
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.parametrize('double_buffering', [False, True],
+                         ids=['plain', 'double-buffering'])
+def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache,
+                                              double_buffering):
+    rng = random.Random()
+    whole, part = tmp_path / 'whole', tmp_path / 'part'
+    code = 'import runpy, sys\nrunpy.run_path(%r, run_name="__main__")\n' \
+        % TRAIN
+    proc = run_mpi(2, code, timeout=300, args=flags(whole, data_cache,
+                                                    double_buffering))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    launcher = [sys.executable, '-m', 'mnopt.launch', '--max-restarts', '2',
+                '--'] + mpiexec() + ['-n', '2', sys.executable, '-m',
+                                     'mpi4py', TRAIN, '--resume', 'auto'] \
+        + flags(part, data_cache, double_buffering)
+    job = subprocess.Popen(launcher, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=REPO,
+                           env=dict(os.environ, PYTHONPATH=REPO),
+                           start_new_session=True)
+    try:
+        # Kill one rank at a random moment in epoch 1, after a snapshot.
+        after = rng.choice([12, 16])
+        deadline = time.time() + 240
+        while not (part / ('snapshot_iter_%d.npz' % after)).exists():
+            assert time.time() < deadline and job.poll() is None
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 0.5))
+        victims = ranks_of(part)
+        assert len(victims) == 2, victims
+        os.kill(rng.choice(victims), signal.SIGKILL)
+        out, err = job.communicate(timeout=300)
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    assert job.returncode == 0, err[-3000:]
+    assert err.count('mnopt.launch: the job exited with status') == 1, \
+        err[-3000:]
+    assert 'restart 1: resuming from' in out, out[-3000:]
+    resumed = int(out.split('restart 1: resuming from ')[1].split(
+        'snapshot_iter_')[1].split('.npz')[0])
+    assert EPOCH < after <= resumed < 2 * EPOCH
+    a = model_params(whole / ('snapshot_iter_%d.npz' % ITERATIONS))
+    b = model_params(part / ('snapshot_iter_%d.npz' % ITERATIONS))
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_launcher_gives_up_after_max_restarts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'mnopt.launch', '--max-restarts', '2',
+         '--delay', '0', '--', sys.executable, '-c',
+         'import os, sys; print("attempt", os.environ["MNOPT_RESTART"]); '
+         'sys.exit(3)'], capture_output=True, text=True, timeout=60,
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 3
+    assert proc.stdout.split() == ['attempt', '0', 'attempt', '1',
+                                   'attempt', '2']
+    assert 'attempt 3 of 3); no restarts left' in proc.stderr
+
+
+def test_launcher_stops_at_the_first_success():
+    proc = subprocess.run(
+        [sys.executable, '-m', 'mnopt.launch', '--delay', '0', '--',
+         sys.executable, '-c', 'import os, sys; '
+         'sys.exit(0 if os.environ["MNOPT_RESTART"] == "1" else 1)'],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0
+    assert proc.stderr.count('exited with status 1') == 1
+
+
+def test_resume_auto_without_snapshots_starts_afresh(tmp_path, data_cache):
+    code = 'import runpy, sys\nrunpy.run_path(%r, run_name="__main__")\n' \
+        % TRAIN
+    proc = run_mpi(2, code, timeout=200, args=[
+        '--out', str(tmp_path), '--data-cache', data_cache, '--batchsize',
+        '4', '--val-batchsize', '8', '--cpu', '--iteration', '2',
+        '--resume', 'auto'], env={'MNOPT_RESTART': '1'})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'no complete snapshot yet, starting afresh' in proc.stdout
