@@ -17,18 +17,37 @@ FORWARD_SECONDS = 1.0
 
 def _abort_hook(exc_type, exc_value, exc_traceback):
     _previous(exc_type, exc_value, exc_traceback)
+    _abort('uncaught exception')
+
+
+def _abort(why):
     try:
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized() \
                 and MPI.COMM_WORLD.size > 1:
-            sys.stderr.write('mnopt: uncaught exception on rank %d; '
-                             'aborting the MPI job\n' % MPI.COMM_WORLD.rank)
+            sys.stderr.write('mnopt: %s on rank %d; aborting the MPI job\n'
+                             % (why, MPI.COMM_WORLD.rank))
             sys.stdout.flush()
             sys.stderr.flush()
             time.sleep(FORWARD_SECONDS)
             MPI.COMM_WORLD.Abort(1)
     except Exception:
         pass
+
+
+def run_or_abort(fn, *args):
+    """Run ``fn(*args)`` (the body of one of mnopt's own threads, which
+    nobody joins to see its errors); an exception aborts the job, as on
+    the main thread, instead of leaving the others to wait."""
+    try:
+        return fn(*args)
+    except BaseException:
+        import threading
+        import traceback
+        traceback.print_exc()
+        _abort('uncaught exception in thread %r'
+               % threading.current_thread().name)
+        raise
 
 
 _previous = sys.excepthook

@@ -385,9 +385,10 @@ def main(argv=None):
         sys.stderr.write('mnopt.server %d: refused a reduction: %s\n'
                          % (index, problem))
 
-    threads = [threading.Thread(target=serve, args=(
-        chan, the_job.workers, index, len(the_job.servers), args.memory,
-        stats, report, the_job.monitor())) for chan in chans]
+    from mnopt.global_except_hook import run_or_abort
+    threads = [threading.Thread(target=run_or_abort, args=(
+        serve, chan, the_job.workers, index, len(the_job.servers),
+        args.memory, stats, report, the_job.monitor())) for chan in chans]
     start = time.perf_counter()
     for t in threads:
         t.start()

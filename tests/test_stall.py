@@ -167,3 +167,33 @@ def test_bad_settings_fail_in_create_communicator():
     import mnopt
     with pytest.raises(ValueError, match='timeout'):
         mnopt.create_communicator('flat', timeout='never')
+
+
+SERVER_THREAD_RAISES = '''
+from mnopt import server
+def broken(*args, **kwargs):
+    raise RuntimeError('the server fell over')
+server._reduce = broken
+server.main()
+'''
+
+
+def test_an_exception_in_a_server_thread_ends_the_job():
+    """Not left to the stall timeout (disabled here): the thread's
+    exception aborts the job at once."""
+    from test_reduction_server import run_job
+    worker = STALLS.replace('name, how = sys.argv[1], sys.argv[2]',
+                            'name, how = "reduction_server", "none"')
+    old = dict(os.environ)
+    os.environ.update(MNOPT_STALL_WARNING='0', MNOPT_TIMEOUT='0')
+    try:
+        start = time.time()
+        proc = run_job(2, 1, worker_code=worker, timeout=60, worker_args=[],
+                       server_code=SERVER_THREAD_RAISES)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert proc.returncode != 0
+    assert 'the server fell over' in proc.stderr
+    assert 'uncaught exception in thread' in proc.stderr
+    assert time.time() - start < 30

@@ -358,6 +358,23 @@ def newest_complete_snapshot(out, comm):
         if common else None
 
 
+def check_writable(out, comm):
+    """Raise on every rank, before any training, unless every rank can
+    write its snapshots into ``out``."""
+    import tempfile
+    error = None
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix='.writable'):
+            pass
+    except OSError as e:
+        error = '%s: %s' % (type(e).__name__, e)
+    bad = [(r, e) for r, e in enumerate(comm.allgather_obj(error)) if e]
+    if bad:
+        raise RuntimeError('cannot write snapshots and logs to %r: %s' % (
+            out, '; '.join('rank %d: %s' % b for b in bad)))
+
+
 def check_identical_parameters(model, comm):
     """Raise on every rank unless all ranks hold the same parameters."""
     import hashlib
@@ -376,6 +393,7 @@ def main(argv=None):
     comm = mnopt.create_communicator(
         args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype)
     device = choose_device(comm, args.cpu)
+    check_writable(args.out, comm)
     numpy.random.seed(args.seed + comm.rank)
     train, val = load_datasets(args, comm)
     model = models.ARCHS[args.arch](args.n_classes)

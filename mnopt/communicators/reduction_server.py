@@ -9,6 +9,7 @@ from mpi4py import MPI
 from mnopt import _mpi
 from mnopt import server as rs
 from mnopt._mpi import LayoutMismatchError
+from mnopt.global_except_hook import run_or_abort
 from mnopt.communicators.base import CommunicatorBase, _Group
 
 
@@ -59,10 +60,11 @@ class ReductionServerCommunicator(CommunicatorBase):
         super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
         if not job.servers:  # colocated: this worker serves shard `rank`
             for chan in channels:
-                t = threading.Thread(target=rs.serve, daemon=True, args=(
-                    chan, self._workers, mpi_comm.rank, mpi_comm.size,
-                    server_memory, None, None, self._monitor),
-                    name='mnopt-colocated-server')
+                t = threading.Thread(
+                    target=run_or_abort, daemon=True, args=(
+                        rs.serve, chan, self._workers, mpi_comm.rank,
+                        mpi_comm.size, server_memory, None, None,
+                        self._monitor), name='mnopt-colocated-server')
                 t.start()
                 self._server_threads.append(t)
         self.vote = 'server'
