@@ -27,8 +27,12 @@ __version__ = '0.1.0'
 # Chainer 7.8.1 under NumPy 2 (a no-op under NumPy 1 or once Chainer is in).
 _mnopt_chainer_numpy2.install_import_hook()
 
-#: The Chainer layer: name -> the module that defines it.
+#: The Chainer layer: name -> the module that defines it (a module name
+#: maps to itself: ``mnopt.iterators`` as ``chainermn.iterators``).
 _CHAINER_LAYER = {
+    'datasets': 'mnopt.datasets',
+    'iterators': 'mnopt.iterators',
+    'extensions': 'mnopt.extensions',
     'create_multi_node_optimizer': 'mnopt.optimizers',
     'Signum': 'mnopt.optimizers',
     'create_multi_node_evaluator': 'mnopt.evaluator',
@@ -43,7 +47,9 @@ def __getattr__(name):
         raise AttributeError('module %r has no attribute %r'
                              % (__name__, name))
     try:
-        value = getattr(importlib.import_module(module), name)
+        value = importlib.import_module(module)
+        if module != 'mnopt.' + name:
+            value = getattr(value, name)
     except ImportError as e:
         if e.name != 'chainer' and not str(e.name).startswith('chainer.'):
             raise

@@ -54,3 +54,10 @@ def scatter_dataset(dataset, comm, root=0, shuffle=False, seed=None,
                                        force_equal_length)
     data = comm.bcast_obj(dataset if comm.rank == root else None, root=root)
     return _ScatteredDataset(data, start, stop, order)
+
+
+def create_empty_dataset(dataset):
+    """A dataset as long as ``dataset`` whose examples are empty tuples:
+    for ranks that take part in every iteration (model parallelism) but
+    read no input."""
+    return [()] * len(dataset)

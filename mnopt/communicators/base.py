@@ -219,6 +219,33 @@ class CommunicatorBase(object):
             ', compression=%s' % self.compression if self.compression
             else '')
 
+    # ----------------------------------------------------------- config
+    def set_config(self, name, value=True, **kwargs):
+        """ChainerMN's run-time settings, per communicator:
+        ``'allreduce_grad_dtype'`` (a dtype, its name, or None; every rank
+        must set the same, which the next averaging checks) and
+        ``'batched_copy'`` (accepted; packing is always batched)."""
+        if name == 'allreduce_grad_dtype':
+            self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
+                kwargs.get('dtype', value))
+        elif name != 'batched_copy':
+            raise ValueError('unknown config %r: allreduce_grad_dtype or '
+                             'batched_copy' % (name,))
+
+    def get_config(self, name=None):
+        """The setting ``name`` (a numpy dtype, or the string 'bfloat16',
+        or None), or all of them as a dict."""
+        wire = self.allreduce_grad_dtype
+        config = {'allreduce_grad_dtype': None if wire is None else
+                  wire if wire == 'bfloat16' else numpy.dtype(wire),
+                  'batched_copy': True}
+        if name is None:
+            return config
+        if name not in config:
+            raise ValueError('unknown config %r: allreduce_grad_dtype or '
+                             'batched_copy' % (name,))
+        return config[name]
+
     # ----------------------------------------------------------- hooks
     def _make_group(self, comm):
         return _Group(comm)
