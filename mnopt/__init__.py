@@ -33,6 +33,7 @@ _CHAINER_LAYER = {
     'datasets': 'mnopt.datasets',
     'iterators': 'mnopt.iterators',
     'extensions': 'mnopt.extensions',
+    'links': 'mnopt.links',
     'create_multi_node_optimizer': 'mnopt.optimizers',
     'Signum': 'mnopt.optimizers',
     'create_multi_node_evaluator': 'mnopt.evaluator',

@@ -1,0 +1,4 @@
+"""ChainerMN's links (the Chainer layer)."""
+
+from mnopt.links.batch_normalization import MultiNodeBatchNormalization  # NOQA
+from mnopt.links.create_mnbn_model import create_mnbn_model  # NOQA

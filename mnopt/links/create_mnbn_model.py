@@ -1,0 +1,61 @@
+"""create_mnbn_model: a copy of a model with every BatchNormalization
+replaced by MultiNodeBatchNormalization (ChainerMN's helper)."""
+
+import copy
+
+import chainer
+
+from mnopt.links.batch_normalization import MultiNodeBatchNormalization
+
+
+def _mnbn_from(bn, comm):
+    mnbn = MultiNodeBatchNormalization(
+        bn.avg_mean.shape, comm, decay=bn.decay, eps=bn.eps,
+        dtype=bn.avg_mean.dtype, use_gamma=hasattr(bn, 'gamma'),
+        use_beta=hasattr(bn, 'beta'))
+    mnbn.copyparams(bn)
+    mnbn.avg_mean[...] = bn.avg_mean
+    mnbn.avg_var[...] = bn.avg_var
+    mnbn.N = bn.N
+    mnbn.name = bn.name
+    if bn.xp is not mnbn.xp:
+        mnbn.to_device(bn.device)
+    return mnbn
+
+
+def create_mnbn_model(link, comm, communication_backend='auto'):
+    """A deep copy of ``link`` in which every
+    ``chainer.links.BatchNormalization`` (at any depth, in Chains and
+    ChainLists alike) is a MultiNodeBatchNormalization with the same
+    parameters and running statistics.  ``link`` is left unchanged."""
+    del communication_backend
+    if isinstance(link, chainer.links.BatchNormalization):
+        return _mnbn_from(link, comm)
+    new = copy.deepcopy(link)
+    _replace_in(new, comm)
+    return new
+
+
+def _replace_in(link, comm):
+    # Chainer 7 keeps a Chain's children as attributes named in _children
+    # and a ChainList's in the list _children (a Sequential's also in
+    # _layers): the layout of every Chainer 7 release, which ChainerMN's
+    # helper relies on too.
+    if isinstance(link, chainer.ChainList):
+        for i, child in enumerate(list(link._children)):
+            if isinstance(child, chainer.links.BatchNormalization):
+                new = link._children[i] = _mnbn_from(child, comm)
+                # chainer.Sequential also runs its layers from _layers.
+                layers = getattr(link, '_layers', [])
+                for k, layer in enumerate(layers):
+                    if layer is child:
+                        layers[k] = new
+            else:
+                _replace_in(child, comm)
+    elif isinstance(link, chainer.Chain):
+        for name in sorted(link._children):
+            child = getattr(link, name)
+            if isinstance(child, chainer.links.BatchNormalization):
+                link.__dict__[name] = _mnbn_from(child, comm)
+            else:
+                _replace_in(child, comm)
