@@ -61,3 +61,9 @@ def create_empty_dataset(dataset):
     for ranks that take part in every iteration (model parallelism) but
     read no input."""
     return [()] * len(dataset)
+
+
+class DataSizeError(RuntimeError):
+    """ChainerMN raises it when a dataset is too large to scatter in one
+    message; mnopt moves objects in pieces, so it is never raised.  Here so
+    that scripts catching it import unchanged."""

@@ -39,8 +39,9 @@ def model_params(path):
     ['--communicator', 'flat', '--allreduce-grad-dtype', 'float16'],
     ['--communicator', 'flat', '--double-buffering'],
     ['--communicator', 'flat', '--loaderjob', '2'],
+    ['--communicator', 'flat', '--arch', 'resnet50', '--mnbn'],
 ], ids=['flat', 'hierarchical', 'naive', 'fp16', 'double-buffering',
-        'loader-processes'])
+        'loader-processes', 'resnet50-mnbn'])
 def test_a_few_iterations(tmp_path, data_cache, flags):
     proc = train(2, tmp_path, data_cache, '--iteration', '4', *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,6 +49,8 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
     assert proc.stdout.count('mnopt ImageNet example') == 1  # rank 0 only
     assert (tmp_path / 'log').exists()
     assert (tmp_path / 'snapshot_iter_4.npz').exists()
+    if '--mnbn' in flags:
+        assert ', multi-node batch normalization' in proc.stdout
 
 
 @pytest.mark.parametrize('double_buffering', [False, True])

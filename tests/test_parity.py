@@ -199,3 +199,39 @@ def test_early_stopping_decides_alike_on_the_mean(comm):
         want.append(alone(reference))
     assert stops == want and True in stops
     assert all(s == stops for s in comm.allgather_obj(stops))
+
+
+def test_generic_evaluator_aggregates_every_ranks_batches(comm):
+    import chainer
+
+    class Accuracy(mnopt.extensions.GenericMultiNodeEvaluator):
+        def calc_local(self, x, t):
+            return (int((x.argmax(axis=1) == t).sum()), len(t))
+
+        def aggregate(self, results):
+            return {'accuracy': sum(r[0] for r in results) /
+                    float(sum(r[1] for r in results)),
+                    'batches': len(results)}
+
+    # Rank r holds 2 + r examples; example k is right when k is even.
+    n = 2 + comm.rank
+    x = numpy.zeros((n, 2), numpy.float32)
+    t = numpy.zeros(n, numpy.int32)
+    x[::2, 0] = 1   # predicted 0 == t
+    x[1::2, 1] = 1  # predicted 1 != t
+    data = chainer.datasets.TupleDataset(x, t)
+    it = chainer.iterators.SerialIterator(data, 2, repeat=False,
+                                          shuffle=False)
+    seen = []
+    ev = Accuracy(comm, it, None, root=comm.size - 1,
+                  progress_hook=seen.append)
+    result = ev()
+    assert len(seen) == -(-n // 2)
+    sizes = [2 + r for r in range(comm.size)]
+    if comm.rank == comm.size - 1:
+        right = sum((s + 1) // 2 for s in sizes)
+        assert result == {'accuracy': right / float(sum(sizes)),
+                          'batches': sum(-(-s // 2) for s in sizes)}
+    else:
+        assert result is None
+    assert ev() == result   # the iterator is reset each time

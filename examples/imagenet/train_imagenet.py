@@ -76,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument('--allreduce-grad-dtype', default=None,
                    choices=['float32', 'float16', 'bfloat16'])
     p.add_argument('--double-buffering', action='store_true')
+    p.add_argument('--mnbn', action='store_true',
+                   help='batch normalization over every rank\'s batch '
+                        '(MultiNodeBatchNormalization; for resnet50)')
     p.add_argument('--batchsize', '-B', type=int, default=32,
                    help='per rank')
     p.add_argument('--val-batchsize', type=int, default=50)
@@ -397,6 +400,8 @@ def main(argv=None):
     numpy.random.seed(args.seed + comm.rank)
     train, val = load_datasets(args, comm)
     model = models.ARCHS[args.arch](args.n_classes)
+    if args.mnbn:
+        model = mnopt.links.create_mnbn_model(model, comm)
     if device >= 0:
         model.to_gpu()
     optimizer = mnopt.create_multi_node_optimizer(
@@ -452,10 +457,11 @@ def main(argv=None):
                 file_name='accuracy.png'))
 
     if comm.rank == 0:
-        print('mnopt ImageNet example: %d ranks, communicator %s, wire %s%s, '
+        print('mnopt ImageNet example: %d ranks, communicator %s, wire %s%s%s, '
               '%s, %s, batch %d per rank, %d training images'
               % (comm.size, comm.name, comm.allreduce_grad_dtype or 'float32',
                  ', double buffering' if args.double_buffering else '',
+                 ', multi-node batch normalization' if args.mnbn else '',
                  args.arch, 'GPU' if device >= 0 else 'CPU', args.batchsize,
                  len(train) * comm.size))
     if args.resume == 'auto':
