@@ -34,6 +34,7 @@ _CHAINER_LAYER = {
     'iterators': 'mnopt.iterators',
     'extensions': 'mnopt.extensions',
     'links': 'mnopt.links',
+    'functions': 'mnopt.functions',
     'create_multi_node_optimizer': 'mnopt.optimizers',
     'Signum': 'mnopt.optimizers',
     'create_multi_node_evaluator': 'mnopt.evaluator',

@@ -1,0 +1,138 @@
+"""The differentiable communication functions and MultiNodeChainList
+(model parallelism): forward values and gradients, exactly.  Serially and
+under mpiexec -n 2 / -n 3."""
+
+import numpy
+import pytest
+
+from conftest import chainer, needs_chainer
+
+pytestmark = needs_chainer
+
+import mnopt  # NOQA
+F = mnopt.functions
+
+
+@pytest.fixture
+def comm(comm_name):
+    c = mnopt.create_communicator(comm_name)
+    yield c
+    c.finalize()
+
+
+def var(values):
+    return chainer.Variable(numpy.asarray(values, numpy.float32))
+
+
+def weighted_sum(ys):
+    """sum_r (r + 1) * sum(ys[r])."""
+    return sum((r + 1) * chainer.functions.sum(y) for r, y in enumerate(ys))
+
+
+def test_allgather(comm):
+    r, n = comm.rank, comm.size
+    x = var(numpy.full(2, r + 1.0))
+    ys = F.allgather(comm, x)
+    assert [float(y.array[0]) for y in ys] == [k + 1.0 for k in range(n)]
+    weighted_sum(ys).backward()
+    # Every rank's loss weighs my slot by (r + 1).
+    numpy.testing.assert_array_equal(x.grad, n * (r + 1.0))
+
+
+def test_alltoall(comm):
+    r, n = comm.rank, comm.size
+    xs = [var(numpy.full(2, 10.0 * r + k)) for k in range(n)]
+    ys = F.alltoall(comm, xs)
+    assert [float(y.array[0]) for y in ys] == [10.0 * k + r
+                                               for k in range(n)]
+    weighted_sum(ys).backward()
+    for x in xs:   # rank k weighs what I sent it by (my rank + 1)
+        numpy.testing.assert_array_equal(x.grad, r + 1.0)
+
+
+def test_bcast(comm):
+    r, n = comm.rank, comm.size
+    root = n - 1
+    x = var(numpy.arange(3.0)) if r == root else None
+    y = F.bcast(comm, x, root=root)
+    numpy.testing.assert_array_equal(y.array, numpy.arange(3.0))
+    ((r + 1) * chainer.functions.sum(y)).backward()
+    if r == root:
+        numpy.testing.assert_array_equal(x.grad, n * (n + 1) / 2.0)
+
+
+def test_gather_and_scatter(comm):
+    r, n = comm.rank, comm.size
+    x = var(numpy.full(2, float(r)))
+    ys = F.gather(comm, x, root=0)
+    if r == 0:
+        assert [float(y.array[0]) for y in ys] == list(map(float, range(n)))
+        loss = weighted_sum(ys)
+    else:
+        loss = chainer.functions.sum(ys[0]) * 0   # keep the dummy in
+    loss.backward()
+    numpy.testing.assert_array_equal(x.grad, r + 1.0)
+
+    xs = [var(numpy.full(2, float(k))) for k in range(n)] if r == 0 else None
+    y = F.scatter(comm, xs, root=0)
+    numpy.testing.assert_array_equal(y.array, float(r))
+    ((r + 1) * chainer.functions.sum(y)).backward()
+    if r == 0:
+        for k, xk in enumerate(xs):
+            numpy.testing.assert_array_equal(xk.grad, k + 1.0)
+
+
+def test_send_recv_and_pseudo_connect(comm):
+    r, n = comm.rank, comm.size
+    if n == 1:
+        with pytest.raises(ValueError, match='cannot send to itself'):
+            F.send(var([1.0]), comm, rank=0)
+        return
+    if r == 0:
+        x = var([1.0, 2.0, 3.0])
+        delegate = F.send(x * 2, comm, rank=1)
+        other = var([5.0])
+        z = F.pseudo_connect(delegate, other * 3)
+        chainer.functions.sum(z).backward()
+        numpy.testing.assert_array_equal(x.grad, 2 * 4.0)  # d(4y)/dy, y=2x
+        numpy.testing.assert_array_equal(other.grad, 3.0)
+    elif r == 1:
+        y = F.recv(comm, rank=0)
+        numpy.testing.assert_array_equal(y.array, [2.0, 4.0, 6.0])
+        chainer.functions.sum(4 * y).backward()
+
+
+def test_multi_node_chain_list_equals_one_process(comm):
+    r, n = comm.rank, comm.size
+    L = chainer.links
+    rng = numpy.random.RandomState(0)
+    first, second = L.Linear(3, 4), L.Linear(4, 2)
+    for link in (first, second):
+        for p in link.params():
+            p.array[...] = rng.standard_normal(p.shape)
+    x = numpy.arange(6, dtype=numpy.float32).reshape(2, 3)
+    # The same model in one process.
+    alone = chainer.Sequential(first.copy(mode='copy'),
+                               second.copy(mode='copy'))
+    chainer.functions.sum(alone(x) ** 2).backward()
+
+    model = mnopt.links.MultiNodeChainList(comm)
+    if n == 1:   # one rank: one part holds the whole model
+        model.add_link(chainer.Sequential(first, second))
+    elif r == 0:
+        model.add_link(first, rank_in=None, rank_out=1)
+    elif r == 1:
+        model.add_link(second, rank_in=0, rank_out=None)
+    if r > 1:
+        return   # not in the model
+    y = model(x)
+    if n == 1 or r == 1:
+        numpy.testing.assert_allclose(y.array, alone(x).array, rtol=1e-6)
+        loss = chainer.functions.sum(y ** 2)
+    else:
+        loss = y   # the delegate variable
+    loss.backward()
+    for mine, ref in ((first, alone[0]), (second, alone[1])):
+        if mine.W.grad is not None:
+            numpy.testing.assert_allclose(mine.W.grad, ref.W.grad,
+                                          rtol=1e-5)
