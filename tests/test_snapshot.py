@@ -1,0 +1,143 @@
+"""multi_node_snapshot: one writer per replica set, atomic files, and an
+autoload that picks the newest snapshot every rank holds completely, also
+on another number of ranks.  Serially and under mpiexec -n 2 / -n 3."""
+
+import os
+import shutil
+import tempfile
+
+import numpy
+import pytest
+
+from conftest import chainer, needs_chainer
+
+pytestmark = needs_chainer
+
+import mnopt  # NOQA
+
+
+@pytest.fixture
+def comm():
+    c = mnopt.create_communicator('flat')
+    yield c
+    c.finalize()
+
+
+@pytest.fixture
+def outdir(comm):
+    """One directory shared by every rank."""
+    path = comm.bcast_obj(tempfile.mkdtemp(prefix='mnopt-snap-')
+                          if comm.rank == 0 else None)
+    yield path
+    comm.allgather_obj(None)
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def make_trainer(comm, out, iterations, replica_sets=None, autoload=False,
+                 interval=2):
+    L, E = chainer.links, chainer.training.extensions
+    model = L.Classifier(L.Linear(3, 2))
+    rng = numpy.random.RandomState(comm.rank)
+    x = rng.standard_normal((16, 3)).astype(numpy.float32)
+    t = (x[:, 0] > 0).astype(numpy.int32)
+    it = chainer.iterators.SerialIterator(
+        chainer.datasets.TupleDataset(x, t), 4, shuffle=False)
+    opt = mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm)
+    opt.setup(model)
+    updater = chainer.training.StandardUpdater(it, opt)
+    trainer = chainer.training.Trainer(updater, (iterations, 'iteration'),
+                                       out=out)
+    ext = mnopt.extensions.multi_node_snapshot(
+        comm, E.snapshot(autoload=autoload), replica_sets)
+    trainer.extend(ext, trigger=(interval, 'iteration'))
+    return trainer, ext
+
+
+def test_every_replica_set_writes_and_autoload_resumes(comm, outdir):
+    trainer, _ = make_trainer(comm, outdir, 6)
+    trainer.run()
+    comm.allgather_obj(None)
+    names = sorted(os.listdir(outdir))
+    n = comm.size
+    if n == 1:
+        assert 'snapshot_iter_6' in names
+    else:
+        for k in range(n):
+            assert 'snapshot_iter_6.set%d' % k in names
+    again, ext = make_trainer(comm, outdir, 8, autoload=True)
+    ext.initialize(again)
+    assert ext.loaded == 'snapshot_iter_6'
+    assert again.updater.iteration == 6
+    w = comm.allgather(again.updater.get_optimizer('main').target
+                       .predictor.W.array)
+    assert all((a == w[0]).all() for a in w)
+
+
+def test_autoload_skips_a_snapshot_one_rank_lacks(comm, outdir):
+    trainer, _ = make_trainer(comm, outdir, 6)
+    trainer.run()
+    comm.allgather_obj(None)
+    if comm.rank == comm.size - 1:   # its newest file was cut short
+        name = 'snapshot_iter_6' + ('.set%d' % comm.rank if comm.size > 1
+                                    else '')
+        path = os.path.join(outdir, name)
+        with open(path, 'r+b') as f:
+            f.truncate(os.path.getsize(path) // 2)
+    comm.allgather_obj(None)
+    again, ext = make_trainer(comm, outdir, 8, autoload=True)
+    ext.initialize(again)
+    assert ext.loaded == 'snapshot_iter_4'   # on every rank
+    assert again.updater.iteration == 4
+
+
+def test_one_replica_set_writes_once_and_loads_on_any_number_of_ranks(
+        comm, outdir):
+    everyone = [list(range(comm.size))]
+    trainer, _ = make_trainer(comm, outdir, 4, replica_sets=everyone)
+    trainer.run()
+    comm.allgather_obj(None)
+    assert sorted(n for n in os.listdir(outdir) if n.startswith('snap')) \
+        == ['snapshot_iter_2', 'snapshot_iter_4']
+    # Resume on one rank each (another number of ranks).
+    alone = comm.split(comm.rank, 0)
+    again, ext = make_trainer(alone, outdir, 6, autoload=True)
+    ext.initialize(again)
+    assert ext.loaded == 'snapshot_iter_4'
+    alone.finalize()
+
+
+def test_a_crash_mid_write_leaves_nothing_loadable(comm, outdir):
+    from chainer.training.extensions import snapshot_writers
+
+    def crash(path, target):
+        with open(path, 'wb') as f:
+            f.write(b'PK\x03\x04 half a snapshot')
+        raise RuntimeError('killed while writing')
+    trainer, _ = make_trainer(comm, outdir, 1)
+    model = trainer.updater.get_optimizer('main').target
+    ext = mnopt.extensions.multi_node_snapshot(
+        comm, chainer.training.extensions.snapshot_object(
+            model, 'snapshot_iter_{.updater.iteration}',
+            writer=snapshot_writers.SimpleWriter(savefun=crash)),
+        [list(range(comm.size))])
+    if comm.rank == 0:
+        with pytest.raises(RuntimeError, match='killed while writing'):
+            ext(trainer)
+    comm.allgather_obj(None)
+    assert not [n for n in os.listdir(outdir)
+                if n.startswith('snapshot_iter')]
+
+
+def test_bad_replica_sets_fail_on_every_rank(comm):
+    with pytest.raises(ValueError, match='every rank'):
+        mnopt.extensions.multi_node_snapshot(
+            comm, chainer.training.extensions.snapshot(), [[0, 0]])
+    if comm.size > 1:
+        sets = [[r] for r in range(comm.size)]
+        if comm.rank == 1:
+            sets = [list(range(comm.size))]
+        with pytest.raises(ValueError, match='ranks passed different '
+                                             'replica_sets'):
+            mnopt.extensions.multi_node_snapshot(
+                comm, chainer.training.extensions.snapshot(), sets)
