@@ -40,6 +40,10 @@ _CHAINER_LAYER = {
     'create_multi_node_evaluator': 'mnopt.evaluator',
     'scatter_dataset': 'mnopt.datasets',
     'scatter_index': 'mnopt.datasets',
+    'create_empty_dataset': 'mnopt.datasets',
+    'DataSizeError': 'mnopt.datasets',
+    'create_multi_node_checkpointer': 'mnopt.extensions',
+    'MultiNodeChainList': 'mnopt.links',
 }
 
 

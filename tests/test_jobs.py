@@ -105,3 +105,83 @@ def test_a_chainermn_script_runs_with_import_mnopt_as_chainermn(tmp_path):
     for r in range(3):
         assert 'rank %d done' % r in proc.stdout
     assert 'validation/main/accuracy' in proc.stdout
+
+
+CHAINERMN_IMAGENET_SCRIPT = '''
+# The shape of ChainerMN's ImageNet example (train_imagenet.py), with a
+# small convolutional net and synthetic images.
+import sys
+import chainer, numpy
+import chainer.functions as F, chainer.links as L
+from chainer import training
+from chainer.training import extensions
+import mnopt as chainermn
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super(Net, self).__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 8, 3, pad=1)
+            self.bn = L.BatchNormalization(8)
+            self.fc = L.Linear(8, 4)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)))
+        return self.fc(F.average(h, axis=(2, 3)))
+
+
+iterations = int(sys.argv[1])
+comm = chainermn.create_communicator('hierarchical')
+device = -1
+model = L.Classifier(Net())
+if comm.rank == 0:
+    rng = numpy.random.RandomState(0)
+    x = rng.rand(96, 3, 12, 12).astype(numpy.float32)
+    t = (x[:, 0].mean(axis=(1, 2)) * 4).astype(numpy.int32) % 4
+    train = chainer.datasets.TupleDataset(x[:64], t[:64])
+    val = chainer.datasets.TupleDataset(x[64:], t[64:])
+else:
+    train, val = None, None
+train = chainermn.scatter_dataset(train, comm, shuffle=True)
+val = chainermn.scatter_dataset(val, comm)
+train_iter = chainer.iterators.MultiprocessIterator(train, 8, n_processes=1)
+val_iter = chainer.iterators.SerialIterator(val, 8, repeat=False,
+                                            shuffle=False)
+optimizer = chainermn.create_multi_node_optimizer(
+    chainer.optimizers.MomentumSGD(lr=0.01, momentum=0.9), comm)
+optimizer.setup(model)
+updater = training.StandardUpdater(train_iter, optimizer, device=device)
+trainer = training.Trainer(updater, (iterations, 'iteration'), OUT)
+checkpoint_interval = (2, 'iteration')
+checkpointer = chainermn.create_multi_node_checkpointer(
+    name='imagenet-example', comm=comm)
+checkpointer.maybe_load(trainer, optimizer)
+print('rank %d: loaded %s' % (comm.rank, checkpointer.get_stats()['loaded']))
+trainer.extend(checkpointer, trigger=checkpoint_interval)
+val_interval = (2, 'iteration')
+evaluator = extensions.Evaluator(val_iter, model, device=device)
+evaluator = chainermn.create_multi_node_evaluator(evaluator, comm)
+trainer.extend(evaluator, trigger=val_interval)
+if comm.rank == 0:
+    trainer.extend(extensions.LogReport(trigger=(1, 'iteration')))
+    trainer.extend(extensions.PrintReport(
+        ['iteration', 'main/loss', 'validation/main/loss']),
+        trigger=(1, 'iteration'))
+trainer.run()
+print('rank %d done at %d' % (comm.rank, trainer.updater.iteration))
+'''
+
+
+@needs_chainer
+def test_a_chainermn_imagenet_script_runs_and_resumes(tmp_path):
+    code = 'OUT = %r\n' % str(tmp_path) + CHAINERMN_IMAGENET_SCRIPT
+    proc = run_mpi(2, code, timeout=180, args=['4'])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'rank 0: loaded None' in proc.stdout
+    assert 'validation/main/loss' in proc.stdout
+    proc = run_mpi(2, code, timeout=180, args=['6'])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):
+        assert 'rank %d: loaded 4' % r in proc.stdout
+        assert 'rank %d done at 6' % r in proc.stdout

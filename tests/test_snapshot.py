@@ -141,3 +141,26 @@ def test_bad_replica_sets_fail_on_every_rank(comm):
                                              'replica_sets'):
             mnopt.extensions.multi_node_snapshot(
                 comm, chainer.training.extensions.snapshot(), sets)
+
+
+def test_checkpointer_keeps_the_newest_and_loads_what_all_hold(comm, outdir):
+    trainer, _ = make_trainer(comm, outdir, 10)
+    cp = mnopt.create_multi_node_checkpointer('t', comm, cp_interval=2,
+                                              gc_interval=1)
+    trainer.extend(cp, trigger=(2, 'iteration'))
+    trainer.run()
+    comm.allgather_obj(None)
+    mine = sorted(n for n in os.listdir(outdir)
+                  if n.startswith('cp-t.') and n.endswith('.rank%d.npz'
+                                                          % comm.rank))
+    assert mine == ['cp-t.10.rank%d.npz' % comm.rank,
+                    'cp-t.8.rank%d.npz' % comm.rank]
+    assert cp.get_stats()['saved'] == 5
+    if comm.rank == comm.size - 1:
+        os.remove(os.path.join(outdir, 'cp-t.10.rank%d.npz' % comm.rank))
+    comm.allgather_obj(None)
+    again, _ = make_trainer(comm, outdir, 12)
+    loader = mnopt.extensions.create_multi_node_checkpointer('t', comm)
+    loader.maybe_load(again)
+    assert loader.get_stats()['loaded'] == 8
+    assert again.updater.iteration == 8

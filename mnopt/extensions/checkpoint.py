@@ -1,0 +1,81 @@
+"""create_multi_node_checkpointer: every rank checkpoints its own trainer;
+``maybe_load`` resumes every rank from the newest checkpoint all of them
+hold whole (ChainerMN's API, as its ImageNet example uses it)."""
+
+import os
+import re
+
+import chainer
+from chainer.training import extension
+
+from mnopt.extensions.multi_node_snapshot import _whole
+
+
+class _MultiNodeCheckpointer(extension.Extension):
+
+    trigger = 1, 'epoch'
+    priority = -100   # after everything else of the iteration, as snapshots
+
+    def __init__(self, name, comm, cp_interval=5, gc_interval=5, path=None):
+        self.name, self.comm, self.path = name, comm, path
+        self.cp_interval = cp_interval   # checkpoints kept
+        self.gc_interval = gc_interval   # saves between clean-ups
+        self._saves = 0
+        self.stats = {'saved': 0, 'loaded': None}
+
+    def _dir(self, trainer):
+        return self.path or trainer.out
+
+    def _file(self, outdir, iteration):
+        return os.path.join(outdir, 'cp-%s.%d.rank%d.npz'
+                            % (self.name, iteration, self.comm.rank))
+
+    def _mine(self, outdir):
+        """Iterations of this rank's whole checkpoints in ``outdir``."""
+        pattern = re.compile(r'cp-%s\.(\d+)\.rank%d\.npz$'
+                             % (re.escape(self.name), self.comm.rank))
+        found = []
+        for f in os.listdir(outdir) if os.path.isdir(outdir) else ():
+            m = pattern.match(f)
+            if m and _whole(os.path.join(outdir, f)):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def __call__(self, trainer):
+        outdir = self._dir(trainer)
+        os.makedirs(outdir, exist_ok=True)
+        path = self._file(outdir, trainer.updater.iteration)
+        tmp = path + '.tmp%d' % os.getpid()
+        chainer.serializers.save_npz(tmp, trainer)
+        os.replace(tmp, path)   # never a half file under the final name
+        self.stats['saved'] += 1
+        self._saves += 1
+        if self._saves % max(self.gc_interval, 1) == 0:
+            for old in self._mine(outdir)[:-self.cp_interval]:
+                os.remove(self._file(outdir, old))
+
+    def maybe_load(self, trainer, optimizer=None, path=None):
+        """Load, on every rank, the newest checkpoint every rank holds
+        whole (nothing if there is none).  ``optimizer`` is accepted for
+        ChainerMN compatibility: the trainer's snapshot holds it."""
+        del optimizer
+        outdir = path or self._dir(trainer)
+        everyone = self.comm.allgather_obj(self._mine(outdir))
+        common = set(everyone[0]).intersection(*everyone[1:])
+        if not common:
+            return
+        iteration = max(common)
+        chainer.serializers.load_npz(self._file(outdir, iteration), trainer)
+        self.stats['loaded'] = iteration
+
+    def get_stats(self):
+        return dict(self.stats)
+
+
+def create_multi_node_checkpointer(name, comm, cp_interval=5, gc_interval=5,
+                                   path=None):
+    """A trainer extension that checkpoints each rank's trainer (files
+    ``cp-NAME.ITERATION.rankR.npz`` in ``path`` or the trainer's out,
+    written atomically), keeping the ``cp_interval`` newest and cleaning up
+    every ``gc_interval`` saves; ``maybe_load(trainer)`` resumes."""
+    return _MultiNodeCheckpointer(name, comm, cp_interval, gc_interval, path)
