@@ -32,9 +32,10 @@ def my_slice(rank, n):
     return slice(start, start + sizes(n)[rank])
 
 
-@pytest.fixture
-def comm(comm_name):
-    c = mnopt.create_communicator(comm_name)
+@pytest.fixture(params=['naive', 'flat', 'hierarchical', 'reduction_server'])
+def comm(request):
+    """Every CPU communicator, reduction_server workers included."""
+    c = mnopt.create_communicator(request.param)
     yield c
     c.finalize()
 

@@ -15,9 +15,10 @@ pytestmark = needs_chainer
 import mnopt  # NOQA
 
 
-@pytest.fixture
-def comm(comm_name):
-    c = mnopt.create_communicator(comm_name)
+@pytest.fixture(params=['naive', 'flat', 'hierarchical', 'reduction_server'])
+def comm(request):
+    """Every CPU communicator, reduction_server workers included."""
+    c = mnopt.create_communicator(request.param)
     yield c
     c.finalize()
 
