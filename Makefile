@@ -42,10 +42,11 @@ setup: $(VENV)/.installed
 .SECONDEXPANSION:
 .venv/%/.installed: setup.py constraints/%.txt Makefile $$(PRE_$$*)
 	rm -rf .venv/$*
-	$(PYTHON) -m venv .venv/$*
+	start=$$(date +%s) && $(PYTHON) -m venv .venv/$* && \
 	PIP_CONSTRAINT=$(CURDIR)/constraints/$*.txt .venv/$*/bin/python -m pip \
 	    install -q --disable-pip-version-check $(PIP_$*) \
-	    -e '.[$(EXTRAS_$*)]' $(MORE_$*)
+	    -e '.[$(EXTRAS_$*)]' $(MORE_$*) && \
+	echo "== stack $*: set up in $$(( $$(date +%s) - start )) s"
 	touch $@
 
 # Debian's Open MPI, for the openmpi stack (see docs/install.md).
@@ -82,6 +83,7 @@ test-%: .venv/%/.installed
 	@.venv/$*/bin/python -c 'import sys, numpy; from mpi4py import MPI; \
 	    print("== stack $*: Python", sys.version.split()[0], "| NumPy", \
 	          numpy.__version__, "|", *MPI.Get_library_version().split()[:3])'
+	start=$$(date +%s); \
 	if [ $* = core ]; then \
 	    MNOPT_REQUIRE_NVRTC=1 .venv/$*/bin/python -m pytest -q --color=no; \
 	else \
@@ -89,7 +91,7 @@ test-%: .venv/%/.installed
 	    .venv/$*/bin/python -m pytest -q --color=no && \
 	    $(or $(LAUNCH_$*),.venv/$*/bin/mpiexec) -n 2 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no && \
 	    $(or $(LAUNCH_$*),.venv/$*/bin/mpiexec) -n 3 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no; \
-	fi
+	fi && echo "== stack $*: tests took $$(( $$(date +%s) - start )) s"
 
 clean:
 	rm -rf .venv *.egg-info
