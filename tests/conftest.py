@@ -37,6 +37,16 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if 'spawn' not in i.keywords]
 
 
+@pytest.fixture(params=CPU_COMMUNICATORS + ('reduction_server',))
+def any_comm(request):
+    """A communicator of every CPU kind, reduction_server workers (with
+    colocated servers) included; finalized after the test."""
+    import mnopt
+    c = mnopt.create_communicator(request.param)
+    yield c
+    c.finalize()
+
+
 @pytest.fixture(params=CPU_COMMUNICATORS + ('hierarchical-2-per-node',))
 def comm_name(request, monkeypatch):
     """Each CPU communicator; hierarchical also with nodes faked as pairs

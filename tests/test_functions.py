@@ -10,15 +10,13 @@ from conftest import chainer, needs_chainer
 pytestmark = needs_chainer
 
 import mnopt  # NOQA
-F = mnopt.functions
 
 
-@pytest.fixture(params=['naive', 'flat', 'hierarchical', 'reduction_server'])
-def comm(request):
+@pytest.fixture
+def comm(any_comm):
     """Every CPU communicator, reduction_server workers included."""
-    c = mnopt.create_communicator(request.param)
-    yield c
-    c.finalize()
+    return any_comm
+F = mnopt.functions
 
 
 def var(values):

@@ -6,11 +6,17 @@ mpiexec -n 2 / -n 3."""
 import numpy
 import pytest
 
-from conftest import WORLD, chainer, needs_chainer
+from conftest import chainer, needs_chainer
 
 pytestmark = needs_chainer
 
 import mnopt  # NOQA
+
+
+@pytest.fixture
+def comm(any_comm):
+    """Every CPU communicator, reduction_server workers included."""
+    return any_comm
 
 C, H, W = 4, 3, 2
 
@@ -30,14 +36,6 @@ def full_batch(n, dtype=numpy.float32):
 def my_slice(rank, n):
     start = sum(sizes(n)[:rank])
     return slice(start, start + sizes(n)[rank])
-
-
-@pytest.fixture(params=['naive', 'flat', 'hierarchical', 'reduction_server'])
-def comm(request):
-    """Every CPU communicator, reduction_server workers included."""
-    c = mnopt.create_communicator(request.param)
-    yield c
-    c.finalize()
 
 
 def count_reductions(comm, monkeypatch):

@@ -8,19 +8,17 @@ import types
 import numpy
 import pytest
 
-from conftest import WORLD, needs_chainer
+from conftest import needs_chainer
 
 pytestmark = needs_chainer
 
 import mnopt  # NOQA
 
 
-@pytest.fixture(params=['naive', 'flat', 'hierarchical', 'reduction_server'])
-def comm(request):
+@pytest.fixture
+def comm(any_comm):
     """Every CPU communicator, reduction_server workers included."""
-    c = mnopt.create_communicator(request.param)
-    yield c
-    c.finalize()
+    return any_comm
 
 
 def test_config_per_communicator(comm):

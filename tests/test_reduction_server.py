@@ -2,7 +2,6 @@
 ``mpiexec -n W python worker.py : -n S python -m mnopt.server``."""
 
 import os
-import subprocess
 import sys
 
 import pytest

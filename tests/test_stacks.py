@@ -12,7 +12,7 @@ import sys
 import numpy
 import pytest
 
-from conftest import REPO, chainer, needs_chainer, run_mpi
+from conftest import REPO, needs_chainer, run_mpi
 
 pytestmark = pytest.mark.spawn
 

@@ -2,12 +2,11 @@
 times: a stopped rank is named within the warning time by every waiting
 rank, and the job ends at the timeout."""
 
-import os
 import time
 
 import pytest
 
-from conftest import REPO, run_mpi
+from conftest import run_mpi
 from mnopt import stall
 
 pytestmark = pytest.mark.spawn
@@ -114,22 +113,16 @@ server.main()
 
 
 @pytest.mark.parametrize('who', ['worker', 'server'])
-def test_reduction_server_job_names_a_stopped_process(who):
+def test_reduction_server_job_names_a_stopped_process(who, monkeypatch):
     from test_reduction_server import run_job
     worker = STALLS.replace('name, how = sys.argv[1], sys.argv[2]',
                             'name, how = "reduction_server", %r'
                             % ('stop' if who == 'worker' else 'none'))
-    env = dict(os.environ, MNOPT_STALL_WARNING='2', MNOPT_TIMEOUT='6',
-               PYTHONPATH=REPO)
-    old = dict(os.environ)
-    os.environ.update(env)
-    try:
-        proc = run_job(2, 1, worker_code=worker, timeout=60, worker_args=[],
-                       server_code=SERVER_STOPS_AFTER_ONE_REDUCTION
-                       if who == 'server' else None)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    monkeypatch.setenv('MNOPT_STALL_WARNING', '2')
+    monkeypatch.setenv('MNOPT_TIMEOUT', '6')
+    proc = run_job(2, 1, worker_code=worker, timeout=60, worker_args=[],
+                   server_code=SERVER_STOPS_AFTER_ONE_REDUCTION
+                   if who == 'server' else None)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines()
              if line.startswith('mnopt: worker 0 has waited')]
@@ -178,21 +171,17 @@ server.main()
 '''
 
 
-def test_an_exception_in_a_server_thread_ends_the_job():
+def test_an_exception_in_a_server_thread_ends_the_job(monkeypatch):
     """Not left to the stall timeout (disabled here): the thread's
     exception aborts the job at once."""
     from test_reduction_server import run_job
     worker = STALLS.replace('name, how = sys.argv[1], sys.argv[2]',
                             'name, how = "reduction_server", "none"')
-    old = dict(os.environ)
-    os.environ.update(MNOPT_STALL_WARNING='0', MNOPT_TIMEOUT='0')
-    try:
-        start = time.time()
-        proc = run_job(2, 1, worker_code=worker, timeout=60, worker_args=[],
-                       server_code=SERVER_THREAD_RAISES)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    monkeypatch.setenv('MNOPT_STALL_WARNING', '0')
+    monkeypatch.setenv('MNOPT_TIMEOUT', '0')
+    start = time.time()
+    proc = run_job(2, 1, worker_code=worker, timeout=60, worker_args=[],
+                   server_code=SERVER_THREAD_RAISES)
     assert proc.returncode != 0
     assert 'the server fell over' in proc.stderr
     assert 'uncaught exception in thread' in proc.stderr

@@ -331,14 +331,7 @@ def resume(path, trainer, comm):
 def _complete(path, rank):
     """Whether this rank can resume from ``path``: the shared file and
     this rank's file (where the snapshot has one for it) are whole."""
-    import zipfile
-
-    def whole(f):
-        try:
-            with zipfile.ZipFile(f) as z:
-                return z.testzip() is None
-        except (OSError, zipfile.BadZipFile):
-            return False
+    from mnopt.extensions.multi_node_snapshot import npz_is_whole as whole
     if not whole(path) or not whole(rank_file(path, 0)):
         return False
     with numpy.load(rank_file(path, 0)) as f:

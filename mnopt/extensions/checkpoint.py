@@ -8,7 +8,7 @@ import re
 import chainer
 from chainer.training import extension
 
-from mnopt.extensions.multi_node_snapshot import _whole
+from mnopt.extensions.multi_node_snapshot import npz_is_whole
 
 
 class _MultiNodeCheckpointer(extension.Extension):
@@ -37,7 +37,7 @@ class _MultiNodeCheckpointer(extension.Extension):
         found = []
         for f in os.listdir(outdir) if os.path.isdir(outdir) else ():
             m = pattern.match(f)
-            if m and _whole(os.path.join(outdir, f)):
+            if m and npz_is_whole(os.path.join(outdir, f)):
                 found.append(int(m.group(1)))
         return sorted(found)
 

@@ -51,7 +51,9 @@ def _natural_key(name):
     return tuple(int(n) for n in re.findall(r'\d+', name)), name
 
 
-def _whole(path):
+def npz_is_whole(path):
+    """Whether ``path`` is a complete .npz (zip) file: every member's CRC
+    checks (a file cut short, or never finished, is not)."""
     try:
         with zipfile.ZipFile(path) as z:
             return z.testzip() is None
@@ -117,7 +119,7 @@ class _MultiNodeSnapshot(extension.Extension):
         regex = re.compile('(%s)(\\.set\\d+)?$' % _pattern(self.base))
         candidates = {m.group(1) for m in map(regex.match, names) if m}
         whole = sorted(c for c in candidates
-                       if _whole(self._my_file(outdir, c, names)))
+                       if npz_is_whole(self._my_file(outdir, c, names)))
         everyone = self.comm.allgather_obj(whole)
         common = set(everyone[0]).intersection(*everyone[1:])
         if not common:
