@@ -34,6 +34,9 @@ LAUNCH_openmpi := env $(OPENMPI_ENV) mpiexec
 PRE_openmpi := openmpi-system
 
 .PHONY: setup run test bench convergence experiments clean openmpi-system
+# The stamps of built stacks are kept (make would delete them as the
+# intermediate files of a pattern rule, and rebuild every stack each time).
+.PRECIOUS: .venv/%/.installed
 
 setup: $(VENV)/.installed
 
