@@ -65,10 +65,11 @@ def test_a_stopped_rank_is_named_then_the_job_ends(name, env):
         assert 'arrived: rank 0, rank 2. Still waiting; the job is aborted ' \
             'after 8 s' in warning
         waited = float(warning.split('has waited ')[1].split(' s')[0])
-        assert 2.0 <= waited < 3.0, warning   # at the warning time
+        # At the warning time (a 0.2 s tick; margin for a loaded machine).
+        assert 2.0 <= waited < 3.5, warning
         assert 'Timeout (8 s, MNOPT_TIMEOUT): aborting the MPI job' in final
         waited = float(final.split('has waited ')[1].split(' s')[0])
-        assert 8.0 <= waited < 9.0, final
+        assert 8.0 <= waited < 9.5, final
     assert elapsed < 8 + 15, elapsed  # start-up, the report, the abort
 
 
