@@ -18,6 +18,7 @@ def comm(any_comm):
     """Every CPU communicator, reduction_server workers included."""
     return any_comm
 
+
 C, H, W = 4, 3, 2
 
 
