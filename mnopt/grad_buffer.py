@@ -199,17 +199,17 @@ class GradBuffer(object):
             self._codec = _cuda.Codec(layout.wire)
         else:
             self._codec = HostCodec(layout.wire)
-        #: Per array: gradient values, and averaged values, that were not
-        #: finite in the last averaging (16-bit wires on the host; None
-        #: where not counted).
-        self.nonfinite_in = [None] * len(layout.sizes)
-        self.nonfinite_out = [None] * len(layout.sizes)
+        self.reset_counts()
 
     def _count(self, counts, i, n):
         if n is not None:
             counts[i] = n + (counts[i] or 0)
 
     def reset_counts(self):
+        """Per array: gradient values (``nonfinite_in``), and averaged
+        values (``nonfinite_out``), that were not finite in the averaging
+        since the last reset (16-bit wires on the host; None where not
+        counted)."""
         self.nonfinite_in = [None] * len(self.layout.sizes)
         self.nonfinite_out = [None] * len(self.layout.sizes)
 

@@ -225,12 +225,10 @@ class CommunicatorBase(object):
         ``'allreduce_grad_dtype'`` (a dtype, its name, or None; every rank
         must set the same, which the next averaging checks) and
         ``'batched_copy'`` (accepted; packing is always batched)."""
+        self.get_config(name)  # an unknown name raises
         if name == 'allreduce_grad_dtype':
             self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
                 kwargs.get('dtype', value))
-        elif name != 'batched_copy':
-            raise ValueError('unknown config %r: allreduce_grad_dtype or '
-                             'batched_copy' % (name,))
 
     def get_config(self, name=None):
         """The setting ``name`` (a numpy dtype, or the string 'bfloat16',
