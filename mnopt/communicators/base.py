@@ -55,16 +55,20 @@ class _Group(object):
         self.buffer = None
         self.sign_codec = None  # compression='sign': codec and residuals
         self.subcomms = []  # algorithm-specific communicators, freed with it
+        self.side_streams = {}  # GPU id -> stream of background averaging
+        self.nccl = None  # pure_nccl: NCCL communicator, made at first sum
 
     def buffer_for(self, named, wire, xp, **buffer_options):
-        """The GradBuffer for this gradient set; rebuilt when it changes.
+        """The GradBuffer for this gradient set; rebuilt when it changes
+        (or moves to another device).
 
         The cross-rank layout check runs on every call (one 8-byte
         Allgather) and before any buffer is built, so a rank whose parameter
         set changed alone gets an error instead of a hang or a corrupted sum.
         """
         buffer = self.buffer if self.buffer is not None \
-            and self.buffer.xp is xp else None
+            and self.buffer.xp is xp \
+            and self.buffer.device == _device_of(named, xp) else None
         layout = self._checked_layout(named, wire, buffer)
         if buffer is None or buffer.layout is not layout:
             self.buffer = buffer = grad_buffer.GradBuffer(
@@ -75,7 +79,8 @@ class _Group(object):
         """The SignCodec (and its residuals) for this gradient set; rebuilt,
         residuals zeroed, when the set changes.  Checked as buffer_for."""
         codec = self.sign_codec if self.sign_codec is not None \
-            and self.sign_codec.xp is xp else None
+            and self.sign_codec.xp is xp \
+            and self.sign_codec.device == _device_of(named, xp) else None
         layout = self._checked_layout(named, 'float32', codec)
         if codec is None or codec.layout is not layout:
             self.sign_codec = codec = sign.SignCodec(layout, xp,
@@ -98,6 +103,9 @@ class _Group(object):
     def free(self):
         self.buffer = None
         self.sign_codec = None
+        if self.nccl is not None:
+            self.nccl.destroy()
+            self.nccl = None
         for c in self.subcomms + [self.comm]:
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -123,6 +131,14 @@ class MeanHandle(object):
             future.result()
 
 
+def _device_of(named, xp):
+    """The GPU holding the arrays of ``named``, None for numpy ones."""
+    if xp is numpy:
+        return None
+    from mnopt import _cuda
+    return _cuda.device_id([a for _, a in named])
+
+
 def _array_module(arrays):
     kinds = {type(a).__module__.split('.')[0] for a in arrays}
     if not kinds or kinds == {'numpy'}:
@@ -145,12 +161,19 @@ class CommunicatorBase(object):
     name = None
     _created = 0  # communicators made by this process: their labels
 
+
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
                  bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
                  compression=None, error_feedback=True, warmup_steps=0,
                  vote=None, stall_warning=None, timeout=None,
                  on_overflow='warn'):
         self.mpi_comm = mpi_comm
+        #: At one rank the mean of a gradient is itself, so averaging moves
+        #: nothing.  False (or MNOPT_SINGLE_RANK_AVERAGING=1) runs the whole
+        #: path anyway: pack, cast, sum, unpack, as N > 1 does; for
+        #: benchmarks and tests on one GPU.
+        self.skip_single_rank = \
+            os.environ.get('MNOPT_SINGLE_RANK_AVERAGING', '0') != '1'
         self._overflow = overflow.Reporter(on_overflow)
         self._stall_settings = {'stall_warning': stall_warning,
                                 'timeout': timeout}
@@ -296,33 +319,52 @@ class CommunicatorBase(object):
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self.name)
         xp = _array_module([a for _, a in named])
-        # GPU: the background work waits for what the caller's stream has
-        # queued so far (the backward that produced these gradients).
-        ready = None if xp is numpy else xp.cuda.get_current_stream().record()
+        device = _device_of(named, xp)
+        ready = None
+        if xp is not numpy:
+            # The background work waits for what the caller's stream on
+            # the gradients' GPU has queued so far (the backward that
+            # produced them).
+            with xp.cuda.Device(device):
+                ready = xp.cuda.get_current_stream().record()
         self._in_flight = MeanHandle(self._executor.submit(
-            self._mean_in_background, self._async_group, named, xp, ready))
+            self._mean_in_background, self._async_group, named, xp, device,
+            ready))
         return self._in_flight
 
     @watched('mean_grads_async.background')
-    def _mean_in_background(self, group, named, xp, ready):
+    def _mean_in_background(self, group, named, xp, device, ready):
         if xp is numpy:
             return self._mean(group, named)
-        if getattr(group, 'side_stream', None) is None:
-            group.side_stream = xp.cuda.Stream(non_blocking=True)
-        group.side_stream.wait_event(ready)
-        with group.side_stream:
-            self._mean(group, named)
-        # Blocks this background thread only: wait() then means done.
-        group.side_stream.synchronize()
+        # CuPy's current device is per thread (GPU 0 in a new one): enter
+        # the gradients' GPU, and average on a side stream of that GPU.
+        with xp.cuda.Device(device):
+            stream = group.side_streams.get(device)
+            if stream is None:
+                stream = group.side_streams[device] = xp.cuda.Stream(
+                    non_blocking=True)
+            stream.wait_event(ready)
+            with stream:
+                self._mean(group, named)
+            # Blocks this background thread only: wait() then means done.
+            stream.synchronize()
 
     def _mean(self, group, named):
         xp = _array_module([a for _, a in named])
+        if xp is numpy:
+            return self._mean_on_device(group, named, xp)
+        # Kernels, buffers and NCCL calls go to the gradients' GPU, whatever
+        # GPU is current.
+        with xp.cuda.Device(_device_of(named, xp)):
+            return self._mean_on_device(group, named, xp)
+
+    def _mean_on_device(self, group, named, xp):
         step, self.steps = self.steps, self.steps + 1
         if self.compression == 'sign' and step >= self.warmup_steps:
             return self._mean_of_signs(group, named, xp, step)
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
-        if self.size == 1:
+        if self.size == 1 and self.skip_single_rank:
             return  # the mean of one gradient is itself: nothing to move
         buffer.reset_counts()
         self._pack_sum_unpack(buffer, group, [a for _, a in named])
