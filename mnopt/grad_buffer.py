@@ -196,8 +196,10 @@ class GradBuffer(object):
         self._in_place_arrays = []
         if xp is not numpy:
             from mnopt import _cuda
-            self._codec = _cuda.Codec(layout.wire)
+            self._codec = _cuda.Codec(layout.wire, layout.sizes, self.offsets)
+            self.device = self.wire.device.id
         else:
+            self.device = None
             self._codec = HostCodec(layout.wire)
         self.reset_counts()
 
@@ -209,9 +211,18 @@ class GradBuffer(object):
         """Per array: gradient values (``nonfinite_in``), and averaged
         values (``nonfinite_out``), that were not finite in the averaging
         since the last reset (16-bit wires on the host; None where not
-        counted)."""
+        counted).  GPU buffers count on the device: ``take_counts`` first."""
         self.nonfinite_in = [None] * len(self.layout.sizes)
         self.nonfinite_out = [None] * len(self.layout.sizes)
+        if self.xp is not numpy:
+            self._codec.reset()
+
+    def take_counts(self):
+        """Bring the counts of a GPU averaging to the host (waits for its
+        kernels; the host codec counts as it goes)."""
+        if self.xp is not numpy:
+            self.nonfinite_in, self.nonfinite_out = \
+                self._codec.take_counts()
 
     def _slices(self, n):
         step = self.bucket_elems
@@ -227,6 +238,8 @@ class GradBuffer(object):
         offs = self.offsets
         self._in_place_arrays = []
         self._divisor = divisor
+        if self.xp is not numpy:  # one batched kernel (mnopt/_cuda.py)
+            return self._codec.pack(arrays, self.wire, divisor)
         for i, a in enumerate(arrays):
             if self.in_place[i]:
                 # A non-contiguous gradient is reduced in a contiguous copy
@@ -236,7 +249,8 @@ class GradBuffer(object):
                 self._in_place_arrays.append(flat)
             elif offs[i] != offs[i + 1]:
                 self._count(self.nonfinite_in, i, self._codec.encode(
-                    a.reshape(-1), self.wire[offs[i]:offs[i + 1]], divisor))
+                    a.reshape(-1), self.wire[offs[i]:offs[i + 1]], divisor,
+                    i))
 
     # Ranges: a transport that moves the packed buffer piece by piece packs
     # each piece just before it leaves and unpacks each sum as it arrives,
@@ -260,14 +274,15 @@ class GradBuffer(object):
     def pack_range(self, arrays, lo, hi, divisor):
         for i, inside, packed in self._overlaps(lo, hi):
             self._count(self.nonfinite_in, i, self._codec.encode(
-                arrays[i].reshape(-1)[inside], self.wire[packed], divisor))
+                arrays[i].reshape(-1)[inside], self.wire[packed], divisor,
+                i))
 
     def unpack_range(self, arrays, sums, lo, hi):
         """Decode ``sums`` (holding buffer range [lo, hi)) into the arrays."""
         for i, inside, packed in self._overlaps(lo, hi):
             self._count(self.nonfinite_out, i, self._codec.decode(
                 sums[packed.start - lo:packed.stop - lo],
-                arrays[i].reshape(-1)[inside]))
+                arrays[i].reshape(-1)[inside], i))
 
     def host_parts(self):
         """Yield the contiguous numpy arrays to sum across ranks, in order.
@@ -307,6 +322,8 @@ class GradBuffer(object):
     def unpack(self, arrays):
         """arrays[i][...] = cast back from the wire (in place)."""
         offs = self.offsets
+        if self.xp is not numpy:
+            return self._codec.unpack(self.wire, arrays)
         in_place = iter(self._in_place_arrays)
         for i, a in enumerate(arrays):
             if self.in_place[i]:
@@ -316,10 +333,10 @@ class GradBuffer(object):
             elif offs[i] != offs[i + 1]:
                 src = self.wire[offs[i]:offs[i + 1]]
                 if a.flags.c_contiguous:
-                    n = self._codec.decode(src, a.reshape(-1))
+                    n = self._codec.decode(src, a.reshape(-1), i)
                 else:  # reshape(-1) would be a copy: decode, then assign
                     flat = self.xp.empty(a.size, dtype=a.dtype)
-                    n = self._codec.decode(src, flat)
+                    n = self._codec.decode(src, flat, i)
                     a[...] = flat.reshape(a.shape)
                 self._count(self.nonfinite_out, i, n)
 
@@ -351,7 +368,7 @@ class HostCodec(object):
             self.fast = (getattr(_halfcast, 'encode_' + wire),
                          getattr(_halfcast, 'decode_' + wire))
 
-    def encode(self, src, dst, divisor):
+    def encode(self, src, dst, divisor, index=None):
         if self.fast and src.dtype == numpy.float32 and _fast_path(src, dst):
             return self.fast[0](src, dst.view(numpy.uint16), float(divisor))
         if self.wire == 'bfloat16':
@@ -369,7 +386,7 @@ class HostCodec(object):
                              casting='unsafe')
         return _count_nonfinite(src) if self.counts else None
 
-    def decode(self, src, dst):
+    def decode(self, src, dst, index=None):
         if self.fast and dst.dtype == numpy.float32 and _fast_path(src, dst):
             return self.fast[1](src.view(numpy.uint16), dst)
         if self.wire == 'bfloat16':

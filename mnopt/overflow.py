@@ -2,9 +2,11 @@
 
 float16 holds at most 65504.  Dividing before summing (grad_buffer) keeps
 every mean that fits finite, but a mean beyond that range still turns into
-inf.  The host codec counts, at no extra pass, how many gradient values
+inf.  The codecs count, at no extra pass, how many gradient values
 were not finite going in and how many means are not finite coming out
-(per array).  An averaging *overflowed* in an array whose means are not all
+(per array): the host codec's C loops as they convert, the GPU kernels in
+device memory (read once per averaging, so a GPU averaging on a 16-bit
+wire ends with one small copy to the host; on_overflow='ignore' skips it).  An averaging *overflowed* in an array whose means are not all
 finite though no rank's gradients in it were: NaN/Inf that were already in
 the gradients pass through unchanged and are not reported.
 
@@ -48,6 +50,7 @@ class Reporter(object):
         """After an averaging with ``buffer``'s counts, over ``comm``."""
         if self.on_overflow == 'ignore':
             return
+        buffer.take_counts()
         suspects = [i for i, n in enumerate(buffer.nonfinite_out) if n]
         if not suspects:
             return

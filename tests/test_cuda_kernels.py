@@ -39,7 +39,8 @@ def _nvrtc():
 
 
 C_TYPES = {'float16': 'float16', 'float32': 'float', 'float64': 'double',
-           'uint16': 'unsigned short'}
+           'uint16': 'unsigned short', 'int32': 'int', 'int64': 'long long',
+           'uint64': 'unsigned long long'}
 
 
 def _parse(params):
@@ -57,20 +58,22 @@ def elementwise_source(name, inputs, outputs, body, types):
     lines = ['#include <%s>' % h for h in headers]
     # CuPy 14 keeps float16 in a header of its own, included when a kernel
     # uses it (CuPy 13 defines it in carray.cuh).
-    if 'float16' in types.values() and os.path.exists(os.path.join(
+    if ('float16' in types.values() or 'float16' in inputs + outputs) \
+            and os.path.exists(os.path.join(
             core._get_header_dir_path(), 'cupy', 'float16.cuh')):
         lines.append('#include <cupy/float16.cuh>')
     lines += ['typedef %s %s;' % (C_TYPES[types[k]], k) for k in sorted(types)]
+    from mnopt import _cuda
     params, loads = [], []
     for kind, plist in (('in', inputs), ('out', outputs)):
-        for ptype, pname in _parse(plist):
+        for param in _parse(plist):
+            raw = param[0] == 'raw'
+            ptype, pname = param[-2:]
             ctype = ptype if ptype in types else C_TYPES.get(ptype, ptype)
-            if ptype == 'float32':
-                ctype = 'float'
-            if ptype == 'float64':
-                ctype = 'double'
-            is_array = kind == 'out' or ptype in types or ptype in ('uint16',)
-            if is_array:
+            if raw:  # the whole array, indexed by the body
+                params.append('%sCArray<%s, 1, true, true> %s' % (
+                    'const ' if kind == 'in' else '', ctype, pname))
+            elif pname not in _cuda.KERNEL_SCALARS:
                 params.append('%sCArray<%s, 1, true, true> _raw_%s'
                               % ('const ' if kind == 'in' else '', ctype,
                                  pname))
@@ -131,8 +134,10 @@ def test_every_kernel_is_checked():
     assert set(_cuda.KERNELS) == set(_cuda.KERNEL_TYPES)
     # Every kernel mnopt calls is in the table.
     source = open(os.path.join(REPO, 'mnopt', '_cuda.py')).read()
-    for name in _cuda.KERNELS:
-        assert "_kernel('%s')" % name in source, name
+    assert "_kernel(_kernel_name(" in source
+    used = {_cuda._kernel_name(d, w) for d in ('pack', 'unpack')
+            for w in ('float16', 'bfloat16', 'float32', 'float64')}
+    assert used == set(_cuda.KERNELS)
     assert 'ElementwiseKernel(' in source and 'RawKernel' not in source
 
 
