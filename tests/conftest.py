@@ -12,6 +12,10 @@ import numpy
 import pytest
 from mpi4py import MPI
 
+# Before Chainer: a checkout run from PYTHONPATH (no .pth installed, as on
+# the GPU machine) gets Chainer's NumPy 2 names from mnopt's import.
+import mnopt  # NOQA
+
 # The core stack has no Chainer; elsewhere a Chainer that fails to import
 # must fail the run, not skip the Chainer layer's tests.
 if importlib.util.find_spec('chainer') is None:
@@ -131,6 +135,13 @@ def mpi_library():
     return 'openmpi' if 'Open MPI' in version else 'other'
 
 
+def python_path():
+    """PYTHONPATH for spawned jobs: this checkout first, then whatever the
+    caller's had (packages carried beside the installed ones)."""
+    return os.pathsep.join([REPO] + [p for p in os.environ.get(
+        'PYTHONPATH', '').split(os.pathsep) if p])
+
+
 def run_mpi(n, code, timeout=60, args=(), env=None, module_runner=True):
     """Run ``code`` as a script under ``mpiexec -n n``; returns the
     CompletedProcess.  A hang fails the calling test via the timeout."""
@@ -138,7 +149,7 @@ def run_mpi(n, code, timeout=60, args=(), env=None, module_runner=True):
     with open(script, 'w') as f:
         f.write(code)
     runner = ['-m', 'mpi4py'] if module_runner else []
-    full_env = dict(os.environ, PYTHONPATH=REPO, **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=python_path(), **(env or {}))
     try:
         return run_job(mpiexec() + ['-n', str(n), sys.executable] + runner
                        + [script] + list(args), timeout, full_env)

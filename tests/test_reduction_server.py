@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, mpiexec, run_job as run_launcher
+from conftest import REPO, mpiexec, python_path, run_job as run_launcher
 from mnopt.server import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.spawn
@@ -88,7 +88,8 @@ def run_job(workers, servers, wire='float32', worker_code=WORKER,
         cmd += [':', '-n', str(servers), sys.executable, '-m', 'mpi4py'] \
             + server + list(server_args)
     try:
-        return run_launcher(cmd, timeout, dict(os.environ, PYTHONPATH=REPO))
+        return run_launcher(cmd, timeout,
+                            dict(os.environ, PYTHONPATH=python_path()))
     finally:
         os.remove(script)
         if server_code is not None:

@@ -17,6 +17,9 @@ import os
 import sys
 import time
 
+# mnopt first: run from a checkout on PYTHONPATH (no .pth installed), its
+# import gives Chainer the NumPy names NumPy 2 removed.
+import mnopt  # NOQA
 import chainer
 import numpy
 from chainer import training
@@ -25,8 +28,6 @@ from chainer.training import extensions
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import embedded_data  # NOQA
 import models  # NOQA
-
-import mnopt  # NOQA
 
 
 class PreprocessedDataset(chainer.dataset.DatasetMixin):
@@ -168,6 +169,26 @@ class Throughput(training.Extension):
             chainer.report({'images/sec': self._images / max(now - t, 1e-9),
                             'allreduce/sec': comm_time - c})
         self._last = (now, comm_time)
+
+
+class SeedGpuRandom(training.Extension):
+    """Dropout on the GPU draws from CuPy's generator, whose state cannot
+    be saved in a snapshot: reseed it before every iteration from (seed,
+    rank, iteration), so that a resumed run draws what the uninterrupted
+    one drew (on the CPU, dropout draws from numpy's generator, which the
+    rank snapshots save)."""
+
+    trigger = (1, 'iteration')
+
+    def __init__(self, seed, rank):
+        self._base = (seed * 1000003 + rank) * 1000003
+
+    def _reseed(self, trainer):
+        import cupy
+        cupy.random.seed((self._base + trainer.updater.iteration) % 2 ** 63)
+
+    initialize = _reseed    # at the start of a run, resumed or not
+    __call__ = _reseed      # after each iteration, for the next
 
 
 def trainer_snapshot(comm):
@@ -440,6 +461,8 @@ def main(argv=None):
     trainer.extend(mnopt.create_multi_node_evaluator(evaluator, comm),
                    trigger=val_interval, name='validation')
     trainer.extend(Throughput(optimizer, args.batchsize * comm.size))
+    if device >= 0:
+        trainer.extend(SeedGpuRandom(args.seed, comm.rank))
     trainer.extend(trainer_snapshot(comm), name='snapshot',
                    trigger=SnapshotTrigger(snapshot_interval, stop))
     trainer.extend(Snapshot(comm, args.keep_snapshots), name='rank_snapshot',
