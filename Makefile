@@ -33,7 +33,8 @@ OPENMPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 LAUNCH_openmpi := env $(OPENMPI_ENV) mpiexec
 PRE_openmpi := openmpi-system
 
-.PHONY: setup run test bench convergence experiments clean openmpi-system
+.PHONY: setup run test bench convergence experiments clean openmpi-system \
+    gpu-check gpu-wheels
 # The stamps of built stacks are kept (make would delete them as the
 # intermediate files of a pattern rule, and rebuild every stack each time).
 .PRECIOUS: .venv/%/.installed
@@ -66,6 +67,26 @@ openmpi-system:
 run: setup
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py examples/imagenet/train_imagenet.py \
 	    --out result/imagenet
+
+# Every GPU test and benchmark, on a machine with a GPU (docs/gpu.md);
+# results and logs in $$OUT (default result/gpu-check).
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+# What a GPU machine without a registry lacks (Python 3.12): MPICH, the
+# mpi4py wheel that runs on it, Chainer 7.8.1 and setuptools<70 (Chainer
+# imports pkg_resources), as wheels in .whl/ for benchmarks/gpu_check.sh.
+GPU_PY ?= 3.12
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: \
+	    --python-version $(GPU_PY) --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+	    --platform manylinux1_x86_64 -d .whl mpich==5.0.2 mpi4py==4.1.2 \
+	    setuptools==69.5.1
+	PIP_CONSTRAINT=$(CURDIR)/constraints/numpy2.txt $(PYTHON) -m pip wheel \
+	    -q --no-deps -w .whl chainer==7.8.1
 
 bench: setup
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py -m mnopt.benchmark

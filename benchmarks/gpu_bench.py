@@ -1,0 +1,258 @@
+"""mnopt on one GPU, each figure against a baseline measured in the same
+run, rounds interleaved (run it through benchmarks/gpu_check.sh):
+
+1. codec: pack+cast and unpack of ResNet-50's gradients (162 arrays, 25.6 M
+   float32) per wire dtype, against a device-to-device copy of the same
+   gradients' bytes.  Bandwidth counts bytes read plus bytes written.
+2. NCCL: allreduce algbw/busbw at N=1 through pure_nccl's call (events
+   ordering it on its own stream) beside raw ``cupy.cuda.nccl`` on the same
+   buffer and stream.
+3. wrapper overhead: training steps of the example's ResNet-50 (images/sec)
+   with a plain Chainer optimizer vs mnopt's pure_nccl (+float16 wire,
+   +double buffering), the averaging path forced at N=1
+   (``skip_single_rank=False``: pack, NCCL, unpack, overflow check).
+
+Writes gpu_bench.json and gpu_bench.md into --out.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy
+
+import mnopt  # before Chainer: NumPy 2 names for it
+from mnopt import _cuda, grad_buffer
+from mnopt.benchmark import grad_list, resnet50_grad_shapes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def spread(values):
+    return {'min': min(values), 'median': statistics.median(values),
+            'max': max(values)}
+
+
+def gpu_seconds(cp, fn, reps):
+    """Seconds per call of fn, timed with events on the current stream."""
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+
+# ------------------------------------------------------------------ codec
+
+def codec(cp, rounds, reps):
+    shapes = resnet50_grad_shapes()
+    named = [(n, cp.asarray(g)) for n, g in grad_list(shapes, 0)]
+    grads = [g for _, g in named]
+    n_elements = sum(g.size for g in grads)
+    flat = cp.empty(n_elements, cp.float32)
+    src = cp.concatenate([g.reshape(-1) for g in grads])
+    wires = ('float32', 'float16', 'bfloat16')
+    buffers = {w: grad_buffer.GradBuffer(grad_buffer.make_layout(named, w),
+                                         cp) for w in wires}
+    rows = {'copy': []}
+    for w in wires:
+        rows['pack ' + w], rows['unpack ' + w] = [], []
+        buffers[w].pack(grads, 2)    # kernels compiled, tables built
+        buffers[w].unpack(grads)
+    for _ in range(rounds):
+        t = gpu_seconds(cp, lambda: cp.copyto(flat, src), reps)
+        copy_bw = 8 * n_elements / t
+        rows['copy'].append(copy_bw)
+        for w in wires:
+            buf = buffers[w]
+            moved = (4 + buf.dtype.itemsize) * n_elements
+            t = gpu_seconds(cp, lambda: buf.pack(grads, 2), reps)
+            rows['pack ' + w].append(moved / t)
+            t = gpu_seconds(cp, lambda: buf.unpack(grads), reps)
+            rows['unpack ' + w].append(moved / t)
+    result = {'arrays': len(grads), 'elements': n_elements, 'rounds': rounds,
+              'reps': reps, 'bandwidth': {}, 'ratio_to_copy': {}}
+    for name, bws in rows.items():
+        result['bandwidth'][name] = spread([b / 1e9 for b in bws])
+        result['ratio_to_copy'][name] = spread(
+            [b / c for b, c in zip(bws, rows['copy'])])
+    return result
+
+
+# ------------------------------------------------------------------ NCCL
+
+def nccl(cp, rounds, reps):
+    from cupy.cuda import nccl as libnccl
+    from mpi4py import MPI
+    comm = _cuda.nccl_communicator(MPI.COMM_SELF)
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = []
+    for nbytes in (1 << 20, 16 << 20, 4 * 25557032):
+        buf = cp.ones(nbytes // 4, cp.float32)
+
+        def raw():
+            comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size,
+                           libnccl.NCCL_FLOAT32, libnccl.NCCL_SUM, stream.ptr)
+
+        def ours():
+            _cuda.nccl_allreduce_sum(comm, buf, 'float32', stream)
+
+        times = {'raw': [], 'mnopt': []}
+        for _ in range(rounds):
+            with stream:
+                times['raw'].append(gpu_seconds(cp, raw, reps))
+            times['mnopt'].append(gpu_seconds(cp, ours, reps))
+        row = {'bytes': nbytes}
+        for name, ts in times.items():
+            algbw = [nbytes / t / 1e9 for t in ts]
+            row[name] = {'algbw_GBps': spread(algbw),
+                         'busbw_GBps': 0.0,   # 2(n-1)/n x algbw, n = 1
+                         'us_per_call': spread([t * 1e6 for t in ts])}
+        out.append(row)
+    comm.destroy()
+    return out
+
+
+# ------------------------------------------------------------------ wrapper
+
+def wrapper(cp, rounds, steps, batch, insize):
+    import chainer
+    sys.path.insert(0, os.path.join(REPO, 'examples', 'imagenet'))
+    import models
+    base = models.ResNet50(1000)
+    base.to_gpu()
+    rng = numpy.random.RandomState(0)
+    x = cp.asarray(rng.standard_normal((batch, 3, insize, insize))
+                   .astype(numpy.float32))
+    t = cp.asarray(rng.randint(0, 1000, batch).astype(numpy.int32))
+
+    def make(variant):
+        model = copy.deepcopy(base)
+        sgd = chainer.optimizers.MomentumSGD(lr=0.01, momentum=0.9)
+        if variant == 'plain chainer':
+            return model, sgd.setup(model), None
+        wire = 'float16' if 'float16' in variant else None
+        comm = mnopt.create_communicator('pure_nccl',
+                                         allreduce_grad_dtype=wire)
+        comm.skip_single_rank = False
+        opt = mnopt.create_multi_node_optimizer(
+            sgd, comm, double_buffering='double' in variant)
+        return model, opt.setup(model), comm
+
+    variants = ['plain chainer', 'pure_nccl', 'pure_nccl float16',
+                'pure_nccl float16 double buffering']
+    runs = {v: make(v) for v in variants}
+
+    def run(variant, n):
+        model, opt, _ = runs[variant]
+        cp.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            opt.update(model, x, t)
+        if hasattr(opt, 'wait'):
+            opt.wait()
+        cp.cuda.Device().synchronize()
+        return n * batch / (time.perf_counter() - start)
+
+    for v in variants:   # warm up: kernels compiled, first broadcast done
+        run(v, 3)
+    rates = {v: [] for v in variants}
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
+            rates[v].append(run(v, steps))
+    for v in variants:
+        if runs[v][2] is not None:
+            runs[v][2].finalize()
+    plain = rates['plain chainer']
+    return {'batch': batch, 'insize': insize, 'steps': steps,
+            'rounds': rounds, 'cudnn': bool(
+                chainer.backends.cuda.cudnn_enabled),
+            'images_per_sec': {v: spread(r) for v, r in rates.items()},
+            'ratio_to_plain': {v: spread([a / b for a, b in zip(r, plain)])
+                               for v, r in rates.items()}}
+
+
+# ------------------------------------------------------------------ report
+
+def markdown(res):
+    lines = ['GPU: %s; %s' % (res['device'], res['versions']), '']
+    c = res['codec']
+    lines += ['### Codec: ResNet-50 gradients (%d arrays, %d float32), '
+              '%d rounds x %d reps' % (c['arrays'], c['elements'],
+                                        c['rounds'], c['reps']), '',
+              '| operation | GB/s (min / median / max) | share of copy '
+              'bandwidth (min / median / max) |', '|---|---|---|']
+    for name, bw in c['bandwidth'].items():
+        r = c['ratio_to_copy'][name]
+        lines.append('| %s | %.0f / %.0f / %.0f | %.2f / %.2f / %.2f |' % (
+            name, bw['min'], bw['median'], bw['max'], r['min'],
+            r['median'], r['max']))
+    lines += ['', '### NCCL allreduce at N=1 (float32, in place)', '',
+              '| bytes | raw cupy.cuda.nccl: us/call, algbw GB/s | mnopt '
+              '(pure_nccl call): us/call, algbw GB/s |', '|---|---|---|']
+    for row in res['nccl']:
+        cells = ['%.1f us, %.0f GB/s' % (row[k]['us_per_call']['median'],
+                                         row[k]['algbw_GBps']['median'])
+                 for k in ('raw', 'mnopt')]
+        lines.append('| %d | %s | %s |' % (row['bytes'], cells[0], cells[1]))
+    lines += ['', '(medians; busbw = 2(n-1)/n x algbw = 0 at n = 1)', '']
+    w = res['wrapper']
+    lines += ['### Wrapper overhead: ResNet-50, batch %d, %dx%d, %d steps '
+              'x %d rounds (cuDNN %s)' % (
+                  w['batch'], w['insize'], w['insize'], w['steps'],
+                  w['rounds'], 'on' if w['cudnn'] else 'off'), '',
+              '| optimizer | images/sec (min / median / max) | vs plain '
+              '(min / median / max) |', '|---|---|---|']
+    for v, ips in w['images_per_sec'].items():
+        r = w['ratio_to_plain'][v]
+        lines.append('| %s | %.1f / %.1f / %.1f | %.3f / %.3f / %.3f |' % (
+            v, ips['min'], ips['median'], ips['max'], r['min'], r['median'],
+            r['max']))
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--out', default='result/gpu-check')
+    p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--reps', type=int, default=50)
+    p.add_argument('--steps', type=int, default=10)
+    p.add_argument('--batch', type=int, default=32)
+    p.add_argument('--insize', type=int, default=224)
+    p.add_argument('--only', nargs='*', default=['codec', 'nccl', 'wrapper'])
+    args = p.parse_args(argv)
+    import cupy as cp
+    from cupy.cuda import nccl as libnccl
+    res = {'device': cp.cuda.runtime.getDeviceProperties(0)['name'].decode(),
+           'versions': 'CuPy %s, NCCL %s, NumPy %s' % (
+               cp.__version__, libnccl.get_version(),
+               numpy.__version__), 'command': ' '.join(sys.argv)}
+    if 'codec' in args.only:
+        res['codec'] = codec(cp, args.rounds, args.reps)
+        print(json.dumps(res['codec'], indent=1), flush=True)
+    if 'nccl' in args.only:
+        res['nccl'] = nccl(cp, args.rounds, args.reps)
+        print(json.dumps(res['nccl'], indent=1), flush=True)
+    if 'wrapper' in args.only:
+        res['wrapper'] = wrapper(cp, args.rounds, args.steps, args.batch,
+                                 args.insize)
+        print(json.dumps(res['wrapper'], indent=1), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, 'gpu_bench.json'), 'w') as f:
+        json.dump(res, f, indent=1)
+    if all(k in res for k in ('codec', 'nccl', 'wrapper')):
+        text = markdown(res)
+        with open(os.path.join(args.out, 'gpu_bench.md'), 'w') as f:
+            f.write(text)
+        print(text)
+
+
+if __name__ == '__main__':
+    main()
