@@ -174,8 +174,59 @@ class _DoubleBufferingOptimizer(_MultiNodeOptimizer):
             object.__setattr__(self, 'needs_update', True)
 
 
+class _OverlapOptimizer(_MultiNodeOptimizer):
+    """Averages gradients during backward, bucket by bucket as they become
+    final (mnopt/overlap.py), and updates with the exact mean: the same
+    parameters as without overlap.  Needs ``update(lossfun, *args)`` (as
+    Chainer's updaters call it); ``update()`` alone averages after the
+    fact, as without overlap."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill):
+        super(_OverlapOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        object.__setattr__(self, '_overlap', None)
+
+    def setup(self, link):
+        super(_OverlapOptimizer, self).setup(link)
+        from mnopt import overlap
+        object.__setattr__(self, '_overlap', overlap.Overlap(
+            self.communicator, link, self.zero_fill))
+        return self
+
+    @property
+    def overlap_stats(self):
+        """{'buckets': n, 'during_backward': k}: of the last update's n
+        buckets, k were handed to the communicator during backward."""
+        return dict(self._overlap.stats)
+
+    def serialize(self, serializer):
+        super(_OverlapOptimizer, self).serialize(serializer)
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            self._overlap.forget_plan()
+
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is None:
+            return super(_OverlapOptimizer, self).update(None, *args, **kwds)
+        overlap = self._overlap
+        overlap.forward_backward(lossfun, args, kwds,
+                                 self.actual_optimizer._loss_scale)
+        handles = overlap.finish()
+        changed = self._param_set_changed()
+        for handle in handles:
+            self._blocked(handle.wait)
+        if changed:
+            overlap.forget_plan()
+            self.communicator.bcast_data(self.target)
+            return
+        overlap.adopt()
+        if overlap.plan is None:
+            overlap.make_plan()
+        self.actual_optimizer.update(None, *args, **kwds)
+
+
 def create_multi_node_optimizer(actual_optimizer, communicator,
-                                double_buffering=False, zero_fill=True):
+                                double_buffering=False, zero_fill=True,
+                                overlap=False):
     """Wrap a Chainer optimizer so it averages gradients over all ranks.
 
     Args:
@@ -186,8 +237,18 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
             gradients one iteration old.
         zero_fill: treat parameters without a gradient (unused this
             iteration) as zero gradients, so every rank reduces the same set.
+        overlap: average gradients during ``update(lossfun, ...)``'s
+            backward, bucket by bucket (``bucket_bytes`` of the
+            communicator) as they become final, hiding communication behind
+            the rest of backward with no staleness: the parameters are those
+            of the synchronous optimizer, bit for bit.
     """
-    cls = _DoubleBufferingOptimizer if double_buffering else _MultiNodeOptimizer
+    if double_buffering and overlap:
+        raise ValueError('double_buffering and overlap exclude each other: '
+                         'double buffering applies last iteration\'s mean, '
+                         'overlap this one\'s')
+    cls = _DoubleBufferingOptimizer if double_buffering else \
+        _OverlapOptimizer if overlap else _MultiNodeOptimizer
     return cls(actual_optimizer, communicator, zero_fill)
 
 

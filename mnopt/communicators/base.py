@@ -52,11 +52,27 @@ class _Group(object):
 
     def __init__(self, comm):
         self.comm = comm
-        self.buffer = None
+        self.buffer = None  # the last one used
         self.sign_codec = None  # compression='sign': codec and residuals
+        self._buffers, self._sign_codecs = {}, {}
         self.subcomms = []  # algorithm-specific communicators, freed with it
         self.side_streams = {}  # GPU id -> stream of background averaging
         self.nccl = None  # pure_nccl: NCCL communicator, made at first sum
+
+    #: Buffers (and sign codecs) kept per gradient set: the overlapped
+    #: optimizer averages its buckets in turn, each with its own.
+    MAX_KEPT = 256
+
+    def _kept(self, kept, named, xp):
+        key = (tuple(n for n, _ in named), xp.__name__,
+               _device_of(named, xp))
+        return key, kept.get(key)
+
+    def _keep(self, kept, key, holder):
+        if key not in kept and len(kept) >= self.MAX_KEPT:
+            kept.clear()
+        kept[key] = holder
+        return holder
 
     def buffer_for(self, named, wire, xp, **buffer_options):
         """The GradBuffer for this gradient set; rebuilt when it changes
@@ -66,25 +82,23 @@ class _Group(object):
         Allgather) and before any buffer is built, so a rank whose parameter
         set changed alone gets an error instead of a hang or a corrupted sum.
         """
-        buffer = self.buffer if self.buffer is not None \
-            and self.buffer.xp is xp \
-            and self.buffer.device == _device_of(named, xp) else None
+        key, buffer = self._kept(self._buffers, named, xp)
         layout = self._checked_layout(named, wire, buffer)
         if buffer is None or buffer.layout is not layout:
-            self.buffer = buffer = grad_buffer.GradBuffer(
-                layout, xp, **buffer_options)
+            buffer = self._keep(self._buffers, key, grad_buffer.GradBuffer(
+                layout, xp, **buffer_options))
+        self.buffer = buffer
         return buffer
 
     def sign_codec_for(self, named, xp, error_feedback):
         """The SignCodec (and its residuals) for this gradient set; rebuilt,
         residuals zeroed, when the set changes.  Checked as buffer_for."""
-        codec = self.sign_codec if self.sign_codec is not None \
-            and self.sign_codec.xp is xp \
-            and self.sign_codec.device == _device_of(named, xp) else None
+        key, codec = self._kept(self._sign_codecs, named, xp)
         layout = self._checked_layout(named, 'float32', codec)
         if codec is None or codec.layout is not layout:
-            self.sign_codec = codec = sign.SignCodec(layout, xp,
-                                                     error_feedback)
+            codec = self._keep(self._sign_codecs, key, sign.SignCodec(
+                layout, xp, error_feedback))
+        self.sign_codec = codec
         return codec
 
     def _checked_layout(self, named, wire, holder):
@@ -103,6 +117,7 @@ class _Group(object):
     def free(self):
         self.buffer = None
         self.sign_codec = None
+        self._buffers, self._sign_codecs = {}, {}
         if self.nccl is not None:
             self.nccl.destroy()
             self.nccl = None
@@ -299,16 +314,19 @@ class CommunicatorBase(object):
         self._mean(self._sync_group, list(named_grads))
 
     @watched('mean_grads_async')
-    def mean_grads_async(self, named_grads):
+    def mean_grads_async(self, named_grads, queue=False):
         """Start averaging ``named_grads`` in place in the background.
 
         Returns a MeanHandle.  The arrays must not be touched until its
-        ``wait()`` returns.  One averaging is in flight at a time; starting
-        another waits for the previous one first.  All ranks must call this
-        (and ``mean_grads``) in the same order.
+        ``wait()`` returns.  One averaging runs at a time: starting another
+        waits for the previous one first, or with ``queue=True`` queues it
+        behind (averagings run in the order they were started; wait for
+        each handle to see its errors).  All ranks must call this (and
+        ``mean_grads``) in the same order.
         """
         named = list(named_grads)
-        self._in_flight.wait()
+        if not queue:
+            self._in_flight.wait()
         if self._executor is None:
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError(

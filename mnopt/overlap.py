@@ -1,0 +1,269 @@
+"""Overlap without staleness: ``create_multi_node_optimizer(...,
+overlap=True)`` averages gradients during backward, bucket by bucket, as
+they become final, and updates with the exact mean.
+
+How a gradient is known to be final.  Chainer 7 has no per-parameter hook
+and sets leaf gradients only when backward ends.  So while the optimizer
+runs the forward pass (``update(lossfun, ...)``), a LinkHook gives each
+link's forward, in place of each of the link's own parameters, the output
+of a ``_Ready`` node: the identity of (parameter, the link's input).
+Everything the link computes from the parameter flows through that node,
+and Chainer's backward runs a function node only once the gradients of all
+its outputs are complete (it visits nodes by decreasing rank, and every
+consumer of a node's output ranks above it).  The gradient ``_Ready``
+receives is therefore the parameter's whole gradient from that link call.
+The link's input is an input of the node only to rank it just above that
+input: with the parameter alone its rank would be 1, and Chainer would
+visit every such node at the very end of backward.
+
+What the nodes cannot vouch for is averaged after backward, with the rest:
+a parameter wrapped more than once in a forward pass (weight sharing, an
+unrolled RNN), one whose final gradient is not the array its node received
+(it was also used outside its link's forward), and one no node fired for
+(unused this iteration: zero-filled, as without overlap).
+
+Buckets follow backward order (the reverse of first use in forward) and
+hold about ``bucket_bytes`` each.  The plan is made from one iteration's
+forward pass, checked to be the same on every rank, and used from the next
+iteration on; buckets are handed to the communicator in plan order, so
+every rank starts the same averagings in the same order: each is checked
+across ranks like any other, and a rank whose graph differs gets an error,
+as do the others, never a hang.
+
+Only Chainer's public API is used: LinkHook, FunctionNode, and a link's
+parameters being its attributes (``with self.init_scope(): self.W = ...``;
+the hook swaps the attribute's value in the link's ``__dict__`` for the
+duration of its forward and puts it back after, or when the forward pass
+raises).
+"""
+
+import collections
+
+import chainer
+import numpy
+
+
+class _Ready(chainer.FunctionNode):
+    """Identity of its first input; the other (the link's input) sets only
+    its rank.  Its backward reports the first input's gradient."""
+
+    def __init__(self, report, name):
+        super(_Ready, self).__init__()
+        self._report, self._name = report, name
+
+    def forward(self, inputs):
+        self.retain_inputs(())
+        return inputs[0],
+
+    def backward(self, indexes, grad_outputs):
+        gy, = grad_outputs
+        if gy is not None:
+            self._report(self._name, gy.array)
+        return tuple(gy if i == 0 else None for i in indexes)
+
+
+def _anchor(args):
+    """The highest-ranked Variable among a link call's arguments."""
+    best = None
+    for a in list(args.args) + list(args.kwargs.values()):
+        if isinstance(a, chainer.Variable) and (best is None
+                                                or a.rank > best.rank):
+            best = a
+    return best
+
+
+class _Wrapper(chainer.LinkHook):
+    """Swaps each link's own initialised parameters for ``_Ready`` outputs
+    during its forward."""
+
+    name = 'mnopt_overlap'
+
+    def __init__(self, own, on_wrap, on_ready):
+        self._own = own          # id(link) -> [(attribute, full name)]
+        self._on_wrap, self._on_ready = on_wrap, on_ready
+        self._swapped = []       # (link, attribute, parameter), a stack
+
+    def forward_preprocess(self, args):
+        link = args.link
+        own = self._own.get(id(link))
+        self._swapped.append(None)   # marks this call's start
+        if not own:
+            return
+        anchor = _anchor(args)
+        for attr, name in own:
+            param = getattr(link, attr)
+            if param.array is None:   # initialised by this very forward
+                continue
+            inputs = (param,) if anchor is None else (param, anchor)
+            wrapped, = _Ready(self._on_ready, name).apply(inputs)
+            self._on_wrap(name)
+            self._swapped.append((link, attr, param))
+            vars(link)[attr] = wrapped
+
+    def forward_postprocess(self, args):
+        while True:
+            entry = self._swapped.pop()
+            if entry is None:
+                return
+            link, attr, param = entry
+            vars(link)[attr] = param
+
+    def restore_all(self):
+        """After a forward pass that raised: put every parameter back."""
+        while self._swapped:
+            entry = self._swapped.pop()
+            if entry is not None:
+                link, attr, param = entry
+                vars(link)[attr] = param
+
+
+class Overlap(object):
+    """One optimizer's overlapped averaging: the plan, and per iteration
+    what fired, what was launched, and the handles to wait for."""
+
+    def __init__(self, communicator, target, zero_fill):
+        self.comm = communicator
+        self.target = target
+        self.zero_fill = zero_fill
+        self.plan = None
+        #: Buckets of the last iteration, and how many were handed to the
+        #: communicator during backward.
+        self.stats = {'buckets': 0, 'during_backward': 0}
+        self._reset()
+
+    def _reset(self):
+        self.wraps = collections.OrderedDict()   # name -> times wrapped
+        self.early = {}      # name -> (gradient received, its copy)
+        self.handles = []
+        self.next_bucket = 0
+        self.remaining = None if self.plan is None else \
+            [len(b) for b in self.plan]
+
+    def _params(self):
+        return dict(self.target.namedparams())
+
+    def _own_params(self):
+        """id(link) -> [(attribute, full name)] of each link's own
+        parameters (a name's last component is the attribute)."""
+        own = {}
+        for prefix, link in self.target.namedlinks():
+            base = '' if prefix == '/' else prefix
+            for name, _ in link.namedparams():
+                if name.count('/') == 1:
+                    own.setdefault(id(link), []).append(
+                        (name[1:], base + name))
+        return own
+
+    # ------------------------------------------------------------ backward
+
+    def forward_backward(self, lossfun, args, kwds, loss_scale):
+        """The forward pass with parameters wrapped, then backward, which
+        hands buckets to the communicator as they become final."""
+        self._reset()
+        self._bucket_of = {} if self.plan is None else {
+            n: b for b, names in enumerate(self.plan) for n in names}
+        hook = _Wrapper(self._own_params(), self._wrapped, self._ready)
+        try:
+            with hook:
+                loss = lossfun(*args, **kwds)
+        finally:
+            hook.restore_all()
+        self.target.cleargrads()
+        self._in_backward = True
+        try:
+            loss.backward(loss_scale=loss_scale)
+        finally:
+            self._in_backward = False
+        self.stats['during_backward'] = self.next_bucket
+
+    def _wrapped(self, name):
+        self.wraps[name] = self.wraps.get(name, 0) + 1
+
+    def _ready(self, name, grad):
+        if self.wraps.get(name) != 1 or name not in self._bucket_of:
+            return
+        # A copy is averaged: Chainer still holds the gradient it passed
+        # (and would add another use's to it, if any).
+        self.early[name] = (grad, grad.copy())
+        b = self._bucket_of[name]
+        self.remaining[b] -= 1
+        while (self.next_bucket < len(self.plan)
+               and self.remaining[self.next_bucket] == 0):
+            self._launch(self.next_bucket, {})
+
+    def _launch(self, b, params):
+        named = []
+        for name in self.plan[b]:
+            if name in self.early:
+                named.append((name, self.early[name][1]))
+            else:
+                grad = self._grad(params[name])
+                if grad is not None:
+                    named.append((name, grad))
+        self.handles.append(self.comm.mean_grads_async(named, queue=True))
+        self.next_bucket += 1
+
+    def _grad(self, param):
+        if param.grad is None and self.zero_fill and param.array is not None:
+            xp = chainer.backend.get_array_module(param.array)
+            with chainer.using_device(param.device):
+                param.grad = xp.zeros_like(param.array)
+        return param.grad
+
+    # ------------------------------------------------------------ update
+
+    def finish(self):
+        """Hand the communicator whatever backward did not (every rank the
+        same averagings, in the same order), then return the handles.
+        Gradients that a node vouched for must then be adopted (``adopt``)
+        once the handles are done."""
+        params = self._params()
+        covered = set()
+        if self.plan is not None:
+            while self.next_bucket < len(self.plan):
+                self._launch(self.next_bucket, params)
+            covered = {n for names in self.plan for n in names}
+        self.stats['buckets'] = 0 if self.plan is None else len(self.plan)
+        # Vouched for: the gradient a node received is the final one.
+        self.clean = {n for n, (grad, _) in self.early.items()
+                      if params[n].grad is grad}
+        rest = [n for n in sorted(params) if params[n].array is not None
+                and (n not in covered or (n in self.early
+                                          and n not in self.clean))]
+        named = [(n, g) for n, g in ((n, self._grad(params[n]))
+                                     for n in rest) if g is not None]
+        self.handles.append(self.comm.mean_grads_async(named, queue=True))
+        return self.handles
+
+    def adopt(self):
+        """The averaged copies become the parameters' gradients."""
+        params = self._params()
+        for name in self.clean:
+            params[name].grad = self.early[name][1]
+        self.early = {}
+
+    def make_plan(self):
+        """Buckets in backward order from this iteration's forward pass,
+        checked to be the same on every rank."""
+        params = self._params()
+        order = [n for n, k in self.wraps.items()
+                 if k == 1 and params[n].grad is not None]
+        plan, size = [], None
+        for name in reversed(order):
+            nbytes = params[name].grad.nbytes
+            if size is None or size + nbytes > self.comm.bucket_bytes:
+                plan.append([])
+                size = 0
+            plan[-1].append(name)
+            size += nbytes
+        plans = self.comm.allgather_obj(plan)
+        if any(p != plan for p in plans):
+            bad = [r for r, p in enumerate(plans) if p != plans[0]]
+            raise RuntimeError(
+                'overlap: the forward passes differ between ranks (the '
+                'order in which links use their parameters): rank 0 and '
+                'ranks %s would average different buckets' % bad)
+        self.plan = plan
+
+    def forget_plan(self):
+        self.plan = None
