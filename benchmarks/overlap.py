@@ -1,0 +1,180 @@
+"""Synchronous vs overlapped vs double-buffered training steps, side by side
+in one run, on a Chainer MLP whose backward takes about as long as its
+averaging.  Run it across simulated nodes (root):
+
+    python -m mnopt.netsim run --nodes 2 --ranks-per-node 1 --rate 1gbit -- \\
+        python benchmarks/overlap.py --json docs/results/overlap.json
+
+Per round, each mode runs ``--steps`` steps (order rotating); the same
+round also times forward, backward and one averaging of the gradients on
+their own.  hidden = (t_sync - t_mode) / min(t_backward, t_average): the
+share of the averaging a mode hides (issue 15's definition).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy
+
+import mnopt  # before Chainer: NumPy 2 names for it
+import chainer  # NOQA
+import chainer.functions as F  # NOQA
+import chainer.links as L  # NOQA
+
+MODES = ('sync', 'overlap', 'double buffering')
+
+
+class MLP(chainer.ChainList):
+
+    def __init__(self, width, layers, classes=10):
+        super(MLP, self).__init__(
+            *([L.Linear(width, width) for _ in range(layers)]
+              + [L.Linear(width, classes)]))
+
+    def forward(self, x, t):
+        h = x
+        for link in self[:-1]:
+            h = F.relu(link(h))
+        return F.softmax_cross_entropy(self[-1](h), t)
+
+
+def spread(values):
+    return {'min': min(values), 'median': statistics.median(values),
+            'max': max(values)}
+
+
+def plot(paths, out):
+    """Median step time per mode (min-max bars) for each result file, with
+    the compute (forward + backward) and the averaging measured alone."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    results = [json.load(open(p)) for p in paths]
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4),
+                             squeeze=False)
+    for ax, res, path in zip(axes[0], results, paths):
+        steps = res['step_s']
+        names = list(steps)
+        med = [steps[m]['median'] for m in names]
+        err = [[m - steps[n]['min'] for m, n in zip(med, names)],
+               [steps[n]['max'] - m for m, n in zip(med, names)]]
+        ax.bar(names, med, yerr=err, color=['#888', '#3a7', '#37a'])
+        parts = res['parts_s']
+        compute = parts['forward']['median'] + parts['backward']['median']
+        ax.axhline(compute, ls='--', c='k', lw=1,
+                   label='forward + backward alone')
+        ax.axhline(compute + parts['average']['median'], ls=':', c='r',
+                   lw=1, label='... + averaging alone')
+        for i, n in enumerate(names[1:], 1):
+            ax.text(i, med[i] / 2, 'hides %.2f' % res['hidden'][n]['median'],
+                    ha='center', color='w')
+        ax.set_ylabel('seconds per step (median, min-max)')
+        ax.set_title(os.path.basename(path))
+        ax.legend(loc='lower right', fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--plot', nargs=2, metavar=('PNG', 'JSONS'),
+                   help='plot saved results (comma-separated) and exit')
+    p.add_argument('--width', type=int, default=1024)
+    p.add_argument('--layers', type=int, default=6)
+    p.add_argument('--batch', type=int, default=256)
+    p.add_argument('--steps', type=int, default=5)
+    p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--communicator', default='flat')
+    p.add_argument('--bucket-bytes', type=int, default=4 << 20)
+    p.add_argument('--json')
+    args = p.parse_args(argv)
+    if args.plot:
+        return plot(args.plot[1].split(','), args.plot[0])
+
+    comm = mnopt.create_communicator(args.communicator,
+                                     bucket_bytes=args.bucket_bytes)
+    rng = numpy.random.RandomState(comm.rank)
+    x = rng.standard_normal((args.batch, args.width)).astype(numpy.float32)
+    t = rng.randint(0, 10, args.batch).astype(numpy.int32)
+    runs = {}
+    for mode in MODES:
+        numpy.random.seed(0)
+        model = MLP(args.width, args.layers)
+        opt = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.MomentumSGD(lr=0.01), comm,
+            double_buffering=mode == 'double buffering',
+            overlap=mode == 'overlap').setup(model)
+        for _ in range(3):   # broadcast, plan, warm
+            opt.update(model, x, t)
+        if hasattr(opt, 'wait'):
+            opt.wait()
+        runs[mode] = (model, opt)
+    model = runs['sync'][0]
+    n_params = sum(p.size for p in model.params())
+
+    times = {m: [] for m in MODES}
+    blocked = {m: [] for m in MODES}   # waiting for averagings, per step
+    parts = {'forward': [], 'backward': [], 'average': []}
+    for r in range(args.rounds):
+        order = MODES[r % 3:] + MODES[:r % 3]
+        for mode in order:
+            model, opt = runs[mode]
+            comm.mpi_comm.Barrier()
+            start = time.perf_counter()
+            waited = opt.communication_time
+            for _ in range(args.steps):
+                opt.update(model, x, t)
+            if hasattr(opt, 'wait'):
+                opt.wait()
+            comm.mpi_comm.Barrier()
+            times[mode].append((time.perf_counter() - start) / args.steps)
+            blocked[mode].append((opt.communication_time - waited)
+                                 / args.steps)
+        # The parts, on their own (no averaging in flight).
+        comm.mpi_comm.Barrier()
+        t0 = time.perf_counter()
+        loss = model(x, t)
+        t1 = time.perf_counter()
+        model.cleargrads()
+        loss.backward()
+        t2 = time.perf_counter()
+        named = [(n, p.grad) for n, p in sorted(model.namedparams())]
+        comm.mpi_comm.Barrier()
+        t3 = time.perf_counter()
+        comm.mean_grads(named)
+        t4 = time.perf_counter()
+        parts['forward'].append(t1 - t0)
+        parts['backward'].append(t2 - t1)
+        parts['average'].append(t4 - t3)
+
+    result = {'command': ' '.join(sys.argv), 'ranks': comm.size,
+              'communicator': comm.name, 'parameters': n_params,
+              'bytes': 4 * n_params, 'width': args.width,
+              'layers': args.layers, 'batch': args.batch,
+              'steps': args.steps, 'rounds': args.rounds,
+              'bucket_bytes': args.bucket_bytes,
+              'step_s': {m: spread(v) for m, v in times.items()},
+              'blocked_s': {m: spread(v) for m, v in blocked.items()},
+              'parts_s': {k: spread(v) for k, v in parts.items()}}
+    hidden = {}
+    for mode in MODES[1:]:
+        per_round = [(s - o) / min(b, a) for s, o, b, a in zip(
+            times['sync'], times[mode], parts['backward'], parts['average'])]
+        hidden[mode] = spread(per_round)
+    result['hidden'] = hidden
+    comm.finalize()
+    if comm.rank == 0:
+        print(json.dumps(result, indent=1))
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)),
+                        exist_ok=True)
+            with open(args.json, 'w') as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == '__main__':
+    main()
