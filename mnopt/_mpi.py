@@ -6,7 +6,6 @@ pickled here and moved as byte buffers in chunks, so objects beyond MPI's
 """
 
 import pickle
-import threading
 import time
 
 import numpy
@@ -22,44 +21,6 @@ class LayoutMismatchError(ValueError):
 #: Objects are moved in pieces of at most this many bytes (tests shrink it
 #: to exercise the chunking on small objects).
 OBJ_CHUNK_BYTES = 1 << 30
-
-
-# --------------------------------------------------------------- patience
-
-_thread = threading.local()
-
-
-def set_patient(patient=True):
-    """Make this thread's buffer collectives nonblocking calls waited for
-    by polling with naps (``wait_all``) instead of MPI's blocking calls,
-    which busy-poll.  For background averaging: a thread spinning in MPI
-    takes the core that the forward and backward running beside it need
-    (measured: overlap hid 0.27 of the averaging that way; see
-    docs/overlap.md)."""
-    _thread.patient = patient
-
-
-#: Longest nap of a patient thread between polls (MNOPT_PATIENT_NAP,
-#: seconds); 0, the default, keeps MPI's blocking calls.  MPICH progresses
-#: a nonblocking collective only inside MPI calls, so naps slow the
-#: averaging itself: measured (docs/overlap.md), 100 us naps made overlap
-#: hide 0.38-0.52 instead of 0.23-0.30 of the averaging between simulated
-#: nodes, where the training and the network stack share each rank's core,
-#: but made double buffering in shared memory 4x slower.
-PATIENT_NAP_SECONDS = float(__import__('os').environ.get(
-    'MNOPT_PATIENT_NAP', 0))
-
-
-def _patient():
-    return PATIENT_NAP_SECONDS > 0 and getattr(_thread, 'patient', False)
-
-
-def _run(blocking, nonblocking, *args, **kwargs):
-    """One collective, blocking or (in a patient thread) nonblocking."""
-    if _patient():
-        wait_all([nonblocking(*args, **kwargs)], PATIENT_NAP_SECONDS)
-    else:
-        blocking(*args, **kwargs)
 
 
 # --------------------------------------------------------------- wire sums
@@ -120,8 +81,7 @@ def allreduce_sum(comm, array, wire):
         ring_allreduce_sum(comm, array, wire)
         return
     mpi_type, op = wire_sum(wire)
-    _run(comm.Allreduce, comm.Iallreduce, MPI.IN_PLACE, [array, mpi_type],
-         op=op)
+    comm.Allreduce(MPI.IN_PLACE, [array, mpi_type], op=op)
 
 
 def _sum_into(wire):
@@ -150,37 +110,26 @@ def ring_allreduce_sum(comm, array, wire):
     for step in range(size - 1):   # reduce-scatter
         out, into = seg(rank - step), seg(rank - step - 1)
         got = scratch[:into.size]
-        _sendrecv(comm, [out, mpi_type], right, [got, mpi_type], left, tag)
+        comm.Sendrecv([out, mpi_type], right, tag, [got, mpi_type], left, tag)
         add(got, into)
     for step in range(size - 1):   # allgather: rank owns seg(rank + 1)
         out, into = seg(rank + 1 - step), seg(rank - step)
-        _sendrecv(comm, [out, mpi_type], right, [into, mpi_type], left, tag)
-
-
-def _sendrecv(comm, send, dest, recv, source, tag):
-    if _patient():
-        wait_all([comm.Isend(send, dest, tag), comm.Irecv(recv, source, tag)],
-                 PATIENT_NAP_SECONDS)
-    else:
-        comm.Sendrecv(send, dest, tag, recv, source, tag)
+        comm.Sendrecv([out, mpi_type], right, tag, [into, mpi_type], left, tag)
 
 
 def reduce_sum(comm, array, wire, root=0):
     if array.size:
         mpi_type, op = wire_sum(wire)
         if comm.rank == root:
-            _run(comm.Reduce, comm.Ireduce, MPI.IN_PLACE, [array, mpi_type],
-                 op=op, root=root)
+            comm.Reduce(MPI.IN_PLACE, [array, mpi_type], op=op, root=root)
         else:
-            _run(comm.Reduce, comm.Ireduce, [array, mpi_type], None, op=op,
-                 root=root)
+            comm.Reduce([array, mpi_type], None, op=op, root=root)
 
 
 def bcast_bytes(comm, array, root=0):
     """Broadcast any contiguous numpy array as raw bytes (any dtype)."""
     if array.size:
-        _run(comm.Bcast, comm.Ibcast,
-             [array.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
+        comm.Bcast([array.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
 
 
 # --------------------------------------------------------------- waiting
@@ -189,7 +138,7 @@ def bcast_bytes(comm, array, root=0):
 MAX_NAP_SECONDS = 1e-3
 
 
-def _naps(longest=None):
+def _naps():
     """Yield before each poll; nap in between, from 20 us doubling up to
     MAX_NAP_SECONDS: short waits stay short, long ones cost almost no CPU.
 
@@ -201,12 +150,12 @@ def _naps(longest=None):
     while True:
         yield
         time.sleep(nap)
-        nap = min(2 * nap, longest or MAX_NAP_SECONDS)
+        nap = min(2 * nap, MAX_NAP_SECONDS)
 
 
-def wait_all(requests, longest_nap=None):
+def wait_all(requests):
     """Like ``MPI.Request.Waitall``, napping between polls (``_naps``)."""
-    for _ in _naps(longest_nap):
+    for _ in _naps():
         if MPI.Request.Testall(requests):
             return
 

@@ -161,27 +161,3 @@ def test_16_bit_ring_is_exact_and_the_same_on_every_rank(wire, n):
     everyone = WORLD.allgather(a.view(numpy.uint16).tobytes())
     assert all(b == everyone[0] for b in everyone)
 
-
-@pytest.mark.parametrize('wire', [None, 'float16'])
-def test_patient_background_averaging_gives_the_same_bits(comm_name, wire,
-                                                          monkeypatch):
-    """MNOPT_PATIENT_NAP: the background thread's nonblocking collectives,
-    waited for with naps, sum exactly as the blocking ones."""
-    from mnopt import _mpi
-    shapes = PARAM_SETS['large'] + PARAM_SETS['odd-sized']
-    comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire,
-                                     bucket_bytes=50000)
-    grads = rank_grads(shapes, numpy.float32, comm.rank)
-    blocking = [('/p%d' % i, g.copy()) for i, g in enumerate(grads)]
-    comm.mean_grads_async(blocking).wait()
-    monkeypatch.setattr(_mpi, 'PATIENT_NAP_SECONDS', 1e-4)
-    waits = []
-    wait_all = _mpi.wait_all
-    monkeypatch.setattr(_mpi, 'wait_all', lambda *a: waits.append(1)
-                        or wait_all(*a))
-    patient = [('/p%d' % i, g.copy()) for i, g in enumerate(grads)]
-    comm.mean_grads_async(patient).wait()
-    assert bool(waits) == (comm.size > 1)   # the patient path ran
-    for (name, a), (_, b) in zip(blocking, patient):
-        assert a.tobytes() == b.tobytes(), name
-    comm.finalize()

@@ -335,8 +335,7 @@ class CommunicatorBase(object):
             # Dup is collective: every rank reaches this at the same call.
             self._async_group = self._make_group(self.mpi_comm.Dup())
             self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix='mnopt-%s' % self.name,
-                initializer=_mpi.set_patient)
+                1, thread_name_prefix='mnopt-%s' % self.name)
         xp = _array_module([a for _, a in named])
         device = _device_of(named, xp)
         ready = None
