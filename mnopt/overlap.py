@@ -40,7 +40,6 @@ raises).
 import collections
 
 import chainer
-import numpy
 
 
 class _Ready(chainer.FunctionNode):

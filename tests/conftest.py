@@ -171,3 +171,15 @@ def run_job(argv, timeout, env):
         proc.communicate()
         raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def snapshot_models_equal(path_a, path_b):
+    """Assert two trainer snapshots hold the same model, bit for bit."""
+    def model(path):
+        with numpy.load(str(path)) as f:
+            return {k: f[k] for k in f.files
+                    if k.startswith('updater/model:main/')}
+    a, b = model(path_a), model(path_b)
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
