@@ -168,11 +168,7 @@ class Overlap(object):
         finally:
             hook.restore_all()
         self.target.cleargrads()
-        self._in_backward = True
-        try:
-            loss.backward(loss_scale=loss_scale)
-        finally:
-            self._in_backward = False
+        loss.backward(loss_scale=loss_scale)
         self.stats['during_backward'] = self.next_bucket
 
     def _wrapped(self, name):
