@@ -53,9 +53,10 @@ def batches(rank):
 
 
 def train(comm_name, wire=None, overlap=False, net_options=None,
-          zero_fill=True):
+          zero_fill=True, **comm_options):
     comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire,
-                                     bucket_bytes=600)   # many buckets
+                                     bucket_bytes=600,   # many buckets
+                                     **comm_options)
     numpy.random.seed(comm.rank)       # differing initial values: rank 0's
     model = Net(**(net_options or {}))   # are broadcast
     opt = mnopt.create_multi_node_optimizer(
@@ -78,7 +79,8 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize('comm_name,wire', [
-    ('flat', None), ('hierarchical', None), ('reduction_server', None),
+    ('naive', None), ('flat', None), ('hierarchical', None),
+    ('reduction_server', None),
     ('hierarchical-2-per-node', None), ('reduction_server', 'float16'),
     ('reduction_server', 'bfloat16'), ('flat', 'float16')])
 def test_overlap_is_bit_identical_to_synchronous(comm_name, wire,
@@ -158,3 +160,16 @@ def test_parameters_are_put_back_when_the_forward_pass_raises():
         opt.update(broken, x, t)
     assert isinstance(model.conv1.W, chainer.Parameter)
     comm.finalize()
+
+
+@pytest.mark.parametrize('comm_name', ['flat', 'reduction_server'])
+def test_sign_compression_overlapped_keeps_ranks_identical(comm_name):
+    """Each bucket votes on its own (its own residuals and coin), so the
+    result is not the synchronous vote's; every rank still applies the
+    same update."""
+    params, stats = train(comm_name, overlap=True, compression='sign')
+    assert stats[5]['during_backward'] == stats[5]['buckets'] > 3
+    everyone = WORLD.allgather(params)
+    for other in everyone[1:]:
+        assert_same(everyone[0], other)
+    assert all(numpy.isfinite(a).all() for a in params.values())
