@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -27,14 +26,9 @@ import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
 from mnopt import _cuda, grad_buffer
-from mnopt.benchmark import grad_list, resnet50_grad_shapes
+from mnopt.benchmark import grad_list, resnet50_grad_shapes, spread
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def spread(values):
-    return {'min': min(values), 'median': statistics.median(values),
-            'max': max(values)}
 
 
 def gpu_seconds(cp, fn, reps):

@@ -14,13 +14,13 @@ share of the averaging a mode hides (issue 15's definition).
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
+from mnopt.benchmark import spread
 import chainer  # NOQA
 import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
@@ -40,11 +40,6 @@ class MLP(chainer.ChainList):
         for link in self[:-1]:
             h = F.relu(link(h))
         return F.softmax_cross_entropy(self[-1](h), t)
-
-
-def spread(values):
-    return {'min': min(values), 'median': statistics.median(values),
-            'max': max(values)}
 
 
 def plot(paths, out):

@@ -19,6 +19,7 @@ import collections
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -41,6 +42,12 @@ def resnet50_grad_shapes(n_classes=1000):
                 shapes += [w, (w[0],), (w[0],)]   # conv W, BN gamma, beta
             in_ch = out
     return shapes + [(n_classes, 2048), (n_classes,)]
+
+
+def spread(values):
+    """{'min', 'median', 'max'} of a figure measured several times."""
+    return {'min': min(values), 'median': statistics.median(values),
+            'max': max(values)}
 
 
 def grad_list(shapes, rank, dtype=numpy.float32):

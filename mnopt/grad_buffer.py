@@ -249,8 +249,7 @@ class GradBuffer(object):
                 self._in_place_arrays.append(flat)
             elif offs[i] != offs[i + 1]:
                 self._count(self.nonfinite_in, i, self._codec.encode(
-                    a.reshape(-1), self.wire[offs[i]:offs[i + 1]], divisor,
-                    i))
+                    a.reshape(-1), self.wire[offs[i]:offs[i + 1]], divisor))
 
     # Ranges: a transport that moves the packed buffer piece by piece packs
     # each piece just before it leaves and unpacks each sum as it arrives,
@@ -274,15 +273,14 @@ class GradBuffer(object):
     def pack_range(self, arrays, lo, hi, divisor):
         for i, inside, packed in self._overlaps(lo, hi):
             self._count(self.nonfinite_in, i, self._codec.encode(
-                arrays[i].reshape(-1)[inside], self.wire[packed], divisor,
-                i))
+                arrays[i].reshape(-1)[inside], self.wire[packed], divisor))
 
     def unpack_range(self, arrays, sums, lo, hi):
         """Decode ``sums`` (holding buffer range [lo, hi)) into the arrays."""
         for i, inside, packed in self._overlaps(lo, hi):
             self._count(self.nonfinite_out, i, self._codec.decode(
                 sums[packed.start - lo:packed.stop - lo],
-                arrays[i].reshape(-1)[inside], i))
+                arrays[i].reshape(-1)[inside]))
 
     def host_parts(self):
         """Yield the contiguous numpy arrays to sum across ranks, in order.
@@ -333,10 +331,10 @@ class GradBuffer(object):
             elif offs[i] != offs[i + 1]:
                 src = self.wire[offs[i]:offs[i + 1]]
                 if a.flags.c_contiguous:
-                    n = self._codec.decode(src, a.reshape(-1), i)
+                    n = self._codec.decode(src, a.reshape(-1))
                 else:  # reshape(-1) would be a copy: decode, then assign
                     flat = self.xp.empty(a.size, dtype=a.dtype)
-                    n = self._codec.decode(src, flat, i)
+                    n = self._codec.decode(src, flat)
                     a[...] = flat.reshape(a.shape)
                 self._count(self.nonfinite_out, i, n)
 
@@ -368,7 +366,7 @@ class HostCodec(object):
             self.fast = (getattr(_halfcast, 'encode_' + wire),
                          getattr(_halfcast, 'decode_' + wire))
 
-    def encode(self, src, dst, divisor, index=None):
+    def encode(self, src, dst, divisor):
         if self.fast and src.dtype == numpy.float32 and _fast_path(src, dst):
             return self.fast[0](src, dst.view(numpy.uint16), float(divisor))
         if self.wire == 'bfloat16':
@@ -386,7 +384,7 @@ class HostCodec(object):
                              casting='unsafe')
         return _count_nonfinite(src) if self.counts else None
 
-    def decode(self, src, dst, index=None):
+    def decode(self, src, dst):
         if self.fast and dst.dtype == numpy.float32 and _fast_path(src, dst):
             return self.fast[1](src.view(numpy.uint16), dst)
         if self.wire == 'bfloat16':

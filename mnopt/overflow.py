@@ -6,9 +6,10 @@ inf.  The codecs count, at no extra pass, how many gradient values
 were not finite going in and how many means are not finite coming out
 (per array): the host codec's C loops as they convert, the GPU kernels in
 device memory (read once per averaging, so a GPU averaging on a 16-bit
-wire ends with one small copy to the host; on_overflow='ignore' skips it).  An averaging *overflowed* in an array whose means are not all
-finite though no rank's gradients in it were: NaN/Inf that were already in
-the gradients pass through unchanged and are not reported.
+wire ends with one small copy to the host; on_overflow='ignore' skips it).
+An averaging *overflowed* in an array whose means are not all finite
+though no rank's gradients in it were: NaN/Inf that were already in the
+gradients pass through unchanged and are not reported.
 
 All ranks hold the same means, so they find the same suspects and decide
 together (one small allgather, only when some mean is not finite).

@@ -119,7 +119,6 @@ class SignCodec(object):
         self.total = int(self.offsets[-1])
         self.n_bytes = (self.total + 7) // 8
         self.p = xp.zeros(self.total, dtype=xp.float32)
-        self.device = None if xp is numpy else self.p.device.id
         self.residual = xp.zeros(self.total, dtype=xp.float32) \
             if error_feedback else None
         self._bits = None

@@ -52,8 +52,7 @@ class _Group(object):
 
     def __init__(self, comm):
         self.comm = comm
-        self.buffer = None  # the last one used
-        self.sign_codec = None  # compression='sign': codec and residuals
+        self.sign_codec = None  # compression='sign': the last one used
         self._buffers, self._sign_codecs = {}, {}
         self.subcomms = []  # algorithm-specific communicators, freed with it
         self.side_streams = {}  # GPU id -> stream of background averaging
@@ -87,7 +86,6 @@ class _Group(object):
         if buffer is None or buffer.layout is not layout:
             buffer = self._keep(self._buffers, key, grad_buffer.GradBuffer(
                 layout, xp, **buffer_options))
-        self.buffer = buffer
         return buffer
 
     def sign_codec_for(self, named, xp, error_feedback):
@@ -115,7 +113,6 @@ class _Group(object):
         return layout
 
     def free(self):
-        self.buffer = None
         self.sign_codec = None
         self._buffers, self._sign_codecs = {}, {}
         if self.nccl is not None:
@@ -175,7 +172,6 @@ class CommunicatorBase(object):
 
     name = None
     _created = 0  # communicators made by this process: their labels
-
 
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
                  bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,

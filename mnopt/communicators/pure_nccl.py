@@ -34,13 +34,12 @@ class PureNcclCommunicator(CommunicatorBase):
             # Collective: every rank reaches its first sum at the same
             # averaging.  The current device is the gradients' (_mean).
             group.nccl = _cuda.nccl_communicator(group.comm)
-            group.nccl_device = buffer.device
             group.stream = _cuda.new_stream()
-        elif group.nccl_device != buffer.device:
+        elif group.nccl.device_id() != buffer.device:
             raise RuntimeError(
                 'pure_nccl: the gradients moved from GPU %d to GPU %d after '
                 'the first averaging; NCCL is bound to the first GPU (create '
                 'the communicator again after moving the model)'
-                % (group.nccl_device, buffer.device))
+                % (group.nccl.device_id(), buffer.device))
         _cuda.nccl_allreduce_sum(group.nccl, buffer.wire, buffer.layout.wire,
                                  group.stream)
