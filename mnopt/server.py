@@ -30,6 +30,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt import _mpi
+from mnopt import _sched
 from mnopt import grad_buffer
 from mnopt import sign
 from mnopt import stall
@@ -174,6 +175,7 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
     ``monitor``, each request is watched from its first header on (the
     wait for a first header is idle time, not a stall).
     """
+    _sched.prefer_low_latency()   # it waits on the network: mnopt/_sched.py
     n = len(workers)
     headers = numpy.empty((n, HEADER_FIELDS), dtype=numpy.int64)
     byes = set()

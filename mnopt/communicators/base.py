@@ -14,6 +14,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt import _mpi
+from mnopt import _sched
 from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
@@ -185,6 +186,7 @@ class CommunicatorBase(object):
         #: benchmarks and tests on one GPU.
         self.skip_single_rank = \
             os.environ.get('MNOPT_SINGLE_RANK_AVERAGING', '0') != '1'
+        _sched.slice_us()  # a bad MNOPT_THREAD_SLICE_US fails here, not later
         self._overflow = overflow.Reporter(on_overflow)
         self._stall_settings = {'stall_warning': stall_warning,
                                 'timeout': timeout}
@@ -330,8 +332,10 @@ class CommunicatorBase(object):
                     'MPI was initialised with a lower thread level')
             # Dup is collective: every rank reaches this at the same call.
             self._async_group = self._make_group(self.mpi_comm.Dup())
+            # Latency-bound (mnopt/_sched.py): a short scheduler slice.
             self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix='mnopt-%s' % self.name)
+                1, thread_name_prefix='mnopt-%s' % self.name,
+                initializer=_sched.prefer_low_latency)
         xp = _array_module([a for _, a in named])
         device = _device_of(named, xp)
         ready = None
