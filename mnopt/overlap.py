@@ -23,7 +23,7 @@ unrolled RNN), one whose final gradient is not the array its node received
 (unused this iteration: zero-filled, as without overlap).
 
 Buckets follow backward order (the reverse of first use in forward) and
-hold about ``bucket_bytes`` each.  The plan is made from one iteration's
+each closes once it holds ``bucket_bytes``.  The plan is made from one iteration's
 forward pass, checked to be the same on every rank, and used from the next
 iteration on; buckets are handed to the communicator in plan order, so
 every rank starts the same averagings in the same order: each is checked
@@ -243,14 +243,16 @@ class Overlap(object):
         params = self._params()
         order = [n for n, k in self.wraps.items()
                  if k == 1 and params[n].grad is not None]
+        # A bucket closes once it holds bucket_bytes (as DDP's do): a small
+        # gradient next to a big one rides with it instead of paying a
+        # collective's latency alone.
         plan, size = [], None
         for name in reversed(order):
-            nbytes = params[name].grad.nbytes
-            if size is None or size + nbytes > self.comm.bucket_bytes:
+            if size is None or size >= self.comm.bucket_bytes:
                 plan.append([])
                 size = 0
             plan[-1].append(name)
-            size += nbytes
+            size += params[name].grad.nbytes
         plans = self.comm.allgather_obj(plan)
         if any(p != plan for p in plans):
             bad = [r for r, p in enumerate(plans) if p != plans[0]]

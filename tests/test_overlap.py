@@ -106,6 +106,22 @@ def test_overlap_is_bit_identical_to_synchronous(comm_name, wire,
     assert stats[5]['during_backward'] == stats[5]['buckets']
 
 
+def test_a_bucket_closes_once_it_holds_bucket_bytes():
+    # Three links of an 8x8 weight (256 bytes) and a bias (32): in backward
+    # order b3 W3 | b2 W2 | b1 W1, each bias riding with its weight rather
+    # than going alone (which would make 6 buckets).
+    comm = mnopt.create_communicator('flat', bucket_bytes=256)
+    model = chainer.Sequential(L.Linear(8, 8), F.relu, L.Linear(8, 8),
+                               F.relu, L.Linear(8, 8))
+    opt = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.SGD(), comm, overlap=True).setup(model)
+    x = numpy.ones((2, 8), numpy.float32)
+    for _ in range(3):
+        opt.update(lambda: F.sum(model(x)))
+    assert opt.overlap_stats == {'buckets': 3, 'during_backward': 3}
+    comm.finalize()
+
+
 @pytest.mark.parametrize('options', [
     {'share': True}, {'direct': True}, {'skip_every': 3}],
     ids=['weight-sharing', 'used-outside-its-link', 'sometimes-unused'])
