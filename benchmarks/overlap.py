@@ -20,6 +20,7 @@ import time
 import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
+from mnopt import _sched
 from mnopt.benchmark import spread
 import chainer  # NOQA
 import chainer.functions as F  # NOQA
@@ -68,7 +69,10 @@ def plot(paths, out):
             ax.text(i, med[i] / 2, 'hides %.2f' % res['hidden'][n]['median'],
                     ha='center', color='w')
         ax.set_ylabel('seconds per step (median, min-max)')
-        ax.set_title(os.path.basename(path))
+        title = os.path.basename(path)
+        if 'thread_slice_us' in res:
+            title += '\nMNOPT_THREAD_SLICE_US=%d' % res['thread_slice_us']
+        ax.set_title(title, fontsize=10)
         ax.legend(loc='lower right', fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -152,6 +156,8 @@ def main(argv=None):
               'layers': args.layers, 'batch': args.batch,
               'steps': args.steps, 'rounds': args.rounds,
               'bucket_bytes': args.bucket_bytes,
+              # MNOPT_THREAD_SLICE_US: the averaging thread's slice
+              'thread_slice_us': _sched.slice_us(),
               'step_s': {m: spread(v) for m, v in times.items()},
               'blocked_s': {m: spread(v) for m, v in blocked.items()},
               'parts_s': {k: spread(v) for k, v in parts.items()}}
