@@ -1,7 +1,7 @@
 """Every GPU path, on a real GPU: the codec's kernels against the host
 codec, pure_nccl through the optimizer, CuPy gradients through every CPU
-communicator and sign compression, double buffering on CUDA streams, and
-the ImageNet example.
+communicator and sign compression, double buffering on CUDA streams,
+overlap, and the ImageNet example.
 
 Without a GPU these skip, saying what is missing; ``MNOPT_REQUIRE_GPU=1``
 (set by benchmarks/gpu_check.sh, which runs this module on the GPU machine
@@ -350,6 +350,49 @@ def test_pure_nccl_through_the_optimizer(cupy, wire, double_buffering):
         comm.finalize()
     for n in runs['flat']:
         assert same_bits(runs['flat'][n], runs['pure_nccl'][n]), n
+
+
+def _train_overlapped_on_the_gpu(cupy, name, wire, overlap):
+    import chainer.functions as F
+    import chainer.links as L
+    comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire,
+                                     bucket_bytes=4096)   # several buckets
+    comm.skip_single_rank = False
+    numpy.random.seed(comm.rank)     # rank 0's initial values are broadcast
+    model = chainer.Sequential(L.Linear(32, 64), F.relu, L.Linear(64, 64),
+                               F.relu, L.Linear(64, 10))
+    model.to_gpu()
+    opt = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=0.05), comm,
+        overlap=overlap).setup(model)
+    rng = numpy.random.RandomState(7 + comm.rank)
+    for _ in range(10):
+        x = cupy.asarray(rng.standard_normal((8, 32)).astype(numpy.float32))
+        t = cupy.asarray(rng.randint(0, 10, 8).astype(numpy.int32))
+        opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+    stats = opt.overlap_stats if overlap else None
+    params = {n: cupy.asnumpy(p.array) for n, p in model.namedparams()}
+    comm.finalize()
+    return params, stats
+
+
+@needs_chainer
+@pytest.mark.parametrize('name,wire', [
+    ('flat', None), ('hierarchical', None), ('reduction_server', 'float16'),
+    ('pure_nccl', 'float16')])
+def test_overlap_with_cupy_gradients_is_bit_identical_to_synchronous(
+        cupy, name, wire):
+    """overlap=True on the GPU: the buckets leave during backward (copies
+    queued on the caller's stream, averaged on the side stream) and the
+    parameters end bit-identical to the synchronous optimizer's."""
+    if name == 'pure_nccl':
+        _one_gpu_per_rank(cupy)
+    sync, _ = _train_overlapped_on_the_gpu(cupy, name, wire, False)
+    overlapped, stats = _train_overlapped_on_the_gpu(cupy, name, wire, True)
+    assert stats['buckets'] > 1
+    assert stats['during_backward'] == stats['buckets']
+    for n in sync:
+        assert same_bits(sync[n], overlapped[n]), n
 
 
 # ------------------------------------------------------------ streams
