@@ -22,9 +22,10 @@ real-time policy) nothing happens.
 """
 
 import ctypes
-import os
 import platform
 import sys
+
+from mnopt import _env
 
 #: Requested slice of mnopt's communication threads, microseconds; the
 #: kernel accepts 100 to 100000.  MNOPT_THREAD_SLICE_US overrides it (0: leave
@@ -61,17 +62,8 @@ def _syscalls():
 
 def slice_us():
     """The slice to request, from MNOPT_THREAD_SLICE_US or the default."""
-    value = os.environ.get('MNOPT_THREAD_SLICE_US', '')
-    if value == '':
-        return DEFAULT_SLICE_US
-    try:
-        us = int(value)
-        if us < 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError('MNOPT_THREAD_SLICE_US=%r: a whole number of '
-                         'microseconds >= 0 was expected' % value)
-    return us
+    return _env.whole_number('MNOPT_THREAD_SLICE_US', DEFAULT_SLICE_US, 0,
+                             'microseconds')
 
 
 def thread_slice_ns():

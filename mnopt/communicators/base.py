@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 from mpi4py import MPI
 
+from mnopt import _env
 from mnopt import _mpi
 from mnopt import _sched
 from mnopt import grad_buffer
@@ -31,15 +32,8 @@ def node_split(comm):
     intra rank 0 (on other ranks it joins the ranks of equal intra rank and
     goes unused).
     """
-    per_node = os.environ.get('MNOPT_RANKS_PER_NODE')
-    if per_node:
-        try:
-            k = int(per_node)
-            if k < 1:
-                raise ValueError
-        except ValueError:
-            raise ValueError('MNOPT_RANKS_PER_NODE must be a positive integer, '
-                             'not %r' % per_node)
+    k = _env.whole_number('MNOPT_RANKS_PER_NODE', None, 1)
+    if k:
         intra = comm.Split(comm.rank // k, comm.rank)
     else:
         intra = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
