@@ -3,7 +3,9 @@ run, rounds interleaved (run it through benchmarks/gpu_check.sh):
 
 1. codec: pack+cast and unpack of ResNet-50's gradients (162 arrays, 25.6 M
    float32) per wire dtype, against a device-to-device copy of the same
-   gradients' bytes.  Bandwidth counts bytes read plus bytes written.
+   gradients' bytes.  Bandwidth counts bytes read plus bytes written.  Each
+   is timed as a caller sees it, and again with the calls queued behind a
+   busy kernel (the GPU's work alone), with the host's time per call.
 2. NCCL: allreduce algbw/busbw at N=1 through pure_nccl's call (events
    ordering it on its own stream) beside raw ``cupy.cuda.nccl`` on the same
    buffer and stream.
@@ -42,6 +44,26 @@ def gpu_seconds(cp, fn, reps):
     return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
 
 
+def queued_gpu_seconds(cp, fn, reps, spin, spin_ns=50e6):
+    """(GPU seconds per call of fn alone, host seconds per call).  The calls
+    are queued behind a kernel that keeps the stream busy for ``spin_ns``,
+    so the events time the GPU's work without the gaps the host's launches
+    leave; the GPU time is None where the host took longer to queue them
+    than the spin lasted (or waited for the GPU)."""
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    spin((1,), (1,), (numpy.int64(spin_ns),))
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = time.perf_counter() - t0
+    stop.record()
+    queued_in_time = not start.done
+    stop.synchronize()
+    gpu = cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+    return (gpu if queued_in_time else None), host / reps
+
+
 # ------------------------------------------------------------------ codec
 
 def codec(cp, rounds, reps):
@@ -54,28 +76,40 @@ def codec(cp, rounds, reps):
     wires = ('float32', 'float16', 'bfloat16')
     buffers = {w: grad_buffer.GradBuffer(grad_buffer.make_layout(named, w),
                                          cp) for w in wires}
-    rows = {'copy': []}
+    spin = _cuda.spin_kernel()
+    calls = {'copy': (lambda: cp.copyto(flat, src), 8 * n_elements)}
     for w in wires:
-        rows['pack ' + w], rows['unpack ' + w] = [], []
-        buffers[w].pack(grads, 2)    # kernels compiled, tables built
-        buffers[w].unpack(grads)
+        buf = buffers[w]
+        buf.pack(grads, 2)    # kernels compiled, tables built
+        buf.unpack(grads)
+        moved = (4 + buf.dtype.itemsize) * n_elements
+        calls['pack ' + w] = (lambda buf=buf: buf.pack(grads, 2), moved)
+        calls['unpack ' + w] = (lambda buf=buf: buf.unpack(grads), moved)
+    spin((1,), (1,), (numpy.int64(1e6),))
+    # Per call as a caller sees it (the host launching, the GPU working),
+    # and the GPU's work alone (queued behind a spin), with the host's
+    # time per call: where that exceeds the GPU's, launches are the limit.
+    rows = {name: [] for name in calls}
+    alone = {name: [] for name in calls}
+    host_us = {name: [] for name in calls}
     for _ in range(rounds):
-        t = gpu_seconds(cp, lambda: cp.copyto(flat, src), reps)
-        copy_bw = 8 * n_elements / t
-        rows['copy'].append(copy_bw)
-        for w in wires:
-            buf = buffers[w]
-            moved = (4 + buf.dtype.itemsize) * n_elements
-            t = gpu_seconds(cp, lambda: buf.pack(grads, 2), reps)
-            rows['pack ' + w].append(moved / t)
-            t = gpu_seconds(cp, lambda: buf.unpack(grads), reps)
-            rows['unpack ' + w].append(moved / t)
+        for name, (fn, moved) in calls.items():
+            rows[name].append(moved / gpu_seconds(cp, fn, reps))
+            gpu, host = queued_gpu_seconds(cp, fn, reps, spin)
+            alone[name].append(None if gpu is None else moved / gpu)
+            host_us[name].append(host * 1e6)
     result = {'arrays': len(grads), 'elements': n_elements, 'rounds': rounds,
-              'reps': reps, 'bandwidth': {}, 'ratio_to_copy': {}}
+              'reps': reps, 'bandwidth': {}, 'ratio_to_copy': {},
+              'alone_ratio_to_copy': {}, 'host_us_per_call': {}}
     for name, bws in rows.items():
         result['bandwidth'][name] = spread([b / 1e9 for b in bws])
         result['ratio_to_copy'][name] = spread(
             [b / c for b, c in zip(bws, rows['copy'])])
+        pairs = [(b, c) for b, c in zip(alone[name], alone['copy'])
+                 if b is not None and c is not None]
+        result['alone_ratio_to_copy'][name] = \
+            spread([b / c for b, c in pairs]) if pairs else None
+        result['host_us_per_call'][name] = spread(host_us[name])
     return result
 
 
@@ -182,12 +216,22 @@ def markdown(res):
               '%d rounds x %d reps' % (c['arrays'], c['elements'],
                                         c['rounds'], c['reps']), '',
               '| operation | GB/s (min / median / max) | share of copy '
-              'bandwidth (min / median / max) |', '|---|---|---|']
+              'bandwidth (min / median / max) | the same, GPU work alone '
+              '| host us per call |', '|---|---|---|---|---|']
+
+    def three(r, fmt):
+        return 'not measured' if r is None else ' / '.join(
+            fmt % r[k] for k in ('min', 'median', 'max'))
+
     for name, bw in c['bandwidth'].items():
-        r = c['ratio_to_copy'][name]
-        lines.append('| %s | %.0f / %.0f / %.0f | %.2f / %.2f / %.2f |' % (
-            name, bw['min'], bw['median'], bw['max'], r['min'],
-            r['median'], r['max']))
+        lines.append('| %s | %s | %s | %s | %s |' % (
+            name, three(bw, '%.0f'), three(c['ratio_to_copy'][name], '%.2f'),
+            three(c['alone_ratio_to_copy'][name], '%.2f'),
+            three(c['host_us_per_call'][name], '%.0f')))
+    lines += ['', '"GPU work alone": the calls queued behind a kernel that '
+              'keeps the stream busy, so the host\'s launch gaps are not '
+              'timed; "not measured" where the host could not queue them '
+              'in time.']
     lines += ['', '### NCCL allreduce at N=1 (float32, in place)', '',
               '| bytes | raw cupy.cuda.nccl: us/call, algbw GB/s | mnopt '
               '(pure_nccl call): us/call, algbw GB/s |', '|---|---|---|']

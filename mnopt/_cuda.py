@@ -112,6 +112,26 @@ def device_id(arrays):
     return ids.pop() if ids else cupy().cuda.Device().id
 
 
+#: For tests and benchmarks: ``mnopt_spin(ns)`` keeps its stream busy for
+#: ``ns`` nanoseconds (one thread watching the GPU's global timer), so that
+#: what is queued behind it waits, or is timed without the host's launch
+#: gaps.
+SPIN_SOURCE = r'''
+extern "C" __global__ void mnopt_spin(long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)ns);
+}
+'''
+
+
+def spin_kernel():
+    """SPIN_SOURCE's kernel: ``k((1,), (1,), (numpy.int64(ns),))``."""
+    return cupy().RawKernel(SPIN_SOURCE, 'mnopt_spin')
+
+
 #: The codec's kernels: name -> (inputs, outputs, body), as
 #: ``cupy.ElementwiseKernel`` takes them.  T is the gradient dtype (float16,
 #: float32 or float64), W the wire's storage dtype.

@@ -129,6 +129,23 @@ def test_kernel_compiles(name, types, arch):
     assert (b'.entry ' + name.encode()) in ptx
 
 
+@pytest.mark.parametrize('arch', ARCHS)
+def test_spin_kernel_compiles(arch):
+    """The tests' and benchmarks' busy kernel (_cuda.SPIN_SOURCE)."""
+    cupy, nvrtc = _nvrtc()
+    from mnopt import _cuda
+    prog = nvrtc.createProgram(_cuda.SPIN_SOURCE, 'mnopt_spin.cu', [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ['-arch=' + arch])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert b'.entry mnopt_spin' in ptx
+
+
 def test_every_kernel_is_checked():
     from mnopt import _cuda
     assert set(_cuda.KERNELS) == set(_cuda.KERNEL_TYPES)
@@ -138,7 +155,10 @@ def test_every_kernel_is_checked():
     used = {_cuda._kernel_name(d, w) for d in ('pack', 'unpack')
             for w in ('float16', 'bfloat16', 'float32', 'float64')}
     assert used == set(_cuda.KERNELS)
-    assert 'ElementwiseKernel(' in source and 'RawKernel' not in source
+    # The one RawKernel is the spin kernel, checked above.
+    assert 'ElementwiseKernel(' in source
+    assert source.count('RawKernel(') == source.count(
+        'RawKernel(SPIN_SOURCE') == 1
 
 
 # --------------------------------------------------------------- the API

@@ -397,17 +397,6 @@ def test_overlap_with_cupy_gradients_is_bit_identical_to_synchronous(
 
 # ------------------------------------------------------------ streams
 
-SPIN = r'''
-extern "C" __global__ void mnopt_t_spin(long long ns) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < (unsigned long long)ns);
-}
-'''
-
-
 @pytest.mark.parametrize('name', ['flat', 'pure_nccl'])
 def test_background_averaging_runs_on_its_own_stream(cupy, name):
     """The averaging waits for the work queued before it on the caller's
@@ -416,7 +405,7 @@ def test_background_averaging_runs_on_its_own_stream(cupy, name):
     device-wide synchronisation, no wait on the caller's stream."""
     if name == 'pure_nccl':
         _one_gpu_per_rank(cupy)
-    spin = cupy.RawKernel(SPIN, 'mnopt_t_spin')
+    spin = _cuda.spin_kernel()
     comm = mnopt.create_communicator(name)
     comm.skip_single_rank = False
     grads = [('/a', cupy.zeros(1000, cupy.float32)),
