@@ -66,18 +66,32 @@ def slice_us():
                              'microseconds')
 
 
+def _get_attr(calls):
+    """The calling thread's struct sched_attr, or None."""
+    attr = _SchedAttr()
+    # syscall() is variadic: give every argument its C type.
+    if _libc().syscall(ctypes.c_long(calls[1]), ctypes.c_int(0),
+                       ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)),
+                       ctypes.c_uint(0)) != 0:
+        return None
+    return attr
+
+
+def _set_attr(calls, attr):
+    return _libc().syscall(ctypes.c_long(calls[0]), ctypes.c_int(0),
+                           ctypes.byref(attr), ctypes.c_uint(0)) == 0
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def thread_slice_ns():
     """The calling thread's requested slice in nanoseconds, or None where
     that cannot be read."""
     calls = _syscalls()
-    if calls is None:
-        return None
-    attr = _SchedAttr()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(calls[1], 0, ctypes.byref(attr),
-                    ctypes.sizeof(attr), 0) != 0:
-        return None
-    return attr.sched_runtime
+    attr = None if calls is None else _get_attr(calls)
+    return None if attr is None else attr.sched_runtime
 
 
 def prefer_low_latency():
@@ -87,16 +101,11 @@ def prefer_low_latency():
     calls = _syscalls()
     if not us or calls is None:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    attr = _SchedAttr()
-    if libc.syscall(calls[1], 0, ctypes.byref(attr),
-                    ctypes.sizeof(attr), 0) != 0:
-        return False
-    if attr.sched_policy not in (_SCHED_OTHER, _SCHED_BATCH, _SCHED_IDLE):
+    attr = _get_attr(calls)
+    if attr is None or attr.sched_policy not in (_SCHED_OTHER, _SCHED_BATCH,
+                                                 _SCHED_IDLE):
         return False   # real-time or deadline: the slice means nothing
     attr.size = ctypes.sizeof(attr)
     attr.sched_flags &= 0x01   # SCHED_FLAG_RESET_ON_FORK, if it was set
     attr.sched_runtime = us * 1000
-    if libc.syscall(calls[0], 0, ctypes.byref(attr), 0) != 0:
-        return False
-    return thread_slice_ns() == us * 1000
+    return _set_attr(calls, attr) and thread_slice_ns() == us * 1000
