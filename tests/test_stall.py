@@ -18,6 +18,9 @@ name, how = sys.argv[1], sys.argv[2]
 comm = mnopt.create_communicator(name)
 grads = [('w', numpy.ones(1000, numpy.float32))]
 comm.mean_grads(grads)
+# Everyone's first averaging is over before rank 1 acts: with colocated
+# reduction servers, rank 1's server may still be answering another rank.
+comm.mpi_comm.Barrier()
 if comm.rank == 1:
     if how == 'stop':
         os.kill(os.getpid(), signal.SIGSTOP)   # a frozen node
