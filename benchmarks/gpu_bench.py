@@ -85,7 +85,7 @@ def codec(cp, rounds, reps):
         moved = (4 + buf.dtype.itemsize) * n_elements
         calls['pack ' + w] = (lambda buf=buf: buf.pack(grads, 2), moved)
         calls['unpack ' + w] = (lambda buf=buf: buf.unpack(grads), moved)
-    spin((1,), (1,), (numpy.int64(1e6),))
+    spin((1,), (1,), (numpy.int64(1e6),))   # compiled before any timing
     # Per call as a caller sees it (the host launching, the GPU working),
     # and the GPU's work alone (queued behind a spin), with the host's
     # time per call: where that exceeds the GPU's, launches are the limit.

@@ -22,6 +22,7 @@ real-time policy) nothing happens.
 """
 
 import ctypes
+import functools
 import platform
 import sys
 
@@ -82,6 +83,7 @@ def _set_attr(calls, attr):
                            ctypes.byref(attr), ctypes.c_uint(0)) == 0
 
 
+@functools.lru_cache(maxsize=None)
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
@@ -108,4 +110,7 @@ def prefer_low_latency():
     attr.size = ctypes.sizeof(attr)
     attr.sched_flags &= 0x01   # SCHED_FLAG_RESET_ON_FORK, if it was set
     attr.sched_runtime = us * 1000
-    return _set_attr(calls, attr) and thread_slice_ns() == us * 1000
+    if not _set_attr(calls, attr):
+        return False
+    now = _get_attr(calls)   # older kernels accept it and ignore it
+    return now is not None and now.sched_runtime == us * 1000

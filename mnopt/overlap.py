@@ -23,9 +23,9 @@ unrolled RNN), one whose final gradient is not the array its node received
 (unused this iteration: zero-filled, as without overlap).
 
 Buckets follow backward order (the reverse of first use in forward) and
-each closes once it holds ``bucket_bytes``.  The plan is made from one iteration's
-forward pass, checked to be the same on every rank, and used from the next
-iteration on; buckets are handed to the communicator in plan order, so
+each closes once it holds ``bucket_bytes``.  The plan is made from one
+iteration's forward pass, checked to be the same on every rank, and used
+from the next iteration on; buckets are handed to the communicator in plan order, so
 every rank starts the same averagings in the same order: each is checked
 across ranks like any other, and a rank whose graph differs gets an error,
 as do the others, never a hang.

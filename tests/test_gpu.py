@@ -352,7 +352,7 @@ def test_pure_nccl_through_the_optimizer(cupy, wire, double_buffering):
         assert same_bits(runs['flat'][n], runs['pure_nccl'][n]), n
 
 
-def _train_overlapped_on_the_gpu(cupy, name, wire, overlap):
+def _train_on_the_gpu(cupy, name, wire, overlap):
     import chainer.functions as F
     import chainer.links as L
     comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire,
@@ -387,8 +387,8 @@ def test_overlap_with_cupy_gradients_is_bit_identical_to_synchronous(
     parameters end bit-identical to the synchronous optimizer's."""
     if name == 'pure_nccl':
         _one_gpu_per_rank(cupy)
-    sync, _ = _train_overlapped_on_the_gpu(cupy, name, wire, False)
-    overlapped, stats = _train_overlapped_on_the_gpu(cupy, name, wire, True)
+    sync, _ = _train_on_the_gpu(cupy, name, wire, False)
+    overlapped, stats = _train_on_the_gpu(cupy, name, wire, True)
     assert stats['buckets'] > 1
     assert stats['during_backward'] == stats['buckets']
     for n in sync:
