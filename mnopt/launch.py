@@ -23,16 +23,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 
 def run(command, max_restarts=3, delay=1.0, log=sys.stderr):
     """Run ``command`` (an argv list) until it succeeds or has failed
     ``max_restarts + 1`` times; returns the last exit status."""
-    stopping = []
+    stopping = threading.Event()
 
     def forward(signum, frame):
-        stopping.append(signum)
+        stopping.set()
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
@@ -45,7 +46,7 @@ def run(command, max_restarts=3, delay=1.0, log=sys.stderr):
             start = time.monotonic()
             child = subprocess.Popen(command, env=env)
             status = child.wait()
-            if status == 0 or stopping:
+            if status == 0 or stopping.is_set():
                 return status
             left = max_restarts - attempt
             log.write('mnopt.launch: the job exited with status %d after '
@@ -55,8 +56,11 @@ def run(command, max_restarts=3, delay=1.0, log=sys.stderr):
                           '; restarting in %g s' % delay if left else
                           '; no restarts left'))
             log.flush()
-            if left:
-                time.sleep(delay)
+            # A signal during the delay ends the launcher: the user, or the
+            # scheduler, asked it to stop, so no attempt may start after it.
+            if left and stopping.wait(delay):
+                log.write('mnopt.launch: interrupted; not restarting\n')
+                return status
         return status
     finally:
         for s, handler in previous.items():
