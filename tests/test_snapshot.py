@@ -2,6 +2,7 @@
 autoload that picks the newest snapshot every rank holds completely, also
 on another number of ranks.  Serially and under mpiexec -n 2 / -n 3."""
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -10,6 +11,7 @@ import numpy
 import pytest
 
 from conftest import chainer, needs_chainer
+from damaged_npz import damage_deflate_stream
 
 pytestmark = needs_chainer
 
@@ -86,9 +88,78 @@ def test_autoload_skips_a_snapshot_one_rank_lacks(comm, outdir):
             f.truncate(os.path.getsize(path) // 2)
     comm.allgather_obj(None)
     again, ext = make_trainer(comm, outdir, 8, autoload=True)
-    ext.initialize(again)
+    with warns_on_rank_0(comm, 'skipping snapshot snapshot_iter_6'):
+        ext.initialize(again)
     assert ext.loaded == 'snapshot_iter_4'   # on every rank
     assert again.updater.iteration == 4
+
+
+def set_file(comm, name):
+    """The name of this rank's own file of snapshot ``name`` (one replica
+    set per rank)."""
+    return name + ('.set%d' % comm.rank if comm.size > 1 else '')
+
+
+def warns_on_rank_0(comm, match):
+    """Rank 0 reports what autoload skipped; the others stay quiet."""
+    return (pytest.warns(RuntimeWarning, match=match) if comm.rank == 0
+            else contextlib.nullcontext())
+
+
+def test_autoload_never_loads_another_sets_file_for_a_missing_one(
+        comm, outdir):
+    # The last rank was killed while writing its newest file (never
+    # renamed into place): set 0's file of that snapshot is no stand-in.
+    trainer, _ = make_trainer(comm, outdir, 6)
+    trainer.run()
+    comm.allgather_obj(None)
+    if comm.rank == comm.size - 1:
+        os.remove(os.path.join(outdir, set_file(comm, 'snapshot_iter_6')))
+    comm.allgather_obj(None)
+    again, ext = make_trainer(comm, outdir, 8, autoload=True)
+    with (warns_on_rank_0(comm, r'snapshot_iter_6\b.*rank %d: '
+                          r'snapshot_iter_6\.set%d is missing'
+                          % ((comm.size - 1,) * 2))
+          if comm.size > 1 else contextlib.nullcontext()):
+        ext.initialize(again)
+    assert ext.loaded == 'snapshot_iter_4'   # on every rank
+    assert again.updater.iteration == 4
+
+
+def test_autoload_skips_a_damaged_snapshot_with_a_warning(comm, outdir):
+    trainer, _ = make_trainer(comm, outdir, 6)
+    trainer.run()
+    comm.allgather_obj(None)
+    if comm.rank == comm.size - 1:   # 4 KiB of its newest file overwritten
+        damage_deflate_stream(
+            os.path.join(outdir, set_file(comm, 'snapshot_iter_6')))
+    comm.allgather_obj(None)
+    again, ext = make_trainer(comm, outdir, 8, autoload=True)
+    with warns_on_rank_0(comm, r'skipping snapshot snapshot_iter_6\b.*'
+                         r'is damaged \(zlib\.error'):
+        ext.initialize(again)
+    assert ext.loaded == 'snapshot_iter_4'   # on every rank
+    assert again.updater.iteration == 4
+
+
+def test_autoload_loads_set_0s_file_only_for_a_snapshot_of_fewer_sets(
+        comm, outdir):
+    if comm.size == 1:
+        pytest.skip('needs a job to resume on more ranks')
+    # All ranks but the last write (one replica set each), then all of
+    # them resume: the last one from set 0's file, which says so.
+    fewer = comm.split(int(comm.rank == comm.size - 1), comm.rank)
+    if comm.rank < comm.size - 1:
+        trainer, _ = make_trainer(fewer, outdir, 4)
+        trainer.run()
+    fewer.finalize()
+    comm.allgather_obj(None)
+    again, ext = make_trainer(comm, outdir, 6, autoload=True)
+    ext.initialize(again)
+    assert ext.loaded == 'snapshot_iter_4'
+    w = comm.allgather(again.updater.get_optimizer('main').target
+                       .predictor.W.array)
+    assert all((a == w[0]).all() for a in w)
 
 
 def test_one_replica_set_writes_once_and_loads_on_any_number_of_ranks(
@@ -161,6 +232,41 @@ def test_checkpointer_keeps_the_newest_and_loads_what_all_hold(comm, outdir):
     comm.allgather_obj(None)
     again, _ = make_trainer(comm, outdir, 12)
     loader = mnopt.extensions.create_multi_node_checkpointer('t', comm)
-    loader.maybe_load(again)
+    with (warns_on_rank_0(comm, 'rank %d: no file found' % (comm.size - 1))
+          if comm.size > 1 else contextlib.nullcontext()):
+        loader.maybe_load(again)
     assert loader.get_stats()['loaded'] == 8
     assert again.updater.iteration == 8
+
+
+@pytest.mark.parametrize('intervals', [
+    {'cp_interval': 0}, {'gc_interval': 0}, {'cp_interval': -1},
+    {'gc_interval': 1.5}])
+def test_checkpointer_intervals_below_one_are_an_error(comm, intervals):
+    # ChainerMN asserts both are positive: keeping 0 checkpoints, or
+    # cleaning up every 0 saves, means nothing (it used to keep all).
+    name = next(iter(intervals))
+    with pytest.raises(ValueError, match='%s .* must be a positive integer'
+                                         % name):
+        mnopt.create_multi_node_checkpointer('t', comm, **intervals)
+
+
+def test_checkpointer_skips_a_damaged_checkpoint_with_a_warning(
+        comm, outdir):
+    trainer, _ = make_trainer(comm, outdir, 6)
+    trainer.extend(mnopt.create_multi_node_checkpointer('t', comm),
+                   trigger=(2, 'iteration'))
+    trainer.run()
+    comm.allgather_obj(None)
+    if comm.rank == comm.size - 1:
+        damage_deflate_stream(os.path.join(outdir, 'cp-t.6.rank%d.npz'
+                                           % comm.rank))
+    comm.allgather_obj(None)
+    again, _ = make_trainer(comm, outdir, 8)
+    loader = mnopt.create_multi_node_checkpointer('t', comm)
+    with warns_on_rank_0(comm, r'skipping checkpoint 6, .*rank %d: '
+                         r'cp-t\.6\.rank%d\.npz is damaged \(zlib\.error'
+                         % ((comm.size - 1,) * 2)):
+        loader.maybe_load(again)
+    assert loader.get_stats()['loaded'] == 4
+    assert again.updater.iteration == 4

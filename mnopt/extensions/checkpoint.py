@@ -2,13 +2,25 @@
 ``maybe_load`` resumes every rank from the newest checkpoint all of them
 hold whole (ChainerMN's API, as its ImageNet example uses it)."""
 
+import numbers
 import os
 import re
 
 import chainer
 from chainer.training import extension
 
-from mnopt.extensions.multi_node_snapshot import npz_is_whole
+from mnopt.extensions.multi_node_snapshot import newest_loadable, npz_problem
+
+
+def _positive(name, value, meaning):
+    """``value``, unless it is not a positive integer: ChainerMN's
+    checkpointer asserts both of its intervals are (0 checkpoints kept, or
+    a clean-up every 0 saves, means nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value < 1:
+        raise ValueError('%s (%s) must be a positive integer, not %r'
+                         % (name, meaning, value))
+    return int(value)
 
 
 class _MultiNodeCheckpointer(extension.Extension):
@@ -18,8 +30,10 @@ class _MultiNodeCheckpointer(extension.Extension):
 
     def __init__(self, name, comm, cp_interval=5, gc_interval=5, path=None):
         self.name, self.comm, self.path = name, comm, path
-        self.cp_interval = cp_interval   # checkpoints kept
-        self.gc_interval = gc_interval   # saves between clean-ups
+        self.cp_interval = _positive('cp_interval', cp_interval,
+                                     'the number of checkpoints kept')
+        self.gc_interval = _positive('gc_interval', gc_interval,
+                                     'saves between clean-ups')
         self._saves = 0
         self.stats = {'saved': 0, 'loaded': None}
 
@@ -31,13 +45,13 @@ class _MultiNodeCheckpointer(extension.Extension):
                             % (self.name, iteration, self.comm.rank))
 
     def _mine(self, outdir):
-        """Iterations of this rank's whole checkpoints in ``outdir``."""
+        """Iterations of this rank's checkpoints in ``outdir``, by name."""
         pattern = re.compile(r'cp-%s\.(\d+)\.rank%d\.npz$'
                              % (re.escape(self.name), self.comm.rank))
         found = []
         for f in os.listdir(outdir) if os.path.isdir(outdir) else ():
             m = pattern.match(f)
-            if m and npz_is_whole(os.path.join(outdir, f)):
+            if m:
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -50,21 +64,23 @@ class _MultiNodeCheckpointer(extension.Extension):
         os.replace(tmp, path)   # never a half file under the final name
         self.stats['saved'] += 1
         self._saves += 1
-        if self._saves % max(self.gc_interval, 1) == 0:
+        if self._saves % self.gc_interval == 0:
             for old in self._mine(outdir)[:-self.cp_interval]:
                 os.remove(self._file(outdir, old))
 
     def maybe_load(self, trainer, optimizer=None, path=None):
         """Load, on every rank, the newest checkpoint every rank holds
-        whole (nothing if there is none).  ``optimizer`` is accepted for
-        ChainerMN compatibility: the trainer's snapshot holds it."""
+        whole (nothing if there is none; a newer one skipped is named in a
+        warning).  ``optimizer`` is accepted for ChainerMN compatibility:
+        the trainer's snapshot holds it."""
         del optimizer
         outdir = path or self._dir(trainer)
-        everyone = self.comm.allgather_obj(self._mine(outdir))
-        common = set(everyone[0]).intersection(*everyone[1:])
-        if not common:
+        problems = {i: npz_problem(self._file(outdir, i))
+                    for i in self._mine(outdir)}
+        iteration = newest_loadable(self.comm, problems, key=int,
+                                    what='checkpoint')
+        if iteration is None:
             return
-        iteration = max(common)
         chainer.serializers.load_npz(self._file(outdir, iteration), trainer)
         self.stats['loaded'] = iteration
 
@@ -77,5 +93,6 @@ def create_multi_node_checkpointer(name, comm, cp_interval=5, gc_interval=5,
     """A trainer extension that checkpoints each rank's trainer (files
     ``cp-NAME.ITERATION.rankR.npz`` in ``path`` or the trainer's out,
     written atomically), keeping the ``cp_interval`` newest and cleaning up
-    every ``gc_interval`` saves; ``maybe_load(trainer)`` resumes."""
+    every ``gc_interval`` saves (both positive integers, as ChainerMN
+    requires); ``maybe_load(trainer)`` resumes."""
     return _MultiNodeCheckpointer(name, comm, cp_interval, gc_interval, path)

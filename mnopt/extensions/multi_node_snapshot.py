@@ -4,24 +4,29 @@ with an autoload that every rank agrees on.
 Ranks in one *replica set* hold the same state (data parallelism: all of
 them, for the model and optimizer); only the first rank of each set
 writes, to ``FILENAME.setK`` (K the set's index; no suffix with a single
-set).  Writes go through Chainer's writers: into a temporary directory,
-then renamed, so a crash mid-write never leaves a loadable half file under
-a snapshot's name.
+set), and records in it how many sets wrote the snapshot.  Writes go
+through Chainer's writers: into a temporary directory, then renamed, so a
+crash mid-write never leaves a loadable half file under a snapshot's name.
 
 With ``autoload`` (given to ``extensions.snapshot``), every rank lists the
-snapshots whose file it would load is whole (zip CRCs checked), the ranks
-keep those they all have, and load the newest (by the numbers in its name:
-``snapshot_iter_{.updater.iteration}`` sorts by iteration).  A rank loads
-its own set's file, or set 0's when the snapshot was written by fewer sets
-(resuming on another number of ranks: with one replica set, on any).
+snapshots whose file it would load is whole (zip CRCs checked: a file cut
+short or with damaged bytes is not), the ranks keep those they all have,
+and load the newest (by the numbers in its name:
+``snapshot_iter_{.updater.iteration}`` sorts by iteration); a newer one
+skipped is named in a warning.  A set loads its own file.  Set 0's file
+stands in for it only where set 0's file says fewer sets wrote the
+snapshot (resuming on more ranks: with one replica set, on any); a set's
+missing file is otherwise an incomplete snapshot, never loaded.
 """
 
 import os
 import re
 import string
+import warnings
 import zipfile
 
 import chainer
+import numpy
 from chainer.training import extension
 
 
@@ -51,14 +56,99 @@ def _natural_key(name):
     return tuple(int(n) for n in re.findall(r'\d+', name)), name
 
 
-def npz_is_whole(path):
-    """Whether ``path`` is a complete .npz (zip) file: every member's CRC
-    checks (a file cut short, or never finished, is not)."""
+def _error_name(e):
+    """``zlib.error``, ``zipfile.BadZipFile``, ``EOFError``: a name that
+    says what raised it (zlib's class alone is called ``error``)."""
+    kind = type(e)
+    return kind.__qualname__ if kind.__module__ == 'builtins' else \
+        '%s.%s' % (kind.__module__, kind.__qualname__)
+
+
+def npz_problem(path):
+    """None if ``path`` is a complete .npz (zip) file, every member's CRC
+    checked; otherwise why not, naming the file (missing, cut short,
+    bytes damaged)."""
+    name = os.path.basename(path)
     try:
         with zipfile.ZipFile(path) as z:
-            return z.testzip() is None
-    except (OSError, zipfile.BadZipFile):
-        return False
+            bad_member = z.testzip()
+    except FileNotFoundError:
+        return '%s is missing' % name
+    except Exception as e:
+        # Damage raises whatever the part of the zip it hit raises:
+        # BadZipFile, zlib.error (a deflate stream), EOFError, ValueError..
+        return '%s is damaged (%s: %s)' % (name, _error_name(e), e)
+    if bad_member is not None:
+        return '%s is damaged (member %s fails its CRC check)' % (
+            name, bad_member)
+    return None
+
+
+def npz_is_whole(path):
+    """Whether ``path`` is a complete .npz (zip) file: every member's CRC
+    checks (a file cut short, never finished or damaged is not)."""
+    return npz_problem(path) is None
+
+
+def newest_loadable(comm, problems, key, what='snapshot'):
+    """The newest candidate (by ``key``) that every rank can load, the
+    same on every rank, or None.
+
+    ``problems`` maps each candidate this rank found to None (it can load
+    it) or why it cannot.  A candidate another rank did not find is not
+    loadable there.  Rank 0 warns about each newer candidate skipped,
+    naming every rank's reason, so a damaged newest snapshot costs the
+    work since the one before it, never the run."""
+    everyone = comm.allgather_obj(problems)
+
+    def reasons(candidate):
+        return ['rank %d: %s' % (r, p.get(candidate, 'no file found'))
+                for r, p in enumerate(everyone)
+                if p.get(candidate, 'no file found') is not None]
+
+    found = set().union(*everyone)
+    usable = [c for c in found if not reasons(c)]
+    newest = max(usable, key=key) if usable else None
+    if comm.rank == 0:
+        for c in sorted(found, key=key):
+            if newest is None or key(c) > key(newest):
+                warnings.warn('skipping %s %s, which not every rank can '
+                              'load: %s' % (what, c, '; '.join(reasons(c))),
+                              RuntimeWarning)
+    return newest
+
+
+#: Where each set's file records how many replica sets wrote the snapshot.
+N_SETS_KEY = 'multi_node_snapshot/n_replica_sets'
+
+
+def sets_that_wrote(path):
+    """How many replica sets wrote the snapshot file ``path`` (a whole
+    file), or None where it does not say (written before mnopt recorded
+    it)."""
+    with numpy.load(path) as f:
+        return int(f[N_SETS_KEY]) if N_SETS_KEY in f.files else None
+
+
+class _RecordingSets(object):
+    """A snapshot writer that adds the number of replica sets to what it
+    writes (so that autoload tells a resize from a set's missing file),
+    then hands it to the snapshot's own writer."""
+
+    def __init__(self, writer, n_sets):
+        self.writer, self.n_sets = writer, n_sets
+
+    def __call__(self, filename, outdir, target):
+        # Chainer 7's snapshot hands its writer npz.serialize's dict.
+        target = dict(target)
+        target[N_SETS_KEY] = numpy.asarray(self.n_sets)
+        self.writer(filename, outdir, target)
+
+    def __getattr__(self, name):
+        # finalize, _add_cleanup_hook, ...: the wrapped writer's own.
+        if name == 'writer':
+            raise AttributeError(name)
+        return getattr(self.writer, name)
 
 
 class _MultiNodeSnapshot(extension.Extension):
@@ -81,6 +171,7 @@ class _MultiNodeSnapshot(extension.Extension):
         self.base = snapshot.filename
         if len(self.sets) > 1:
             snapshot.filename = self.base + '.set%d' % self.set_index
+        snapshot.writer = _RecordingSets(snapshot.writer, len(self.sets))
         # This extension does the loading, for every rank alike.
         self.autoload, snapshot.autoload = snapshot.autoload, False
         self.trigger = snapshot.trigger
@@ -106,30 +197,42 @@ class _MultiNodeSnapshot(extension.Extension):
             self.snapshot.finalize()
 
     def _my_file(self, outdir, name, names):
-        """The file this rank loads for snapshot ``name``."""
+        """The file this rank loads for snapshot ``name`` and None, or None
+        and why it has none."""
         if name in names:   # written by a single replica set
-            return os.path.join(outdir, name)
+            return os.path.join(outdir, name), None
         mine = '%s.set%d' % (name, self.set_index)
-        return os.path.join(outdir, mine if mine in names
-                            else name + '.set0')
+        if mine in names:
+            return os.path.join(outdir, mine), None
+        # Set 0's file, only for a snapshot that fewer sets wrote: where
+        # set 0's file does not say so, this set's file is missing.
+        first = os.path.join(outdir, name + '.set0')
+        if npz_is_whole(first):
+            written_by = sets_that_wrote(first)
+            if written_by is not None and self.set_index >= written_by:
+                return first, None
+        return None, '%s is missing' % mine
+
+    def _problem(self, outdir, name, names):
+        """None if this rank can load snapshot ``name``, else why not."""
+        path, problem = self._my_file(outdir, name, names)
+        return problem if path is None else npz_problem(path)
 
     def _autoload(self, trainer):
         outdir = trainer.out
         names = set(os.listdir(outdir)) if os.path.isdir(outdir) else set()
         regex = re.compile('(%s)(\\.set\\d+)?$' % _pattern(self.base))
         candidates = {m.group(1) for m in map(regex.match, names) if m}
-        whole = sorted(c for c in candidates
-                       if npz_is_whole(self._my_file(outdir, c, names)))
-        everyone = self.comm.allgather_obj(whole)
-        common = set(everyone[0]).intersection(*everyone[1:])
-        if not common:
+        newest = newest_loadable(
+            self.comm, {c: self._problem(outdir, c, names)
+                        for c in candidates}, key=_natural_key)
+        if newest is None:
             return
-        newest = max(common, key=_natural_key)
         # Chainer's snapshot keeps what it saves (None: the trainer) in
         # _target, as every Chainer 7 release does.
         target = getattr(self.snapshot, '_target', None) or trainer
-        chainer.serializers.load_npz(self._my_file(outdir, newest, names),
-                                     target)
+        path, _ = self._my_file(outdir, newest, names)
+        chainer.serializers.load_npz(path, target)
         self.loaded = newest
 
 
