@@ -1,6 +1,7 @@
 """The multi-node optimizer: averages gradients, then lets the wrapped
 Chainer optimizer update.  Uses only the communicator's public API."""
 
+import hashlib
 import time
 
 import chainer
@@ -11,11 +12,51 @@ from mnopt.communicators.base import named_grads
 
 _LOADED = object()  # _param_set after a snapshot was loaded
 
+# What an update does, agreed by every rank (_MultiNodeOptimizer._next_step).
+_BROADCAST = 'broadcast'   # rank 0's parameters to all; nothing applied
+_RESUME = 'resume'         # after a load: _make_replicas_agree, then as
+#                            _AVERAGE if the parameters already agreed
+_AVERAGE = 'average'       # the mean gradient applied
+
+
+def _host(array):
+    """``array`` as a numpy array (a copy only when it lives elsewhere)."""
+    return numpy.ascontiguousarray(chainer.backend.CpuDevice().send(array))
+
+
+def _digest(named_arrays):
+    """A short digest of ``[(name, array), ...]``: names, dtypes, shapes
+    and bytes.  Equal digests on two ranks mean equal values, bit for
+    bit."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, array in named_arrays:
+        host = _host(array)
+        h.update(repr((name, host.dtype.str, host.shape)).encode())
+        # An object array's bytes are pointers: hash what they point to.
+        h.update(repr(host.tolist()).encode() if host.dtype.hasobject
+                 else host.tobytes())
+    return h.hexdigest()
+
+
+def _state_of(serialize):
+    """What ``serialize(serializer)`` writes, as {key: numpy array}."""
+    state = {}
+    serialize(chainer.serializers.DictionarySerializer(state))
+    return state
+
 
 class _MultiNodeOptimizer(object):
     """ChainerMN's semantics: the first update (and any update after the
     parameter set changed) broadcasts the parameters from rank 0 and applies
-    nothing; every other update applies the mean gradient."""
+    nothing; every other update applies the mean gradient.
+
+    The first update after a snapshot was loaded (on any rank) gives every
+    rank rank 0's parameters and optimizer state where they differ, so
+    replicas cannot diverge.  It then applies the mean gradient if the
+    parameters were the same everywhere (a run resumed from one snapshot
+    on every rank continues bit for bit), and nothing if they had to be
+    broadcast (some ranks' gradients were of other weights: as after any
+    broadcast)."""
 
     def __init__(self, actual_optimizer, communicator, zero_fill):
         object.__setattr__(self, 'actual_optimizer', actual_optimizer)
@@ -37,6 +78,8 @@ class _MultiNodeOptimizer(object):
 
     def setup(self, link):
         self.actual_optimizer.setup(link)
+        # A new target: its first update broadcasts, as ChainerMN's does.
+        object.__setattr__(self, '_param_set', None)
         return self
 
     def _backward(self, lossfun, args, kwds):
@@ -53,40 +96,99 @@ class _MultiNodeOptimizer(object):
                 for name, p in sorted(self.target.namedparams())]
 
     def serialize(self, serializer):
-        """The wrapped optimizer's state (with its target).  After loading,
-        the parameters are identical on every rank that loaded the same
-        snapshot, so the next update averages instead of broadcasting."""
-        self.actual_optimizer.serialize(serializer)
+        """The wrapped optimizer's state (with its target).  After a load
+        the next update makes the replicas agree (see the class): a
+        snapshot loaded on every rank resumes bit for bit, one loaded on
+        rank 0 alone (model, optimizer or both) is given to every rank."""
+        self._serialize_state(serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):
             # Chainer's updater loads the optimizer before the model, so the
             # parameters may not have their data yet: the next update takes
             # whatever set it finds as the current one.
             object.__setattr__(self, '_param_set', _LOADED)
 
-    def _param_set_changed(self):
-        """True on the first call and whenever parameters appeared,
-        disappeared or got their data since the previous call.
+    def _serialize_state(self, serializer):
+        """What a snapshot of this optimizer holds."""
+        self.actual_optimizer.serialize(serializer)
+
+    def _next_step(self):
+        """What this update does (_BROADCAST, _RESUME or _AVERAGE), agreed
+        by every rank: _RESUME if any rank loaded a snapshot since its last
+        update, else _BROADCAST on the first update and whenever parameters
+        appeared, disappeared or got their data since the previous one.
 
         Ranks must agree: one that re-broadcasts while the others average
-        would hang the job, so a disagreement is an error on every rank.
+        would hang the job, so a parameter set that changed on some ranks
+        only is an error on every rank.
         """
+        loaded = self._param_set is _LOADED
         current = self._current_param_set()
-        changed = self._param_set is not _LOADED and current != self._param_set
+        changed = not loaded and current != self._param_set
         object.__setattr__(self, '_param_set', current)
-        votes = self.communicator.allgather_obj(changed)
-        if any(v != changed for v in votes):
+        votes = self.communicator.allgather_obj((loaded, changed))
+        if any(v_loaded for v_loaded, _ in votes):
+            return _RESUME
+        if any(v_changed != changed for _, v_changed in votes):
             raise RuntimeError(
                 'the parameter set changed on ranks %s but not on ranks %s; '
                 'every rank must add or initialise parameters at the same '
-                'update' % ([r for r, v in enumerate(votes) if v],
-                            [r for r, v in enumerate(votes) if not v]))
-        return changed
+                'update' % ([r for r, (_, c) in enumerate(votes) if c],
+                            [r for r, (_, c) in enumerate(votes) if not c]))
+        return _BROADCAST if changed else _AVERAGE
+
+    def _named_params(self):
+        return [(n, p.array) for n, p in sorted(self.target.namedparams())
+                if p.array is not None]
+
+    def _make_replicas_agree(self):
+        """Give every rank rank 0's parameters and optimizer state where
+        they differ (a digest of each, compared across ranks): nothing
+        moves when every rank loaded the same snapshot.  True if the
+        parameters were already the same on every rank."""
+        comm = self.communicator
+        state = _state_of(self._serialize_state)
+        mine = (_digest(self._named_params()), _digest(sorted(state.items())))
+        digests = comm.allgather_obj(mine)
+        same_params = all(d[0] == digests[0][0] for d in digests)
+        if not same_params:
+            comm.bcast_data(self.target)
+        if all(d[1] == digests[0][1] for d in digests):
+            return same_params
+        state = comm.bcast_obj(state if comm.rank == 0 else None)
+        problem = None
+        if comm.rank != 0:
+            problem = self._load_state(state, digests[0][1])
+        problems = comm.allgather_obj(problem)
+        bad = ['rank %d: %s' % (r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            raise RuntimeError(
+                "could not give every rank rank 0's optimizer state after "
+                'a snapshot was loaded (%s)' % '; '.join(bad))
+        return same_params
+
+    def _load_state(self, state, expected):
+        """Load rank 0's ``state``; None if this rank's state then has the
+        ``expected`` digest, else what went wrong."""
+        try:
+            # Not strict: a key rank 0 lacks is reported by the digest.
+            self._serialize_state(chainer.serializers.NpzDeserializer(
+                state, strict=False))
+        except Exception as e:
+            return '%s: %s' % (type(e).__name__, e)
+        if _digest(sorted(_state_of(self._serialize_state).items())) \
+                != expected:
+            return ('its optimizer state still differs from rank 0\'s '
+                    '(entries rank 0 does not have)')
+        return None
 
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
-        if self._param_set_changed():
+        step = self._next_step()
+        if step is _BROADCAST:
             self.communicator.bcast_data(self.target)
+            return
+        if step is _RESUME and not self._make_replicas_agree():
             return
         self._blocked(self.communicator.multi_node_mean_grad, self.target,
                       self.zero_fill)
@@ -123,19 +225,35 @@ class _DoubleBufferingOptimizer(_MultiNodeOptimizer):
         if handle is not None:
             self._blocked(handle.wait)
 
-    def serialize(self, serializer):
-        """Also saves the averaged gradients of the last iteration, which
-        the next update applies: a resumed run continues exactly where the
+    def _serialize_state(self, serializer):
+        """Also the averaged gradients of the last iteration, which the
+        next update applies: a resumed run continues exactly where the
         snapshot left off.  They are means, the same on every rank, so a
-        snapshot resumes on any number of ranks."""
+        snapshot resumes on any number of ranks.
+
+        A snapshot without them (a plain multi-node optimizer's, or
+        ChainerMN's) loads too: nothing is pending (``needs_update``
+        False), so the next update averages its gradients and applies
+        nothing, as after a broadcast; the pipeline then runs one step
+        stale again.  A plain optimizer ignores them."""
         self.wait()
-        super(_DoubleBufferingOptimizer, self).serialize(serializer)
+        super(_DoubleBufferingOptimizer, self)._serialize_state(serializer)
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        needs_update = bool(serializer('mnopt_needs_update',
-                                       self.needs_update))
-        names = serializer('mnopt_averaged_names', None if loading else
-                           numpy.array(sorted(self.communicated_target)
-                                       if self.needs_update else [], dtype=str))
+        # Absent from the snapshot: False (a strict deserializer's KeyError
+        # means the same).
+        try:
+            needs_update = bool(serializer(
+                'mnopt_needs_update', False if loading else
+                self.needs_update))
+        except KeyError:
+            needs_update = False
+        names = numpy.array(sorted(self.communicated_target)
+                            if self.needs_update else [], dtype=str)
+        if loading:
+            names = serializer('mnopt_averaged_names', None) \
+                if needs_update else []
+        else:
+            serializer('mnopt_averaged_names', names)
         # '/' would nest the keys; parameter names start with it.
         grads = serializer['mnopt_averaged_grads']
         if not loading:
@@ -153,18 +271,27 @@ class _DoubleBufferingOptimizer(_MultiNodeOptimizer):
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
-        if self._param_set_changed():
-            self.wait()
+        step = self._next_step()
+        self.wait()
+        if step is _BROADCAST:
             self.communicator.bcast_data(self.target)
             object.__setattr__(self, 'communicated_target', {})
             object.__setattr__(self, 'needs_update', False)
             return
-        self.wait()
+        if step is _RESUME and not self._make_replicas_agree():
+            return   # what was pending (now rank 0's) applies next update
         params = dict(self.target.namedparams())
         shadows = self.communicated_target
         fresh = named_grads(self.target, self.zero_fill)
         for name, grad in fresh:
-            params[name].grad = shadows.get(name)
+            # Each parameter's gradient becomes the mean this update
+            # applies; where nothing is applied yet, zeros (never None).
+            param = params[name]
+            shadow = shadows.get(name)
+            if shadow is None:
+                with chainer.using_device(param.device):
+                    shadow = param.device.xp.zeros_like(grad)
+            param.grad = shadow
         object.__setattr__(self, 'communicated_target', dict(fresh))
         object.__setattr__(self, '_handle', self._blocked(
             self.communicator.mean_grads_async, fresh))
@@ -208,15 +335,20 @@ class _OverlapOptimizer(_MultiNodeOptimizer):
         if lossfun is None:
             return super(_OverlapOptimizer, self).update(None, *args, **kwds)
         overlap = self._overlap
+        # Warm-up (``warmup_steps``) counts iterations, not buckets: every
+        # averaging of this update is of iteration t.
         overlap.forward_backward(lossfun, args, kwds,
-                                 self.actual_optimizer._loss_scale)
+                                 self.actual_optimizer._loss_scale,
+                                 self.actual_optimizer.t)
         handles = overlap.finish()
-        changed = self._param_set_changed()
+        step = self._next_step()
         for handle in handles:
             self._blocked(handle.wait)
-        if changed:
+        if step is _BROADCAST:
             overlap.forget_plan()
             self.communicator.bcast_data(self.target)
+            return
+        if step is _RESUME and not self._make_replicas_agree():
             return
         overlap.adopt()
         if overlap.plan is None:

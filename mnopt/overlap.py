@@ -38,6 +38,7 @@ raises).
 """
 
 import collections
+import inspect
 
 import chainer
 
@@ -116,6 +117,12 @@ class _Wrapper(chainer.LinkHook):
                 vars(link)[attr] = param
 
 
+def _takes_iteration(comm):
+    """Whether ``comm.mean_grads_async`` takes ``iteration=``."""
+    return 'iteration' in inspect.signature(
+        comm.mean_grads_async).parameters
+
+
 class Overlap(object):
     """One optimizer's overlapped averaging: the plan, and per iteration
     what fired, what was launched, and the handles to wait for."""
@@ -125,6 +132,7 @@ class Overlap(object):
         self.target = target
         self.zero_fill = zero_fill
         self.plan = None
+        self.iteration = 0   # the update whose gradients are averaged
         #: Buckets of the last iteration, and how many were handed to the
         #: communicator during backward.
         self.stats = {'buckets': 0, 'during_backward': 0}
@@ -155,10 +163,13 @@ class Overlap(object):
 
     # ------------------------------------------------------------ backward
 
-    def forward_backward(self, lossfun, args, kwds, loss_scale):
+    def forward_backward(self, lossfun, args, kwds, loss_scale, iteration):
         """The forward pass with parameters wrapped, then backward, which
-        hands buckets to the communicator as they become final."""
+        hands buckets to the communicator as they become final.  Every
+        averaging until ``finish`` is of ``iteration`` (the optimizer's
+        update count), however many buckets it takes."""
         self._reset()
+        self.iteration = iteration
         self._bucket_of = {} if self.plan is None else {
             n: b for b, names in enumerate(self.plan) for n in names}
         hook = _Wrapper(self._own_params(), self._wrapped, self._ready)
@@ -195,8 +206,17 @@ class Overlap(object):
                 grad = self._grad(params[name])
                 if grad is not None:
                     named.append((name, grad))
-        self.handles.append(self.comm.mean_grads_async(named, queue=True))
+        self.handles.append(self._mean_async(named))
         self.next_bucket += 1
+
+    def _mean_async(self, named):
+        """Queue one averaging of this iteration's gradients."""
+        if not _takes_iteration(self.comm):
+            # A communicator that counts each averaging as an iteration
+            # (mnopt/communicators/base.py before it took iteration=).
+            return self.comm.mean_grads_async(named, queue=True)
+        return self.comm.mean_grads_async(named, queue=True,
+                                          iteration=self.iteration)
 
     def _grad(self, param):
         if param.grad is None and self.zero_fill and param.array is not None:
@@ -227,7 +247,7 @@ class Overlap(object):
                                           and n not in self.clean))]
         named = [(n, g) for n, g in ((n, self._grad(params[n]))
                                      for n in rest) if g is not None]
-        self.handles.append(self.comm.mean_grads_async(named, queue=True))
+        self.handles.append(self._mean_async(named))
         return self.handles
 
     def adopt(self):
