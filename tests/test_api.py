@@ -159,6 +159,67 @@ def test_multi_node_evaluator(comm):
                              'main/acc': 1.0}
 
 
+def chainermn_mean(comm, value):
+    """ChainerMN's create_multi_node_evaluator on one value: allreduce_obj,
+    then divided by the number of ranks."""
+    return comm.allreduce_obj(value) / comm.size
+
+
+def evaluator_of(comm, results):
+    class Local(object):
+        def evaluate(self):
+            return dict(results)
+    return mnopt.create_multi_node_evaluator(Local(), comm)
+
+
+def test_multi_node_evaluator_averages_as_chainermn(comm):
+    """Scalars of every kind and arrays, each averaged as ChainerMN does
+    (9df2620: float() of an array raised TypeError)."""
+    k = comm.rank
+    local = {'main/loss': numpy.float32(k) + numpy.float32(0.25),
+             'main/per_class': numpy.arange(3, dtype=numpy.float32) * (k + 1),
+             'main/matrix': numpy.full((2, 2), k, numpy.float64),
+             'main/count': k, 'main/score': 0.5 * k}
+    got = evaluator_of(comm, local).evaluate()
+    assert sorted(got) == sorted(local)
+    for key in sorted(local):
+        expected = chainermn_mean(comm, local[key])
+        assert type(got[key]) is type(expected), key
+        numpy.testing.assert_array_equal(got[key], expected, err_msg=key)
+    numpy.testing.assert_allclose(
+        got['main/per_class'], numpy.arange(3) * (comm.size + 1) / 2.0)
+    rank0 = comm.bcast_obj(got)             # the same on every rank
+    for key in sorted(got):
+        numpy.testing.assert_array_equal(got[key], rank0[key], err_msg=key)
+
+
+@needs_chainer
+def test_multi_node_evaluator_averages_variables(comm):
+    local = {'main/loss': chainer.Variable(
+        numpy.full((2,), comm.rank, numpy.float32))}
+    got = evaluator_of(comm, local).evaluate()['main/loss']
+    assert isinstance(got, chainer.Variable)
+    numpy.testing.assert_array_equal(
+        got.array, chainermn_mean(comm, local['main/loss']).array)
+    numpy.testing.assert_allclose(got.array, (comm.size - 1) / 2.0)
+
+
+def test_multi_node_evaluator_mismatch_raises_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip('a mismatch needs two ranks')
+    keys = evaluator_of(comm, {'main/loss': 1.0,
+                               'main/acc' if comm.rank else 'main/a': 1.0})
+    with pytest.raises(ValueError, match='different keys'):
+        keys.evaluate()
+    # (1,) would broadcast against (3,): a wrong mean, not an error
+    shapes = evaluator_of(comm, {'main/per_class': numpy.zeros(
+        1 if comm.rank == 1 else 3)})
+    with pytest.raises(ValueError, match=r"'main/per_class' with different "
+                                         r"shapes: rank 0 \(3,\), rank 1 "
+                                         r"\(1,\)"):
+        shapes.evaluate()
+
+
 @needs_chainer
 def test_multi_node_optimizer(comm):
     """First update broadcasts rank 0's parameters; later ones apply the
