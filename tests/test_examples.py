@@ -1,10 +1,12 @@
 """The ImageNet and digits examples, run as whole mpiexec jobs."""
 
 import os
+import shutil
 
 import pytest
 
 from conftest import REPO, run_mpi, snapshot_models_equal
+from damaged_npz import damage_deflate_stream
 
 pytestmark = pytest.mark.spawn
 pytest.importorskip('chainer', reason='the examples need Chainer')
@@ -86,6 +88,81 @@ def test_bad_snapshot_is_a_clear_error(tmp_path, data_cache, damage):
     assert proc.returncode != 0
     assert 'cannot resume from' in proc.stderr
     assert 'rank 0:' in proc.stderr and 'rank 1:' in proc.stderr
+
+
+@pytest.fixture(scope='module')
+def two_snapshots(tmp_path_factory, data_cache):
+    """An output directory with snapshots 2 and 4 of a 2-rank run: copy it
+    (``copy_of``) before changing it."""
+    out = tmp_path_factory.mktemp('two-snapshots')
+    proc = train(2, out, data_cache, '--iteration', '4',
+                 '--snapshot-interval', '2', '--keep-snapshots', '5')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def copy_of(snapshots, tmp_path):
+    out = tmp_path / 'out'
+    shutil.copytree(str(snapshots), str(out))
+    return out
+
+
+def snapshot_names(out):
+    return sorted(n for n in os.listdir(str(out))
+                  if n.startswith('snapshot_iter_'))
+
+
+def test_resume_auto_skips_a_damaged_snapshot(tmp_path, data_cache,
+                                              two_snapshots):
+    out = copy_of(two_snapshots, tmp_path)
+    damage_deflate_stream(str(out / 'snapshot_iter_4.npz'))   # 4 KiB
+    proc = train(2, out, data_cache, '--iteration', '6',
+                 '--snapshot-interval', '2', '--resume', 'auto')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'resumed from %s at iteration 2' % (out / 'snapshot_iter_2.npz') \
+        in proc.stdout, proc.stdout[-3000:]
+    assert 'skipping snapshot snapshot_iter_4.npz, which not every rank ' \
+        'can load: rank 0: snapshot_iter_4.npz is damaged (zlib.error' \
+        in proc.stderr, \
+        proc.stderr[-3000:]
+    assert (out / 'snapshot_iter_6.npz').exists()
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_resume_with_a_rank_file_missing_is_an_error(tmp_path, data_cache,
+                                                     two_snapshots, rank):
+    # Same number of ranks, one rank's part gone: never "as if resized".
+    out = copy_of(two_snapshots, tmp_path)
+    part = out / ('snapshot_iter_4.rank%d.npz' % rank)
+    part.unlink()
+    proc = train(2, out, data_cache, '--iteration', '6', '--resume',
+                 str(out / 'snapshot_iter_4.npz'), timeout=120)
+    assert proc.returncode != 0
+    assert 'cannot resume from' in proc.stderr, proc.stderr[-3000:]
+    assert 'rank %d: FileNotFoundError' % rank in proc.stderr
+    assert str(part) in proc.stderr
+    assert 'data split anew' not in proc.stdout
+
+
+def test_resume_prunes_an_earlier_runs_snapshots(tmp_path, data_cache,
+                                                 two_snapshots):
+    out = copy_of(two_snapshots, tmp_path)
+    proc = train(2, out, data_cache, '--iteration', '6',
+                 '--snapshot-interval', '2', '--keep-snapshots', '2',
+                 '--resume', str(out / 'snapshot_iter_4.npz'))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert snapshot_names(out) == [
+        'snapshot_iter_4.npz', 'snapshot_iter_4.rank0.npz',
+        'snapshot_iter_4.rank1.npz', 'snapshot_iter_6.npz',
+        'snapshot_iter_6.rank0.npz', 'snapshot_iter_6.rank1.npz']
+
+
+def test_keeping_no_snapshots_is_an_error(tmp_path, data_cache):
+    proc = train(1, tmp_path, data_cache, '--keep-snapshots', '0',
+                 '--iteration', '1', timeout=120)
+    assert proc.returncode != 0
+    assert '--keep-snapshots: must be at least 1' in proc.stderr, \
+        proc.stderr[-3000:]
 
 
 def test_digits_smoke(tmp_path):

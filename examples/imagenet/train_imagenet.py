@@ -14,6 +14,7 @@ a run completes in about a minute on 2 CPU cores.  Each rank uses one GPU
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -24,6 +25,8 @@ import chainer
 import numpy
 from chainer import training
 from chainer.training import extensions
+from mnopt.extensions.multi_node_snapshot import (
+    newest_loadable, npz_is_whole, npz_problem)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import embedded_data  # NOQA
@@ -57,6 +60,14 @@ class PreprocessedDataset(chainer.dataset.DatasetMixin):
         image = image[:, top:top + size, left:left + size]
         mean = self.mean[:, top:top + size, left:left + size]
         return (image - mean) * (1.0 / 255.0), label
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            'must be at least 1 (the snapshot just written), not %d' % value)
+    return value
 
 
 def parse_args(argv=None):
@@ -95,8 +106,9 @@ def parse_args(argv=None):
                    "mnopt.launch")
     p.add_argument('--snapshot-interval', type=int, default=None,
                    help='iterations between snapshots (default: each epoch)')
-    p.add_argument('--keep-snapshots', type=int, default=2,
-                   help='how many of the latest snapshots to keep')
+    p.add_argument('--keep-snapshots', type=_positive_int, default=2,
+                   help='how many of the latest snapshots in --out to '
+                        'keep (earlier runs\' included; at least 1)')
     p.add_argument('--loaderjob', '-j', type=int, default=0,
                    help='processes loading data per rank (0: in-process)')
     p.add_argument('--seed', type=int, default=0)
@@ -205,34 +217,70 @@ def trainer_snapshot(comm):
         replica_sets=[list(range(comm.size))])
 
 
+#: The name of the ``Snapshot`` extension in the trainer, so the key under
+#: which the shared file records how many ranks wrote the snapshot.
+RANK_SNAPSHOT = 'rank_snapshot'
+N_RANKS_KEY = 'extensions/%s/n_ranks' % RANK_SNAPSHOT
+
+
 class Snapshot(training.Extension):
     """Every rank's own part of a snapshot, after the shared part
     (``trainer_snapshot``) of the same iteration: its iterator and random
     state in ``snapshot_iter_N.rankR.npz``, written under a temporary name
-    and renamed.  Then every rank waits for all, and old snapshots beyond
-    ``keep`` are removed."""
+    and renamed.  Then every rank waits for all, and the snapshots in the
+    output directory beyond the newest ``keep`` (an earlier run's too) are
+    removed.  The shared part records the number of ranks (``serialize``),
+    so a rank's missing file is never taken for a change of size."""
 
     priority = -101  # after the trainer's snapshot of the same iteration
 
     def __init__(self, comm, keep):
         self.comm = comm
         self.keep = keep
-        self._written = []
+
+    def serialize(self, serializer):
+        # Only written: resume() reads it from the file before loading.
+        if isinstance(serializer, chainer.serializer.Serializer):
+            serializer('n_ranks', self.comm.size)
 
     def __call__(self, trainer):
-        path = os.path.join(trainer.out, 'snapshot_iter_%d.npz'
-                            % trainer.updater.iteration)
+        out, iteration = trainer.out, trainer.updater.iteration
+        path = os.path.join(out, 'snapshot_iter_%d.npz' % iteration)
         _atomic_save(rank_file(path, self.comm.rank),
                      _RankState(trainer.updater.get_iterator('main'),
                                 self.comm.size))
-        self.comm.allgather_obj(None)  # all files complete before going on
-        self._written.append(path)
-        while len(self._written) > self.keep:
-            old = self._written.pop(0)
-            for f in ((old,) if self.comm.rank == 0 else ()) + (
-                    rank_file(old, self.comm.rank),):
-                if os.path.exists(f):
-                    os.remove(f)
+        # Rank 0's listing, taken before anyone removes anything, says
+        # what to prune; gathering it also waits until every rank's file
+        # is complete.
+        listed = self.comm.allgather_obj(
+            snapshot_iterations(out) if self.comm.rank == 0 else None)[0]
+        older = [i for i in listed if i < iteration]
+        for old in older[:max(0, len(older) - (self.keep - 1))]:
+            self._remove(out, old)
+
+    def _remove(self, out, iteration):
+        """This rank's part of snapshot ``iteration``; on rank 0 also the
+        parts of ranks an earlier, larger run had, then the shared file
+        (last: without it, what is left is no snapshot)."""
+        path = os.path.join(out, 'snapshot_iter_%d.npz' % iteration)
+        parts = [rank_file(path, self.comm.rank)]
+        if self.comm.rank == 0:
+            parts += [os.path.join(out, name) for name in os.listdir(out)
+                      if _part_of_a_rank_gone(name, iteration,
+                                              self.comm.size)]
+            parts.append(path)
+        for f in parts:
+            try:
+                os.remove(f)
+            except FileNotFoundError:
+                pass
+
+
+def _part_of_a_rank_gone(name, iteration, size):
+    """Whether ``name`` is the part of snapshot ``iteration`` of a rank
+    the run of ``size`` ranks does not have."""
+    m = re.match(r'snapshot_iter_%d\.rank(\d+)\.npz$' % iteration, name)
+    return m is not None and int(m.group(1)) >= size
 
 
 class SnapshotTrigger(object):
@@ -243,16 +291,32 @@ class SnapshotTrigger(object):
     def __init__(self, interval, length):
         self._interval = training.triggers.IntervalTrigger(*interval)
         self._length, self._unit = length
+        self.fired_at = None   #: the iteration it last fired at
 
     def __call__(self, trainer):
         fired = self._interval(trainer)
         updater = trainer.updater
         done = (updater.iteration if self._unit == 'iteration'
                 else updater.epoch_detail) >= self._length
+        if fired or done:
+            self.fired_at = updater.iteration
         return fired or done
 
     def serialize(self, serializer):
         self._interval.serialize(serializer['interval'])
+
+
+class FiredWith(object):
+    """Fires at the iterations ``trigger`` fired at, asked after it.  The
+    rank files of a snapshot follow its shared file; a trigger of their
+    own would be saved in the shared file before it is asked in that
+    iteration, a step behind, and fire alone right after a resume."""
+
+    def __init__(self, trigger):
+        self._trigger = trigger
+
+    def __call__(self, trainer):
+        return self._trigger.fired_at == trainer.updater.iteration
 
 
 class SeededOrder(chainer.iterators.OrderSampler):
@@ -320,31 +384,50 @@ def _atomic_save(path, obj):
     os.replace(tmp, path)
 
 
+def ranks_that_wrote(path):
+    """How many ranks wrote the snapshot whose shared file is ``path``: the
+    shared file says (a snapshot written before it did: rank 0's file), or
+    None where neither does."""
+    with numpy.load(path) as f:
+        if N_RANKS_KEY in f.files:
+            return int(f[N_RANKS_KEY])
+    legacy = rank_file(path, 0)
+    if npz_is_whole(legacy):
+        with numpy.load(legacy) as f:
+            return int(f['n_ranks'])
+    return None
+
+
 def resume(path, trainer, comm):
     """Load a snapshot on every rank; every rank raises the same clear error
     if any of them cannot.  With the number of ranks it was written with,
-    each rank also gets its iterator and random state back; with another,
-    the data is split anew and the epoch restarts from its beginning."""
+    each rank also gets its iterator and random state back (a rank's
+    missing file is an error naming it); with another, the data is split
+    anew and the epoch restarts from its beginning."""
     error = None
     try:
         if not os.path.isfile(path):
             raise FileNotFoundError('no snapshot at %r' % path)
-        with numpy.load(path) as f:
-            saved_size = None
-            rank_path = rank_file(path, 0)
-            if os.path.isfile(rank_path):
-                with numpy.load(rank_path) as r:
-                    saved_size = int(r['n_ranks'])
-            epoch = int(f['updater/iterator:main/epoch'])
+        saved_size = ranks_that_wrote(path)
+        if saved_size is None:
+            raise ValueError('it does not say how many ranks wrote it, and '
+                             '%s is missing' % rank_file(path, 0))
         same_layout = saved_size == comm.size
+        own = rank_file(path, comm.rank)
+        if same_layout and not os.path.isfile(own):
+            raise FileNotFoundError(
+                'written by %d ranks, as many as now, but rank %d\'s part '
+                '%s is missing' % (saved_size, comm.rank, own))
+        with numpy.load(path) as f:
+            epoch = int(f['updater/iterator:main/epoch'])
         chainer.serializers.load_npz(
             path, trainer, ignore_names=(
                 None if same_layout else
                 lambda key: key.startswith('updater/iterator:')))
         if same_layout:
             chainer.serializers.load_npz(
-                rank_file(path, comm.rank),
-                _RankState(trainer.updater.get_iterator('main'), comm.size))
+                own, _RankState(trainer.updater.get_iterator('main'),
+                                comm.size))
         else:
             _start_epoch(trainer.updater.get_iterator('main'), epoch)
     except Exception as e:
@@ -352,36 +435,50 @@ def resume(path, trainer, comm):
     errors = comm.allgather_obj(error)
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
-        raise RuntimeError('cannot resume from %r (missing, corrupt or not '
-                           'a snapshot of this model): %s' % (
-                               path, '; '.join('rank %d: %s' % b for b in bad)))
+        raise RuntimeError(
+            'cannot resume from %r (missing, corrupt or not a snapshot of '
+            'this model): %s' % (path, '; '.join('rank %d: %s' % b
+                                                 for b in bad)))
     return same_layout
 
 
-def _complete(path, rank):
-    """Whether this rank can resume from ``path``: the shared file and
-    this rank's file (where the snapshot has one for it) are whole."""
-    from mnopt.extensions.multi_node_snapshot import npz_is_whole as whole
-    if not whole(path) or not whole(rank_file(path, 0)):
-        return False
-    with numpy.load(rank_file(path, 0)) as f:
-        saved_size = int(f['n_ranks'])
-    return rank >= saved_size or whole(rank_file(path, rank))
+def _resume_problem(path, comm):
+    """None if this rank can resume from ``path``, else why not: the shared
+    file must be whole, and on as many ranks as wrote it, this rank's own
+    file too (on another number, it is not read)."""
+    problem = npz_problem(path)
+    if problem is not None:
+        return problem
+    saved_size = ranks_that_wrote(path)
+    if saved_size is None:
+        return '%s does not say how many ranks wrote it' % (
+            os.path.basename(path))
+    if saved_size == comm.size:
+        return npz_problem(rank_file(path, comm.rank))
+    return None
+
+
+def snapshot_iterations(out):
+    """The iterations of the snapshots in ``out``, by their shared files'
+    names, in order."""
+    found = []
+    for name in os.listdir(out) if os.path.isdir(out) else ():
+        m = re.match(r'snapshot_iter_(\d+)\.npz$', name)
+        if m:
+            found.append(int(m.group(1)))
+    return sorted(found)
 
 
 def newest_complete_snapshot(out, comm):
-    """The newest snapshot in ``out`` that every rank holds completely
-    (a crash mid-write leaves the others behind), or None."""
-    import re
-    mine = []
-    for name in os.listdir(out) if os.path.isdir(out) else ():
-        m = re.match(r'snapshot_iter_(\d+)\.npz$', name)
-        if m and _complete(os.path.join(out, name), comm.rank):
-            mine.append(int(m.group(1)))
-    everyone = comm.allgather_obj(mine)
-    common = set(everyone[0]).intersection(*everyone[1:])
-    return os.path.join(out, 'snapshot_iter_%d.npz' % max(common)) \
-        if common else None
+    """The newest snapshot in ``out`` that every rank can resume from (a
+    crash mid-write leaves the others behind; damaged bytes are found by
+    the zip CRCs), or None; rank 0 warns naming each newer one skipped."""
+    iterations = {'snapshot_iter_%d.npz' % i: i
+                  for i in snapshot_iterations(out)}
+    newest = newest_loadable(
+        comm, {name: _resume_problem(os.path.join(out, name), comm)
+               for name in iterations}, key=iterations.get)
+    return None if newest is None else os.path.join(out, newest)
 
 
 def check_writable(out, comm):
@@ -463,10 +560,11 @@ def main(argv=None):
     trainer.extend(Throughput(optimizer, args.batchsize * comm.size))
     if device >= 0:
         trainer.extend(SeedGpuRandom(args.seed, comm.rank))
+    snapshot_trigger = SnapshotTrigger(snapshot_interval, stop)
     trainer.extend(trainer_snapshot(comm), name='snapshot',
-                   trigger=SnapshotTrigger(snapshot_interval, stop))
-    trainer.extend(Snapshot(comm, args.keep_snapshots), name='rank_snapshot',
-                   trigger=SnapshotTrigger(snapshot_interval, stop))
+                   trigger=snapshot_trigger)
+    trainer.extend(Snapshot(comm, args.keep_snapshots), name=RANK_SNAPSHOT,
+                   trigger=FiredWith(snapshot_trigger))
     if comm.rank == 0:   # the other ranks stay quiet unless they fail
         trainer.extend(extensions.LogReport(trigger=log_interval))
         trainer.extend(extensions.observe_lr(), trigger=log_interval)
