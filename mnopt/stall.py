@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 
+import numpy
 from mpi4py import MPI
 
 DEFAULT_WARNING_S = 60.0
@@ -47,6 +48,10 @@ TAG_QUESTION, TAG_ANSWER = 0x57A1, 0x57A2
 
 
 def _seconds(value, name, env):
+    if isinstance(value, (bool, numpy.bool_)):
+        # float(True) is 1.0: a switch is not a number of seconds.
+        raise ValueError('%s=%r: a number of seconds >= 0 (0 disables) was '
+                         'expected, not a bool' % (name, value))
     if value is None:
         value = os.environ.get(env)
         if value is None or value == '':
@@ -117,6 +122,7 @@ class Monitor(object):
         self._names = names
         self.helpers = frozenset(helpers)
         self._counts = {}
+        self._counts_lock = threading.Lock()  # threads share a monitor
         self._active = {}
         self.enabled = (self.warning or self.timeout) is not None \
             and self.size > 1 and _watchdog().start()
@@ -128,8 +134,10 @@ class Monitor(object):
 
     def op(self, name):
         """Context manager around one watched call of operation ``name``
-        (counted per name, so ranks agree on '#k')."""
-        count = self._counts[name] = self._counts.get(name, 0) + 1
+        (counted per name, so ranks agree on '#k': operations that run on
+        several threads at once need names of their own)."""
+        with self._counts_lock:
+            count = self._counts[name] = self._counts.get(name, 0) + 1
         return _Operation(self, name, count)
 
     def state(self):
@@ -157,6 +165,58 @@ def watched(name):
         run.__wrapped__ = method
         return run
     return wrap
+
+
+#: Longest nap between two polls in ``wait_or_abort`` (seconds): what it
+#: waits for (start-up exchanges) is rare and not latency-bound.
+MAX_NAP_S = 0.01
+
+
+def wait_or_abort(requests, what, stall_warning=None, timeout=None):
+    """Wait until every mpi4py Request in ``requests`` has completed, with
+    the same stall detection as a watched operation: after the warning
+    time print one line (``mnopt: rank R has waited N s in <what>; ...``)
+    and keep waiting; after the timeout print it again and abort the MPI
+    job.  For waits outside any Monitor (the exchanges that precede one),
+    so it cannot ask the other ranks what they do.
+
+    Settings as ``settings()``.  Invalid ones wait with the defaults: the
+    exchange being waited for is usually how a bad setting gets reported,
+    and the caller that checks them raises."""
+    try:
+        warning, limit = settings(stall_warning, timeout)
+    except ValueError:
+        warning, limit = DEFAULT_WARNING_S, DEFAULT_TIMEOUT_S
+    if warning is not None and limit is not None and warning >= limit:
+        warning = None   # the timeout's report says it all
+    who = 'rank %d' % MPI.COMM_WORLD.rank
+    start, nap = time.monotonic(), 20e-6
+    # Short waits stay short, long ones cost almost no CPU (MPICH spins in
+    # its blocking calls, and server processes share cores with workers).
+    while not MPI.Request.Testall(requests):
+        waited = time.monotonic() - start
+        timed_out = limit is not None and waited >= limit
+        if timed_out or (warning is not None and waited >= warning):
+            sys.stderr.write(
+                'mnopt: %s has waited %.1f s in %s; not every rank has '
+                'arrived (one may have failed, exited or not reached it)%s'
+                '\n' % (who, waited, what, _tail(limit, timed_out)))
+            sys.stderr.flush()
+            if timed_out:
+                _abort()
+            warning = None
+        time.sleep(nap)
+        nap = min(2 * nap, MAX_NAP_S)
+
+
+def _tail(timeout, timed_out):
+    """How a report ends: the abort, or how long until it."""
+    if timed_out:
+        return '. Timeout (%.0f s, MNOPT_TIMEOUT): aborting the MPI job.' \
+            % timeout
+    return '. Still waiting%s.' % (
+        '; the job is aborted after %.0f s (MNOPT_TIMEOUT)' % timeout
+        if timeout else '')
 
 
 # ----------------------------------------------------------- the watchdog
@@ -301,20 +361,19 @@ def describe(m, op, waited, timed_out):
     head = 'mnopt: %s has waited %.1f s in %s%s' % (
         m.name_of(m.rank), waited, op.label(),
         ' (%s)' % op.detail if op.detail else '')
-    body = '; not arrived: %s; arrived: %s' % (
-        '; '.join(missing) or 'none (all ranks are in it: a slow '
-        'operation, not a missing rank)',
-        ', '.join(m.name_of(r) for r in sorted(arrived)))
+    arrived = ', '.join(m.name_of(r) for r in sorted(arrived))
+    if missing:
+        body = '; not arrived: %s; arrived: %s' % ('; '.join(missing),
+                                                  arrived)
+    elif helpers:
+        body = '; every rank has arrived (%s): it waits on the servers' \
+            % arrived
+    else:
+        body = '; every rank has arrived (%s): a slow operation, not a ' \
+            'missing rank' % arrived
     if helpers:
         body += '; servers: ' + '; '.join(helpers)
-    if timed_out:
-        tail = '. Timeout (%.0f s, MNOPT_TIMEOUT): aborting the MPI job.' \
-            % m.timeout
-    else:
-        tail = '. Still waiting%s.' % (
-            '; the job is aborted after %.0f s (MNOPT_TIMEOUT)' % m.timeout
-            if m.timeout else '')
-    return head + body + tail
+    return head + body + _tail(m.timeout, timed_out)
 
 
 def _abort():

@@ -2,6 +2,7 @@
 times: a stopped rank is named within the warning time by every waiting
 rank, and the job ends at the timeout."""
 
+import threading
 import time
 
 import pytest
@@ -139,8 +140,8 @@ def test_reduction_server_job_names_a_stopped_process(who, monkeypatch):
         assert '; servers: server 0 (idle: no request in progress)' \
             in lines[0]
     else:
-        assert 'in job.mean_grads #2; not arrived: none (all ranks are in ' \
-            'it' in lines[0], lines[0]
+        assert 'in job.mean_grads #2; every rank has arrived (worker 0, ' \
+            'worker 1): it waits on the servers' in lines[0], lines[0]
         assert 'servers: server 0 (no answer' in lines[0]
     assert 'Timeout (6 s, MNOPT_TIMEOUT): aborting' in lines[-1]
 
@@ -158,6 +159,68 @@ def test_settings_from_arguments_then_environment(monkeypatch):
         stall.settings()
     with pytest.raises(ValueError, match='stall_warning=-1'):
         stall.settings(stall_warning=-1, timeout=1)
+
+
+def test_a_bool_is_not_a_number_of_seconds():
+    for name in ('stall_warning', 'timeout'):
+        with pytest.raises(ValueError, match='%s=True: a number of seconds'
+                           % name):
+            stall.settings(**{name: True})
+        with pytest.raises(ValueError, match='%s=False' % name):
+            stall.settings(**{name: False})
+
+
+def _never_completing_request():
+    """(an Irecv on a private communicator, and a function that completes
+    it by sending it its message)."""
+    import numpy
+    from mpi4py import MPI
+    comm = MPI.COMM_SELF.Dup()
+    box = numpy.zeros(1, numpy.int32)
+    request = comm.Irecv([box, MPI.INT], source=0, tag=7)
+
+    def complete():
+        comm.Send([numpy.ones(1, numpy.int32), MPI.INT], dest=0, tag=7)
+    return request, complete
+
+
+def test_wait_or_abort_warns_then_aborts(monkeypatch, capfd):
+    request, complete = _never_completing_request()
+    aborted = []
+
+    def abort():   # instead of MPI_Abort: end the wait
+        aborted.append(time.monotonic())
+        complete()
+    monkeypatch.setattr(stall, '_abort', abort)
+    start = time.monotonic()
+    stall.wait_or_abort([request], 'the start-up (test)', 0.3, 1.0)
+    assert len(aborted) == 1 and aborted[0] - start >= 1.0
+    from mpi4py import MPI
+    lines = [line for line in capfd.readouterr().err.splitlines()
+             if line.startswith('mnopt: rank %d has waited'
+                                % MPI.COMM_WORLD.rank)]
+    assert len(lines) == 2, lines
+    assert ' in the start-up (test); not every rank has arrived (one may ' \
+        'have failed, exited or not reached it). Still waiting; the job ' \
+        'is aborted after 1 s (MNOPT_TIMEOUT).' in lines[0]
+    assert lines[1].endswith('. Timeout (1 s, MNOPT_TIMEOUT): aborting the '
+                             'MPI job.')
+
+
+def test_wait_or_abort_returns_when_done_and_reads_the_environment(
+        monkeypatch, capfd):
+    request, complete = _never_completing_request()
+    complete()
+    monkeypatch.setattr(stall, '_abort', lambda: pytest.fail('aborted'))
+    monkeypatch.setenv('MNOPT_TIMEOUT', '0.2')
+    stall.wait_or_abort([request], 'nothing')   # already complete
+    stall.wait_or_abort([], 'nothing')
+    # A bad setting waits with the defaults (whoever checks it reports it).
+    monkeypatch.setenv('MNOPT_TIMEOUT', 'abc')
+    request, complete = _never_completing_request()
+    threading.Timer(0.5, complete).start()
+    stall.wait_or_abort([request], 'a late message')
+    assert 'has waited' not in capfd.readouterr().err
 
 
 def test_bad_settings_fail_in_create_communicator():
