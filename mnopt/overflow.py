@@ -27,6 +27,16 @@ CHOICES = ('warn', 'error', 'ignore')
 WARNING_INTERVAL_S = 60.0
 
 
+#: What to do about an overflow, per wire: bfloat16 has float32's range,
+#: so only float64 has more.
+ADVICE = {
+    'float16': "Use allreduce_grad_dtype='bfloat16' (float32's range) or "
+               "a smaller loss scale.",
+    'bfloat16': "These means are beyond float32's range too: use a smaller "
+                "loss scale (or allreduce_grad_dtype='float64').",
+}
+
+
 class GradientOverflowError(FloatingPointError):
     """Averaging on a 16-bit wire turned finite gradients into inf/NaN."""
 
@@ -86,9 +96,8 @@ class Reporter(object):
         return (
             'averaging #%d on the %s wire overflowed: the mean of %r%s is '
             'not finite though every rank\'s gradients were (%s holds at '
-            'most %s).  Use allreduce_grad_dtype=\'bfloat16\' (float32\'s '
-            'range) or a smaller loss scale.' % (
+            'most %s).  %s' % (
                 step, layout.wire, first,
                 ' and %d more parameter(s)' % more if more else '',
                 layout.wire, '65504' if layout.wire == 'float16'
-                else '3.4e38'))
+                else '3.4e38', ADVICE[layout.wire]))

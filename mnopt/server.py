@@ -2,11 +2,13 @@
 
     mpiexec -n W python train.py : -n S python -m mnopt.server [--memory B]
 
-Workers (``create_communicator('reduction_server')``) split their packed
-gradients into one near-equal contiguous shard per server, cut each shard
-into chunks, and push them; a server sums each chunk over the workers in
-float32, in worker order (bitwise deterministic), divides by W, rounds once
-to the wire dtype and pushes the mean back.  Each worker sends S bytes and
+Workers (``create_communicator('reduction_server')``) pack their gradients
+divided by W (in the cast to the wire dtype, as every communicator does, so
+that a mean that fits cannot overflow), split them into one near-equal
+contiguous shard per server, cut each shard into chunks, and push them; a
+server sums each chunk's shares over the workers in float32, in worker
+order (bitwise deterministic), rounds once to the wire dtype and pushes
+the mean back.  Each worker sends S bytes and
 receives S bytes, against 2(N-1)/N S for a ring.
 
 Every request starts with a header from each worker to each server; the
@@ -35,7 +37,8 @@ from mnopt import grad_buffer
 from mnopt import sign
 from mnopt import stall
 
-PROTOCOL_VERSION = 2
+#: 3: workers send their gradients divided by W; the server only sums.
+PROTOCOL_VERSION = 3
 # Wires: the gradient dtypes, and 'sign' (packed sign bits; the servers
 # count the votes and return the majority bits, see mnopt/sign.py).
 WIRES = tuple(grad_buffer.WIRE_DTYPES) + ('sign',)
@@ -70,6 +73,10 @@ def _role_of_this_process(default):
 
 
 _job = None
+ROLES = ('worker', 'server')
+#: The channels' names, in the order of ``Job.channels()``: serve counts
+#: its requests per channel (two threads serve them at once).
+CHANNEL_NAMES = ('sync', 'async')
 
 
 class Job(object):
@@ -82,6 +89,8 @@ class Job(object):
         self.workers = [r for r, role in enumerate(roles) if role == 'worker']
         self._channels = None
         self._monitor = None
+        self.async_user = None  # weakref to the communicator averaging on
+        #                         the async channel in the background
 
     def name_of(self, world_rank):
         """'worker k' or 'server k' (k counts within the role)."""
@@ -106,10 +115,15 @@ class Job(object):
         if self._channels is None:
             world = MPI.COMM_WORLD
             is_server = world.rank in self.servers
+            # Read before the first collective, so that a bad setting on
+            # one process cannot leave the others in the Split (it is
+            # reported where the arguments are checked).
+            warning, timeout = stall.settings_or_defaults()
             mine = world.Split(1 if is_server else 0, world.rank)
             self._channels = (mine, [world.Dup(), world.Dup()])
-            self._monitor = stall.Monitor(world, 'job', names=self.name_of,
-                                          helpers=self.servers)
+            self._monitor = stall.Monitor(
+                world, 'job', warning or 0, timeout or 0, names=self.name_of,
+                helpers=self.servers)
             if not is_server:
                 atexit.register(say_goodbye, self._channels[1], self.servers)
         return self._channels
@@ -127,12 +141,41 @@ def say_goodbye(channels, servers):
             chan.Send([bye, MPI.INT64_T], dest=server, tag=TAG_HEADER)
 
 
-def job(default_role='worker'):
+def job(default_role='worker', stall_warning=None, timeout=None):
+    """This process's Job, agreed at the first call (collective over
+    COMM_WORLD: every worker at its first create_communicator, every
+    server at start-up).  With servers, the channels are made at once.
+
+    The exchange is waited for with stall detection (``stall_warning``,
+    ``timeout``, else MNOPT_STALL_WARNING / MNOPT_TIMEOUT): a process that
+    never gets there (a worker that fails or exits before creating a
+    communicator) ends the job at the timeout, with a report, instead of
+    leaving the others waiting forever."""
     global _job
     if _job is None:
-        mine = _role_of_this_process(default_role)
-        _job = Job(MPI.COMM_WORLD.allgather(mine))
+        roles = _exchange_roles(_role_of_this_process(default_role),
+                                stall_warning, timeout)
+        the_job = Job(roles)
+        if the_job.servers:
+            # Straight after the exchange, which every process has passed:
+            # these collectives cannot wait for a process that is not
+            # coming.
+            the_job.channels()
+        _job = the_job
     return _job
+
+
+def _exchange_roles(mine, stall_warning, timeout):
+    world = MPI.COMM_WORLD
+    codes = numpy.empty(world.size, numpy.int32)
+    request = world.Iallgather(
+        [numpy.array([ROLES.index(mine)], numpy.int32), MPI.INT],
+        [codes, MPI.INT])
+    stall.wait_or_abort(
+        [request], 'the job start-up (every worker at its first '
+        'create_communicator, every reduction server at its start)',
+        stall_warning, timeout)
+    return [ROLES[c] for c in codes]
 
 
 class Stats(object):
@@ -167,40 +210,62 @@ class Stats(object):
 
 
 def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
-          stats=None, on_error=None, monitor=None):
+          stats=None, on_error=None, monitor=None, name='serve'):
     """Serve reductions on ``chan`` until every worker says goodbye.
 
     ``workers`` are the workers' ranks in ``chan`` (in worker order);
     ``my_index`` is this server's shard index.  With a stall-detection
-    ``monitor``, each request is watched from its first header on (the
-    wait for a first header is idle time, not a stall).
+    ``monitor``, each request is watched as operation ``name`` from its
+    first reduction header on: waiting for one is idle time, not a stall,
+    and so is waiting for the others' goodbyes once a worker has said
+    its own (it finished early).
     """
     _sched.prefer_low_latency()   # it waits on the network: mnopt/_sched.py
     n = len(workers)
     headers = numpy.empty((n, HEADER_FIELDS), dtype=numpy.int64)
     byes = set()
     while len(byes) < n:
-        request = None
+        watch = None
         try:
-            for i, w in enumerate(workers):
-                if w in byes:
-                    headers[i] = 0
-                    continue
-                if request is not None:
-                    request.detail = "(waiting for worker %d's header)" % i
-                _mpi.wait_all([chan.Irecv([headers[i], MPI.INT64_T],
-                                          source=w, tag=TAG_HEADER)])
-                if request is None and monitor is not None:
-                    request = monitor.op('serve').__enter__()
-                if headers[i, 0] == KIND_BYE:
-                    byes.add(w)
-            if request is not None:
-                request.detail = '(reducing)'
+            watch = _receive_headers(chan, workers, headers, byes, monitor,
+                                     name)
+            if watch is not None:
+                watch.detail = '(reducing)'
             _serve_request(chan, workers, headers, my_index, n_servers,
                            memory, stats, on_error)
         finally:
-            if request is not None:
-                request.__exit__(None, None, None)
+            if watch is not None:
+                watch.__exit__(None, None, None)
+
+
+def _receive_headers(chan, workers, headers, byes, monitor, name):
+    """Receive the next header of every worker still here into
+    ``headers`` (zeros for those gone), adding goodbyes to ``byes``.
+    Returns the watched operation, entered at the first reduction header
+    (None if there was none, or no ``monitor``)."""
+    waiting = {}
+    for i, w in enumerate(workers):
+        if w in byes:
+            headers[i] = 0
+        else:
+            waiting[i] = chan.Irecv([headers[i], MPI.INT64_T], source=w,
+                                    tag=TAG_HEADER)
+    index, requests = list(waiting), list(waiting.values())
+    watch = None
+    while True:
+        done = _mpi.wait_some(requests)
+        if done is None:
+            return watch
+        for k in done:
+            i = index[k]
+            del waiting[i]
+            if headers[i, 0] == KIND_BYE:
+                byes.add(workers[i])
+            elif watch is None and monitor is not None:
+                watch = monitor.op(name).__enter__()
+        if watch is not None and waiting:
+            watch.detail = "(waiting for the header of %s)" % ', '.join(
+                'worker %d' % i for i in sorted(waiting))
 
 
 def _serve_request(chan, workers, headers, my_index, n_servers, memory,
@@ -272,8 +337,9 @@ def wire_storage(wire):
 
 
 class _MeanOfWorkers(object):
-    """Sum in float32 (float64 for a float64 wire) in worker order, divide
-    by W, round once: the workers' codec does the casts."""
+    """Sum the workers' shares (their gradients divided by W) in float32
+    (float64 for a float64 wire) in worker order, round once: the workers'
+    codec does the casts."""
 
     def __init__(self, wire, n, chunk):
         self.n = n
@@ -288,7 +354,7 @@ class _MeanOfWorkers(object):
         for i in range(1, self.n):  # fixed worker order: deterministic
             codec.decode(stage[i, :size], decoded)
             acc += decoded
-        codec.encode(acc, result[:size], self.n)
+        codec.encode(acc, result[:size], 1)
 
 
 class _MajorityOfWorkers(object):
@@ -368,16 +434,19 @@ def main(argv=None):
                    help='bytes of staging memory per channel (default 64 MiB)')
     p.add_argument('--stats', action='store_true',
                    help='print per-phase statistics when the job ends')
-    args = p.parse_args(argv)
     from mnopt import global_except_hook
+    # First: a bad option or setting must end the job, not leave the
+    # workers waiting for this process.
     global_except_hook.add_hook()
-    the_job = job(default_role='server')
+    args = p.parse_args(argv)
+    stall.settings()   # a bad MNOPT_STALL_WARNING / MNOPT_TIMEOUT raises
     world = MPI.COMM_WORLD
-    if world.rank not in the_job.servers:
+    if _role_of_this_process('server') != 'server':
         raise RuntimeError('mnopt.server started as a worker (APPNUM 0): '
                            'launch it after the training script, as in '
                            'mpiexec -n W python train.py : -n S python -m '
                            'mnopt.server')
+    the_job = job(default_role='server')
     # Mirror the workers' start-up: the split and the two channels.
     _, chans = the_job.channels()
     index = the_job.servers.index(world.rank)
@@ -390,7 +459,8 @@ def main(argv=None):
     from mnopt.global_except_hook import run_or_abort
     threads = [threading.Thread(target=run_or_abort, args=(
         serve, chan, the_job.workers, index, len(the_job.servers),
-        args.memory, stats, report, the_job.monitor())) for chan in chans]
+        args.memory, stats, report, the_job.monitor(), 'serve.' + name))
+        for chan, name in zip(chans, CHANNEL_NAMES)]
     start = time.perf_counter()
     for t in threads:
         t.start()

@@ -79,6 +79,16 @@ def settings(stall_warning=None, timeout=None):
     return warning or None, timeout or None
 
 
+def settings_or_defaults(stall_warning=None, timeout=None):
+    """``settings()``, or the defaults where they are invalid: for the
+    waits and exchanges through which a bad setting gets reported (where
+    the arguments are checked), which must not fail on one rank first."""
+    try:
+        return settings(stall_warning, timeout)
+    except ValueError:
+        return DEFAULT_WARNING_S, DEFAULT_TIMEOUT_S
+
+
 class _Operation(object):
     """One watched call in progress."""
 
@@ -180,13 +190,9 @@ def wait_or_abort(requests, what, stall_warning=None, timeout=None):
     job.  For waits outside any Monitor (the exchanges that precede one),
     so it cannot ask the other ranks what they do.
 
-    Settings as ``settings()``.  Invalid ones wait with the defaults: the
-    exchange being waited for is usually how a bad setting gets reported,
-    and the caller that checks them raises."""
-    try:
-        warning, limit = settings(stall_warning, timeout)
-    except ValueError:
-        warning, limit = DEFAULT_WARNING_S, DEFAULT_TIMEOUT_S
+    Settings as ``settings_or_defaults()``: the exchange waited for is
+    often how a bad setting gets reported on every rank."""
+    warning, limit = settings_or_defaults(stall_warning, timeout)
     if warning is not None and limit is not None and warning >= limit:
         warning = None   # the timeout's report says it all
     who = 'rank %d' % MPI.COMM_WORLD.rank

@@ -128,3 +128,37 @@ def test_codec_counts_match_numpy(codec_loops):
             assert n > 3   # 2 x 3e4 overflows float16 often
     assert grad_buffer.HostCodec('float32').encode(
         x, numpy.empty_like(x), 1) is None
+
+
+@pytest.mark.parametrize('name', COMMUNICATORS)
+@pytest.mark.parametrize('wire,values', [
+    ('float16', (70000.0, 0.0)), ('float16', (100000.0, 0.0)),
+    ('float16', (70000.0, 50000.0)), ('float32', (3.4e38, 3.4e38))])
+def test_a_mean_that_fits_comes_out_finite(name, wire, values, capfd):
+    """One rank's gradient beyond the wire's range, the mean within it:
+    every communicator divides before the cast (the reduction server's
+    workers too), so the mean is finite and nothing is reported."""
+    comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire,
+                                     on_overflow='error')
+    mine = values[comm.rank % 2] if comm.rank < 2 else 0.0
+    everyone = [values[r % 2] if r < 2 else 0.0 for r in range(comm.size)]
+    g = [('fits', numpy.full(5, mine, numpy.float32)),
+         ('small', numpy.full(3, comm.rank, numpy.float32))]
+    comm.mean_grads(g)
+    want = numpy.float32(sum(numpy.float64(v) / comm.size
+                             for v in everyone))
+    assert numpy.isfinite(g[0][1]).all(), g[0][1]
+    numpy.testing.assert_allclose(g[0][1], want, rtol=2e-3)
+    assert 'overflow' not in capfd.readouterr().err
+    comm.finalize()
+
+
+def test_bfloat16_overflow_advice_fits_the_wire():
+    """A bfloat16 overflow is not fixed by switching to bfloat16."""
+    layout = grad_buffer.make_layout(
+        [('w', numpy.zeros(2, numpy.float32))], 'bfloat16')
+    buffer = grad_buffer.GradBuffer(layout)
+    message = overflow.Reporter.describe(buffer, [0], 3)
+    assert 'bfloat16 holds at most 3.4e38' in message
+    assert "Use allreduce_grad_dtype='bfloat16'" not in message
+    assert 'smaller loss scale' in message

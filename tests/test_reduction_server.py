@@ -30,20 +30,20 @@ for shapes in ([(3,), (5, 7), (1,), (0,), (11, 13, 3), (2000,)], [], [(1,)]):
         for (_, p), g in zip(sorted(model.namedparams()), grads):
             p.grad = g.copy()
         comm.multi_node_mean_grad(model)
-        # The promise: a float32 sum of the wire-rounded inputs, in worker
-        # order, divided by W, rounded once to the wire dtype.
+        # The promise: a float32 sum of the wire-rounded inputs divided by
+        # W, in worker order, rounded once to the wire dtype.
         everyone = comm.allgather_obj(grads)
         for k, (_, p) in enumerate(sorted(model.namedparams())):
             n = p.grad.size
             acc = numpy.zeros(n, numpy.float32)
             for w in range(comm.size):
                 rounded = numpy.empty(n, gb.storage_dtype(wire))
-                codec.encode(everyone[w][k].reshape(-1), rounded, 1)
+                codec.encode(everyone[w][k].reshape(-1), rounded, comm.size)
                 decoded = numpy.empty(n, numpy.float32)
                 codec.decode(rounded, decoded)
                 acc += decoded
             want = numpy.empty(n, gb.storage_dtype(wire))
-            codec.encode(acc, want, comm.size)
+            codec.encode(acc, want, 1)
             back = numpy.empty(n, numpy.float32)
             codec.decode(want, back)
             if comm.size == 1:

@@ -2,6 +2,7 @@ import atexit
 import collections
 import threading
 import time
+import weakref
 
 import numpy
 from mpi4py import MPI
@@ -31,7 +32,8 @@ class ReductionServerCommunicator(CommunicatorBase):
             raise ValueError('the reduction_server communicator counts votes '
                              'on its servers; vote=%r is for ring '
                              'communicators' % (vote,))
-        job = rs.job()
+        job = rs.job(stall_warning=kwargs.get('stall_warning'),
+                     timeout=kwargs.get('timeout'))
         if job.servers:
             if mpi_comm != MPI.COMM_WORLD:
                 raise ValueError('with reduction servers in the job, the '
@@ -55,20 +57,15 @@ class ReductionServerCommunicator(CommunicatorBase):
             raise ValueError('chunk_bytes and window must be positive, not '
                              '%r and %r' % (chunk_bytes, window))
         self.stats = rs.Stats() if stats else None
-        self._server_threads = []
-        self._said_bye = bool(job.servers)  # the job says it at exit
+        self._colocated = None  # with servers, the job says goodbye at exit
         super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
         if not job.servers:  # colocated: this worker serves shard `rank`
-            for chan in channels:
-                t = threading.Thread(
-                    target=run_or_abort, daemon=True, args=(
-                        rs.serve, chan, self._workers, mpi_comm.rank,
-                        mpi_comm.size, server_memory, None, None,
-                        self._monitor), name='mnopt-colocated-server')
-                t.start()
-                self._server_threads.append(t)
+            self._colocated = _ColocatedServers(
+                channels, mpi_comm.rank, server_memory, self._monitor)
+            # Garbage collection stops them too: nothing here holds the
+            # communicator.
+            weakref.finalize(self, self._colocated.close, False)
         self.vote = 'server'
-        atexit.register(self._goodbye)
 
     def _make_monitor(self, mpi_comm, label, **settings):
         job = rs.job()
@@ -94,18 +91,18 @@ class ReductionServerCommunicator(CommunicatorBase):
         return len(self._servers)
 
     def _make_group(self, comm):
+        if self._unused_channels[0] is not self._channels[0]:
+            self._claim_async_channel(comm)
         group = _Group(comm)
         group.chan = self._unused_channels.pop(0)
         group.result = None
         return group
 
     def _buffer_options(self):
-        # Everything is packed (nothing is summed in place) and nothing is
-        # divided here: the servers sum in float32 and divide once.
+        # Everything is packed (nothing is summed in place), divided by the
+        # number of workers as every communicator does, so that a mean that
+        # fits the wire never overflows; the servers add up the shares.
         return {'bucket_bytes': 1 << 62}
-
-    def _pack_divisor(self):
-        return 1
 
     def _pack_sum_unpack(self, buffer, group, arrays):
         if not buffer.can_stream(arrays):
@@ -118,7 +115,7 @@ class ReductionServerCommunicator(CommunicatorBase):
             group, buffer.wire, self._result_buffer(group, buffer.wire),
             buffer.layout.wire, buffer.layout.digest,
             on_push=lambda part: buffer.pack_range(
-                arrays, part.start, part.stop, 1),
+                arrays, part.start, part.stop, self._pack_divisor()),
             on_result=lambda part, means: buffer.unpack_range(
                 arrays, means, part.start, part.stop))
 
@@ -141,6 +138,31 @@ class ReductionServerCommunicator(CommunicatorBase):
                        group.sign_codec.layout.digest, step)
         self.vote_stats = {'bytes_sent': bits.nbytes}
         return majority
+
+    def _claim_async_channel(self, comm):
+        """With server processes, every communicator of a process shares
+        the job's async channel: two of them averaging in the background
+        at once would interleave their requests (on each worker in its
+        own order).  The first to average in the background holds it
+        until it is finalized or collected; another is refused, on every
+        worker at the same call."""
+        job = rs.job()
+        if not job.servers:
+            return
+        holder = job.async_user() if job.async_user else None
+        if holder is not None and holder is not self:
+            comm.Free()
+            raise RuntimeError(
+                'with reduction servers, one reduction_server communicator '
+                'per process averages in the background at a time (they '
+                'share the servers\' async channel) and %r does: finalize() '
+                'it first, or average this one synchronously' % (holder,))
+        job.async_user = weakref.ref(self)
+
+    def _release_async_channel(self):
+        job = rs.job()
+        if job.async_user is not None and job.async_user() is self:
+            job.async_user = None
 
     @staticmethod
     def _result_buffer(group, data):
@@ -236,18 +258,74 @@ class ReductionServerCommunicator(CommunicatorBase):
             self.stats.add('recv', time.perf_counter() - t0)
             self.stats.bytes += 2 * data.nbytes
 
-    def _goodbye(self):
-        """Colocated: stop this communicator's server threads (after every
-        worker has said goodbye to them)."""
-        if self._said_bye:
-            return
-        self._said_bye = True
-        rs.say_goodbye(self._channels, self._servers)
-        for t in self._server_threads:
-            t.join()
-
     def finalize(self):
         try:
             super(ReductionServerCommunicator, self).finalize()
         finally:
-            self._goodbye()
+            self._release_async_channel()
+            if self._colocated is not None:
+                self._colocated.close(wait=True)
+
+
+class _ColocatedServers(object):
+    """A colocated communicator's two server threads, one per channel.
+    ``close`` says this worker's goodbye on both channels; each thread
+    ends once every worker has said it, and ``close(wait=True)`` (or the
+    next colocated servers made, or the exit) frees the channels.
+
+    Closed by the communicator's finalize(), when it is garbage-collected
+    (all workers drop it at the same point of the program), or at exit;
+    holds no reference to the communicator."""
+
+    def __init__(self, channels, rank, memory, monitor):
+        self.channels = channels
+        self.n_workers = channels[0].size
+        self._closed = False
+        self.threads = []
+        for chan, name in zip(channels, rs.CHANNEL_NAMES):
+            t = threading.Thread(
+                target=run_or_abort, daemon=True, args=(
+                    _serve, chan, rank, memory, monitor,
+                    'serve.' + name), name='mnopt-colocated-server')
+            t.start()
+            self.threads.append(t)
+        for ended in [c for c in _open_colocated if c._closed and not any(
+                t.is_alive() for t in c.threads)]:
+            ended.close(wait=True)   # frees their channels
+        _open_colocated.add(self)
+
+    def close(self, wait):
+        """Say goodbye (once); with ``wait``, until the threads have ended,
+        which needs every worker's goodbye (not from a garbage collection,
+        which may run at another point on another rank)."""
+        if not self._closed:
+            self._closed = True
+            rs.say_goodbye(self.channels, range(self.n_workers))
+        if wait:
+            for t in self.threads:
+                t.join()
+            # Here, not in the threads: a thread ends as soon as it has
+            # every goodbye, while this one may still be sending its own.
+            if not MPI.Is_finalized():
+                for chan in self.channels:
+                    if chan != MPI.COMM_NULL:
+                        chan.Free()
+            _open_colocated.discard(self)
+
+
+def _serve(chan, rank, memory, monitor, name):
+    workers = list(range(chan.size))
+    rs.serve(chan, workers, rank, len(workers), memory, None, None,
+             monitor, name)
+
+
+#: Colocated servers not yet known to have ended: at exit, this worker
+#: says goodbye to those still open and waits for all of them, before
+#: MPI is finalized under their threads.
+_open_colocated = set()
+
+
+@atexit.register
+def _close_colocated_at_exit():
+    for servers in list(_open_colocated):
+        servers.close(wait=True)
