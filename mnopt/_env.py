@@ -17,3 +17,16 @@ def whole_number(name, default, minimum, unit=''):
         raise ValueError('%s=%r: a whole number%s >= %d was expected'
                          % (name, value, unit and ' of ' + unit, minimum))
     return number
+
+
+def flag(name, default):
+    """The switch in ``$name``: '1' is on, '0' off, unset or empty the
+    ``default``; anything else ('yes', 'true') is a ValueError naming it,
+    so a misspelt setting is never silently read as off."""
+    value = os.environ.get(name, '')
+    if value == '':
+        return default
+    if value not in ('0', '1'):
+        raise ValueError('%s=%r: 1 (on) or 0 (off) was expected'
+                         % (name, value))
+    return value == '1'

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_mpi
 
 
 def _wait_for(condition, timeout, what):
@@ -57,3 +57,124 @@ def test_launcher_stops_when_signalled_during_its_restart_delay(
     assert status == 3, log        # the last attempt's status, not 0
     assert attempts.read_text() == 'x', log   # no second attempt started
     assert 'interrupted; not restarting' in log
+
+
+# ------------------------------------------- bad input at create_communicator
+BAD_ARGUMENTS = [
+    ('flat', {'mpi_comm': 5}, TypeError, 'mpi_comm must be an mpi4py'),
+    ('flat', {'mpi_comm': object()}, TypeError, 'mpi_comm must be'),
+    ('flat', {'timeout': True}, ValueError, 'timeout=True'),
+    ('flat', {'stall_warning': '5s'}, ValueError, "stall_warning='5s'"),
+    ('flat', {'bucket_bytes': '1M'}, ValueError, 'bucket_bytes'),
+    ('flat', {'warmup_steps': 3}, ValueError, "only applies with "
+                                              "compression='sign'"),
+    ('flat', {'warmup_steps': -1, 'compression': 'sign'}, ValueError,
+     'warmup_steps must be'),
+    ('reduction_server', {'server_memory': '64M'}, ValueError,
+     'server_memory'),
+    ('reduction_server', {'server_memory': -1}, ValueError, 'server_memory'),
+    ('reduction_server', {'window': 2.5}, ValueError, 'window'),
+    ('naive', {'chunk_bytes': 1 << 20}, TypeError, 'unknown option'),
+]
+
+
+@pytest.mark.parametrize('name,kwargs,error,match', BAD_ARGUMENTS,
+                         ids=[' '.join('%s=%r' % kv for kv in a[1].items())
+                              for a in BAD_ARGUMENTS])
+def test_bad_arguments_fail_at_create_on_every_rank(name, kwargs, error,
+                                                    match):
+    import mnopt
+    with pytest.raises(error, match=match):
+        mnopt.create_communicator(name, **kwargs)
+    # Nothing was left half made: the next communicator works.
+    comm = mnopt.create_communicator(name)
+    assert comm.allreduce_obj(1) == comm.size
+    comm.finalize()
+
+
+@pytest.mark.parametrize('variable,value', [
+    ('MNOPT_SINGLE_RANK_AVERAGING', 'yes'),
+    ('MNOPT_SINGLE_RANK_AVERAGING', 'true'),
+    ('MNOPT_TIMEOUT', 'abc'),
+    ('MNOPT_STALL_WARNING', '-1'),
+    ('MNOPT_RANKS_PER_NODE', 'two'),
+    ('MNOPT_THREAD_SLICE_US', '1.5'),
+])
+def test_bad_settings_fail_at_create_on_every_rank(monkeypatch, variable,
+                                                   value):
+    import mnopt
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match='%s=%r' % (variable, value)):
+        mnopt.create_communicator('flat')
+
+
+def test_switches_take_1_and_0(monkeypatch):
+    import mnopt
+    for value, skips in (('1', False), ('0', True), ('', True)):
+        monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', value)
+        comm = mnopt.create_communicator('flat')
+        assert comm.skip_single_rank is skips
+        comm.finalize()
+
+
+ONE_RANK_BAD = r'''
+import os, sys, mnopt
+from mpi4py import MPI
+if MPI.COMM_WORLD.rank == 1:
+    os.environ['MNOPT_TIMEOUT'] = 'abc'      # a typo on one node only
+try:
+    mnopt.create_communicator(sys.argv[1])
+except Exception as e:
+    print('rank %d: %s: %s' % (MPI.COMM_WORLD.rank, type(e).__name__, e),
+          flush=True)
+    if sys.argv[2] == 'raise':
+        raise
+'''
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize('name', ['flat', 'reduction_server'])
+def test_a_bad_setting_on_one_rank_is_an_error_on_every_rank(name):
+    proc = run_mpi(3, ONE_RANK_BAD, args=[name, 'catch'], timeout=120,
+                   env={'MNOPT_STALL_WARNING': '60'})
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1: ValueError: MNOPT_TIMEOUT='abc'" in proc.stdout
+    for r in (0, 2):
+        assert ("rank %d: RuntimeError: create_communicator(%r) failed on "
+                "rank 1: ValueError: MNOPT_TIMEOUT='abc'" % (r, name)) \
+            in proc.stdout, proc.stdout
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize('module_runner', [True, False],
+                         ids=['python-m-mpi4py', 'plain-python'])
+def test_a_bad_setting_on_one_rank_ends_the_job(module_runner):
+    start = time.monotonic()
+    proc = run_mpi(2, ONE_RANK_BAD, args=['flat', 'raise'], timeout=120,
+                   module_runner=module_runner)
+    assert proc.returncode != 0
+    assert "MNOPT_TIMEOUT='abc'" in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+# ------------------------------------------------ communicators are freed
+@pytest.mark.parametrize('name,count', [
+    ('flat', 3000), ('naive', 1500), ('hierarchical', 1500),
+    ('reduction_server', 1500)])
+def test_dropped_communicators_are_freed(name, count):
+    """MPI has a few thousand communicators per process and each mnopt
+    communicator holds several: dropping it without finalize() must give
+    them back (ChainerMN's scripts never call finalize)."""
+    import gc
+    import numpy
+    import mnopt
+    grads = [('w', numpy.ones(4, numpy.float32))]
+    for i in range(count):
+        comm = mnopt.create_communicator(name)
+        if i % 500 == 0:   # used, with a background averaging
+            comm.mean_grads(grads)
+            comm.mean_grads_async(grads).wait()
+        del comm
+        if i % 100 == 0:
+            gc.collect()
+    numpy.testing.assert_array_equal(grads[0][1], 1)

@@ -81,38 +81,79 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
             per-phase timings in ``comm.stats``).
     """
     del batched_copy
-    from mnopt import grad_buffer
-    from mnopt import overflow
-    from mnopt import sign
-    from mnopt import stall
-    grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)  # fail early
-    stall.settings(stall_warning, timeout)
-    overflow.normalize(on_overflow)
-    sign.normalize_compression(compression)
-    if vote is not None:
-        sign.normalize_vote(vote)
-    cls = communicator_class(communicator_name)
-    from mpi4py import MPI
-    if mpi_comm is None:
-        mpi_comm = MPI.COMM_WORLD
     if abort_on_exception:
+        # First: whatever fails below (a bad setting on one rank) must end
+        # the job, not leave the other ranks waiting for this one.
         from mnopt import global_except_hook
         global_except_hook.add_hook()
-    if mpi_comm == MPI.COMM_WORLD:
-        from mnopt import server
-        servers = server.job().servers  # agreed once by every process
-        if servers and cls.name != 'reduction_server':
-            raise ValueError(
-                'this job was launched with %d reduction server process(es) '
-                '(python -m mnopt.server) but asks for the %r communicator: '
-                "use 'reduction_server', or launch without servers"
-                % (len(servers), cls.name))
-    kwargs = {'allreduce_grad_dtype': allreduce_grad_dtype,
-              'compression': compression, 'error_feedback': error_feedback,
-              'warmup_steps': warmup_steps, 'vote': vote,
-              'on_overflow': on_overflow}
+    from mpi4py import MPI
+    mpi_comm = _intracommunicator(MPI.COMM_WORLD if mpi_comm is None
+                                  else mpi_comm)
+    kwargs = dict({'allreduce_grad_dtype': allreduce_grad_dtype,
+                   'compression': compression,
+                   'error_feedback': error_feedback,
+                   'warmup_steps': warmup_steps, 'vote': vote,
+                   'on_overflow': on_overflow}, **options)
     if stall_warning is not None or timeout is not None:
         kwargs.update(stall_warning=stall_warning, timeout=timeout)
     if bucket_bytes is not None:
         kwargs['bucket_bytes'] = bucket_bytes
-    return cls(mpi_comm, **dict(kwargs, **options))
+    try:
+        cls = communicator_class(communicator_name)
+        cls.check_arguments(**kwargs)
+        problem = None
+    except (TypeError, ValueError, RuntimeError) as e:
+        cls, problem = None, e
+    from mnopt import server
+    servers = server.job(stall_warning=stall_warning, timeout=timeout).servers \
+        if mpi_comm == MPI.COMM_WORLD else []
+    # Every rank learns every rank's problem before any collective that
+    # needs the arguments: the same error everywhere, never a hang.
+    _agree_to_start(server.job().channels()[0] if servers else mpi_comm,
+                    problem, communicator_name, stall_warning, timeout)
+    if servers and cls.name != 'reduction_server':
+        raise ValueError(
+            'this job was launched with %d reduction server process(es) '
+            '(python -m mnopt.server) but asks for the %r communicator: '
+            "use 'reduction_server', or launch without servers"
+            % (len(servers), cls.name))
+    return cls(mpi_comm, **kwargs)
+
+
+def _intracommunicator(mpi_comm):
+    from mpi4py import MPI
+    if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
+        raise TypeError('mpi_comm must be an mpi4py intracommunicator '
+                        '(MPI.COMM_WORLD or one made from it), not %r'
+                        % (mpi_comm,))
+    return mpi_comm
+
+
+#: Bytes of each rank's problem report in the start-up exchange.
+_PROBLEM_BYTES = 1024
+
+
+def _agree_to_start(comm, problem, name, stall_warning, timeout):
+    """Exchange each rank's problem (an exception, or None) over ``comm``,
+    waited for with stall detection; raise on every rank if any rank had
+    one (that rank its own exception, the others a RuntimeError naming
+    it)."""
+    import numpy
+    from mpi4py import MPI
+    from mnopt import stall
+    text = b'' if problem is None else (
+        '%s: %s' % (type(problem).__name__, problem)).encode()
+    mine = numpy.frombuffer(text[:_PROBLEM_BYTES].ljust(_PROBLEM_BYTES,
+                                                        b'\0'), numpy.uint8)
+    everyone = numpy.empty((comm.size, _PROBLEM_BYTES), numpy.uint8)
+    request = comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])
+    stall.wait_or_abort([request], 'create_communicator(%r) (waiting for '
+                        'every rank to create it)' % (name,),
+                        stall_warning, timeout)
+    if problem is not None:
+        raise problem
+    problems = ['rank %d: %s' % (r, row.tobytes().rstrip(b'\0').decode(
+        errors='replace')) for r, row in enumerate(everyone) if row.any()]
+    if problems:
+        raise RuntimeError('create_communicator(%r) failed on %s'
+                           % (name, '; '.join(problems)))

@@ -7,7 +7,8 @@ synchronous path and the asynchronous one (double buffering) each have their
 own group, so two threads never share an MPI communicator.
 """
 
-import os
+import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy
@@ -120,6 +121,48 @@ class _Group(object):
         self.comm = MPI.COMM_NULL
 
 
+class _Resources(object):
+    """What a communicator must give back: its groups' MPI communicators,
+    its monitor's, and its background thread.  Holds no reference to the
+    communicator, so it can be released when the communicator is
+    garbage-collected (communicators are local handles in MPI: freeing
+    one on each rank at different times is sound)."""
+
+    def __init__(self):
+        self.sync_group = self.async_group = None
+        self.executor = None
+        self.monitor = None
+
+    def release(self):
+        """Free everything (once; later calls do nothing)."""
+        executor, self.executor = self.executor, None
+        if executor is not None:
+            # Not from the executor's own thread (a collection may run
+            # there): that thread is idle, it ends by itself.
+            executor.shutdown(wait=not any(
+                t is threading.current_thread()
+                for t in getattr(executor, '_threads', ())))
+        groups = (self.sync_group, self.async_group)
+        self.sync_group = self.async_group = None
+        if not MPI.Is_finalized():
+            for group in groups:
+                if group is not None:
+                    group.free()
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            monitor.free()
+
+
+def whole_argument(name, value, minimum):
+    """``value`` as an int if it is a whole number >= ``minimum`` (not a
+    bool, not a string), else a ValueError naming ``name``."""
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(
+            value, (int, numpy.integer)) or value < minimum:
+        raise ValueError('%s must be a whole number >= %d, not %r'
+                         % (name, minimum, value))
+    return int(value)
+
+
 class MeanHandle(object):
     """An averaging in progress; ``wait()`` returns when it is done and
     raises any exception it ended with."""
@@ -168,54 +211,91 @@ class CommunicatorBase(object):
     name = None
     _created = 0  # communicators made by this process: their labels
 
+    @classmethod
+    def check_arguments(cls, allreduce_grad_dtype=None,
+                        bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
+                        compression=None, error_feedback=True,
+                        warmup_steps=0, vote=None, stall_warning=None,
+                        timeout=None, on_overflow='warn', **options):
+        """Raise ValueError/TypeError for arguments (and MNOPT_* settings)
+        this communicator would refuse, without communicating: the
+        factory checks them on every rank before any collective, so a bad
+        setting is an error on every rank, never a hang.  Subclasses with
+        options of their own check those and pass the rest up."""
+        if options:
+            raise TypeError('%s communicator: unknown option(s) %s'
+                            % (cls.name, ', '.join(sorted(options))))
+        grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)
+        whole_argument('bucket_bytes', bucket_bytes, 1)
+        compression = sign.normalize_compression(compression)
+        if whole_argument('warmup_steps', warmup_steps, 0) and \
+                compression is None:
+            raise ValueError("warmup_steps=%r only applies with "
+                             "compression='sign' (it counts the averagings "
+                             "before compression starts)" % (warmup_steps,))
+        if vote is not None:
+            if compression is None:
+                raise ValueError("vote=%r only applies with "
+                                 "compression='sign'" % (vote,))
+            sign.normalize_vote(vote)
+        stall.settings(stall_warning, timeout)
+        overflow.normalize(on_overflow)
+        _env.flag('MNOPT_SINGLE_RANK_AVERAGING', False)
+        _env.whole_number('MNOPT_RANKS_PER_NODE', None, 1)
+        _sched.slice_us()
+
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
                  bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
                  compression=None, error_feedback=True, warmup_steps=0,
                  vote=None, stall_warning=None, timeout=None,
                  on_overflow='warn'):
+        CommunicatorBase.check_arguments.__func__(
+            type(self), allreduce_grad_dtype, bucket_bytes, compression,
+            error_feedback, warmup_steps, vote, stall_warning, timeout,
+            on_overflow)
         self.mpi_comm = mpi_comm
         #: At one rank the mean of a gradient is itself, so averaging moves
         #: nothing.  False (or MNOPT_SINGLE_RANK_AVERAGING=1) runs the whole
         #: path anyway: pack, cast, sum, unpack, as N > 1 does; for
         #: benchmarks and tests on one GPU.
-        self.skip_single_rank = \
-            os.environ.get('MNOPT_SINGLE_RANK_AVERAGING', '0') != '1'
-        _sched.slice_us()  # a bad MNOPT_THREAD_SLICE_US fails here, not later
+        self.skip_single_rank = not _env.flag('MNOPT_SINGLE_RANK_AVERAGING',
+                                              False)
         self._overflow = overflow.Reporter(on_overflow)
         self._stall_settings = {'stall_warning': stall_warning,
                                 'timeout': timeout}
-        label = '%s#%d' % (self.name, CommunicatorBase._created)
-        CommunicatorBase._created += 1
-        self._monitor = self._make_monitor(mpi_comm, label,
-                                           **self._stall_settings)
         self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
             allreduce_grad_dtype)
         self.compression = sign.normalize_compression(compression)
         self.error_feedback = bool(error_feedback)
-        if int(warmup_steps) < 0:
-            raise ValueError('warmup_steps must be >= 0, not %r'
-                             % (warmup_steps,))
         self.warmup_steps = int(warmup_steps)
-        if vote is not None and self.compression is None:
-            raise ValueError("vote=%r only applies with compression='sign'"
-                             % (vote,))
         self.vote = sign.normalize_vote(vote)
         self.steps = 0  # averagings so far (warm-up, and the votes' coin)
         #: Bytes this rank sent for its last vote (sign compression).
         self.vote_stats = {}
-        if int(bucket_bytes) < 1:
-            raise ValueError('bucket_bytes must be positive, not %r'
-                             % (bucket_bytes,))
         self.bucket_bytes = int(bucket_bytes)
+        #: The MPI communicators and thread this communicator holds: freed
+        #: by finalize(), or when the communicator is garbage-collected
+        #: (MPI has a few thousand communicators per process).
+        self._resources = _Resources()
+        weakref.finalize(self, self._resources.release).atexit = False
+        label = '%s#%d' % (self.name, CommunicatorBase._created)
+        CommunicatorBase._created += 1
+        self._monitor = self._make_monitor(mpi_comm, label,
+                                           **self._stall_settings)
+        if self._owns_monitor():
+            self._resources.monitor = self._monitor
         intra, leaders, node, n_nodes = node_split(mpi_comm)
         self._intra_rank, self._intra_size = intra.rank, intra.size
         self._inter_rank, self._inter_size = node, n_nodes
         intra.Free()
         leaders.Free()
-        self._sync_group = self._make_group(mpi_comm.Dup())
-        self._async_group = None
-        self._executor = None
+        self._resources.sync_group = self._make_group(mpi_comm.Dup())
         self._in_flight = MeanHandle()
+
+    # The resources, by their old names (subclasses read the groups).
+    _sync_group = property(lambda self: self._resources.sync_group)
+    _async_group = property(lambda self: self._resources.async_group)
+    _executor = property(lambda self: self._resources.executor)
 
     # ----------------------------------------------------------- ranks
     @property
@@ -297,16 +377,19 @@ class CommunicatorBase(object):
 
     # ----------------------------------------------------------- gradients
     @watched('mean_grads')
-    def mean_grads(self, named_grads):
+    def mean_grads(self, named_grads, iteration=None):
         """Average ``[(name, array), ...]`` in place across all ranks.
 
         Arrays are matched across ranks by position; names, shapes and
-        dtypes are checked to agree.
+        dtypes are checked to agree.  ``iteration``: the training
+        iteration these gradients are of, which ``warmup_steps`` counts
+        (default: each averaging is an iteration of its own); a caller
+        that averages an iteration in pieces passes the same for each.
         """
-        self._mean(self._sync_group, list(named_grads))
+        self._mean(self._sync_group, list(named_grads), iteration)
 
     @watched('mean_grads_async')
-    def mean_grads_async(self, named_grads, queue=False):
+    def mean_grads_async(self, named_grads, queue=False, iteration=None):
         """Start averaging ``named_grads`` in place in the background.
 
         Returns a MeanHandle.  The arrays must not be touched until its
@@ -314,20 +397,22 @@ class CommunicatorBase(object):
         waits for the previous one first, or with ``queue=True`` queues it
         behind (averagings run in the order they were started; wait for
         each handle to see its errors).  All ranks must call this (and
-        ``mean_grads``) in the same order.
+        ``mean_grads``) in the same order.  ``iteration``: as for
+        ``mean_grads``.
         """
         named = list(named_grads)
         if not queue:
             self._in_flight.wait()
-        if self._executor is None:
+        resources = self._resources
+        if resources.executor is None:
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError(
                     'asynchronous averaging needs MPI_THREAD_MULTIPLE; this '
                     'MPI was initialised with a lower thread level')
             # Dup is collective: every rank reaches this at the same call.
-            self._async_group = self._make_group(self.mpi_comm.Dup())
+            resources.async_group = self._make_group(self.mpi_comm.Dup())
             # Latency-bound (mnopt/_sched.py): a short scheduler slice.
-            self._executor = ThreadPoolExecutor(
+            resources.executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self.name,
                 initializer=_sched.prefer_low_latency)
         xp = _array_module([a for _, a in named])
@@ -341,13 +426,14 @@ class CommunicatorBase(object):
                 ready = xp.cuda.get_current_stream().record()
         self._in_flight = MeanHandle(self._executor.submit(
             self._mean_in_background, self._async_group, named, xp, device,
-            ready))
+            ready, iteration))
         return self._in_flight
 
     @watched('mean_grads_async.background')
-    def _mean_in_background(self, group, named, xp, device, ready):
+    def _mean_in_background(self, group, named, xp, device, ready,
+                            iteration):
         if xp is numpy:
-            return self._mean(group, named)
+            return self._mean(group, named, iteration)
         # CuPy's current device is per thread (GPU 0 in a new one): enter
         # the gradients' GPU, and average on a side stream of that GPU.
         with xp.cuda.Device(device):
@@ -357,22 +443,24 @@ class CommunicatorBase(object):
                     non_blocking=True)
             stream.wait_event(ready)
             with stream:
-                self._mean(group, named)
+                self._mean(group, named, iteration)
             # Blocks this background thread only: wait() then means done.
             stream.synchronize()
 
-    def _mean(self, group, named):
+    def _mean(self, group, named, iteration=None):
         xp = _array_module([a for _, a in named])
         if xp is numpy:
-            return self._mean_on_device(group, named, xp)
+            return self._mean_on_device(group, named, xp, iteration)
         # Kernels, buffers and NCCL calls go to the gradients' GPU, whatever
         # GPU is current.
         with xp.cuda.Device(_device_of(named, xp)):
-            return self._mean_on_device(group, named, xp)
+            return self._mean_on_device(group, named, xp, iteration)
 
-    def _mean_on_device(self, group, named, xp):
+    def _mean_on_device(self, group, named, xp, iteration=None):
         step, self.steps = self.steps, self.steps + 1
-        if self.compression == 'sign' and step >= self.warmup_steps:
+        # Warm-up counts iterations; the votes' coin, averagings.
+        warm = step if iteration is None else iteration
+        if self.compression == 'sign' and warm >= self.warmup_steps:
             return self._mean_of_signs(group, named, xp, step)
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
@@ -448,17 +536,12 @@ class CommunicatorBase(object):
         try:
             self._in_flight.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            for group in (self._sync_group, self._async_group):
-                if group is not None and not MPI.Is_finalized():
-                    group.free()
-            self._sync_group = self._async_group = None
-            self._free_monitor()
+            self._resources.release()
 
-    def _free_monitor(self):
-        self._monitor.free()
+    def _owns_monitor(self):
+        """Whether the stall-detection Monitor is this communicator's own
+        (freed with it), not shared with others."""
+        return True
 
     # ----------------------------------------------------------- collectives
     @watched('split')

@@ -17,6 +17,11 @@ class PureNcclCommunicator(CommunicatorBase):
 
     name = 'pure_nccl'
 
+    @classmethod
+    def check_arguments(cls, **kwargs):
+        _cuda.require_gpu(cls.name)
+        super(PureNcclCommunicator, cls).check_arguments(**kwargs)
+
     def __init__(self, mpi_comm, **kwargs):
         _cuda.require_gpu(self.name)
         super(PureNcclCommunicator, self).__init__(mpi_comm, **kwargs)

@@ -12,6 +12,7 @@ from mnopt import server as rs
 from mnopt._mpi import LayoutMismatchError
 from mnopt.global_except_hook import run_or_abort
 from mnopt.communicators.base import CommunicatorBase, _Group
+from mnopt.communicators.base import whole_argument
 
 
 class ReductionServerCommunicator(CommunicatorBase):
@@ -25,13 +26,26 @@ class ReductionServerCommunicator(CommunicatorBase):
 
     name = 'reduction_server'
 
-    def __init__(self, mpi_comm, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
-                 window=rs.DEFAULT_WINDOW, server_memory=rs.DEFAULT_MEMORY,
-                 stats=False, vote=None, **kwargs):
+    @classmethod
+    def check_arguments(cls, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
+                        window=rs.DEFAULT_WINDOW,
+                        server_memory=rs.DEFAULT_MEMORY, stats=False,
+                        vote=None, **kwargs):
         if vote is not None:
             raise ValueError('the reduction_server communicator counts votes '
                              'on its servers; vote=%r is for ring '
                              'communicators' % (vote,))
+        whole_argument('chunk_bytes', chunk_bytes, 1)
+        whole_argument('window', window, 1)
+        # Any bound makes progress: a server always has one chunk's slot.
+        whole_argument('server_memory', server_memory, 1)
+        super(ReductionServerCommunicator, cls).check_arguments(**kwargs)
+
+    def __init__(self, mpi_comm, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
+                 window=rs.DEFAULT_WINDOW, server_memory=rs.DEFAULT_MEMORY,
+                 stats=False, vote=None, **kwargs):
+        self.check_arguments(chunk_bytes, window, server_memory, stats,
+                             vote, **kwargs)
         job = rs.job(stall_warning=kwargs.get('stall_warning'),
                      timeout=kwargs.get('timeout'))
         if job.servers:
@@ -53,9 +67,6 @@ class ReductionServerCommunicator(CommunicatorBase):
         self._unused_channels = list(channels)  # sync group, then async
         self._chunk_bytes = int(chunk_bytes)
         self._window = int(window)
-        if self._chunk_bytes < 1 or self._window < 1:
-            raise ValueError('chunk_bytes and window must be positive, not '
-                             '%r and %r' % (chunk_bytes, window))
         self.stats = rs.Stats() if stats else None
         self._colocated = None  # with servers, the job says goodbye at exit
         super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
@@ -82,9 +93,10 @@ class ReductionServerCommunicator(CommunicatorBase):
                 'environment of every process instead')
         return monitor
 
-    def _free_monitor(self):
-        if not rs.job().servers:
-            super(ReductionServerCommunicator, self)._free_monitor()
+    def _owns_monitor(self):
+        # With server processes the job's monitor serves every
+        # communicator of the process.
+        return not rs.job().servers
 
     @property
     def n_servers(self):
