@@ -38,7 +38,6 @@ raises).
 """
 
 import collections
-import inspect
 
 import chainer
 
@@ -115,12 +114,6 @@ class _Wrapper(chainer.LinkHook):
             if entry is not None:
                 link, attr, param = entry
                 vars(link)[attr] = param
-
-
-def _takes_iteration(comm):
-    """Whether ``comm.mean_grads_async`` takes ``iteration=``."""
-    return 'iteration' in inspect.signature(
-        comm.mean_grads_async).parameters
 
 
 class Overlap(object):
@@ -211,10 +204,6 @@ class Overlap(object):
 
     def _mean_async(self, named):
         """Queue one averaging of this iteration's gradients."""
-        if not _takes_iteration(self.comm):
-            # A communicator that counts each averaging as an iteration
-            # (mnopt/communicators/base.py before it took iteration=).
-            return self.comm.mean_grads_async(named, queue=True)
         return self.comm.mean_grads_async(named, queue=True,
                                           iteration=self.iteration)
 
