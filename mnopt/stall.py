@@ -45,6 +45,11 @@ TICK_S = 0.2
 #: answers come back within a tick or two; a stopped rank never answers).
 ANSWER_WAIT_S = 2.0
 TAG_QUESTION, TAG_ANSWER = 0x57A1, 0x57A2
+#: A rank's last word, sent as its process exits: how many of each
+#: operation it entered.
+TAG_EXIT = 0x57A3
+#: How long an exiting rank lets its last words leave (seconds).
+EXIT_SEND_S = 2.0
 
 
 def _seconds(value, name, env):
@@ -93,10 +98,12 @@ class _Operation(object):
     """One watched call in progress."""
 
     __slots__ = ('monitor', 'name', 'count', 'since', 'detail', 'asked',
-                 'answers', 'warned')
+                 'answers', 'warned', 'collective')
 
-    def __init__(self, monitor, name, count):
+    def __init__(self, monitor, name, count, collective=True):
         self.monitor, self.name, self.count = monitor, name, count
+        #: Every rank enters it (point-to-point operations do not).
+        self.collective = collective
         self.since = time.monotonic()
         self.detail = ''   # what it waits for, where the code knows
         self.asked = None  # (question id, when) once late
@@ -134,6 +141,9 @@ class Monitor(object):
         self._counts = {}
         self._counts_lock = threading.Lock()  # threads share a monitor
         self._active = {}
+        #: Ranks whose process has exited: rank -> {operation: count it
+        #: entered}.  An operation they never entered can never finish.
+        self.exited = {}
         self.enabled = (self.warning or self.timeout) is not None \
             and self.size > 1 and _watchdog().start()
         if self.enabled:
@@ -142,13 +152,13 @@ class Monitor(object):
     def name_of(self, rank):
         return self._names(rank) if self._names else 'rank %d' % rank
 
-    def op(self, name):
+    def op(self, name, collective=True):
         """Context manager around one watched call of operation ``name``
         (counted per name, so ranks agree on '#k': operations that run on
         several threads at once need names of their own)."""
         with self._counts_lock:
             count = self._counts[name] = self._counts.get(name, 0) + 1
-        return _Operation(self, name, count)
+        return _Operation(self, name, count, collective)
 
     def state(self):
         """What this rank is doing, for another rank's question."""
@@ -163,12 +173,12 @@ class Monitor(object):
         self.comm = MPI.COMM_NULL
 
 
-def watched(name):
+def watched(name, collective=True):
     """Decorator: run a communicator method as watched operation ``name``
-    on ``self._monitor``."""
+    on ``self._monitor`` (``collective=False``: point to point)."""
     def wrap(method):
         def run(self, *args, **kwargs):
-            with self._monitor.op(name):
+            with self._monitor.op(name, collective):
                 return method(self, *args, **kwargs)
         run.__name__ = method.__name__
         run.__doc__ = method.__doc__
@@ -253,10 +263,32 @@ class _Watchdog(object):
         return True
 
     def stop(self):
+        """At exit: tell the other ranks, then end the thread."""
+        self._say_exiting()
         self._stop.set()
         if self._thread is not None and \
                 self._thread is not threading.current_thread():
             self._thread.join()
+
+    def _say_exiting(self):
+        """Send every other rank of every monitor this process's counts:
+        a rank still waiting for it (sys.exit on one rank, a script that
+        ends early) aborts the job at once instead of at the timeout.
+        MPI_Finalize waits for every rank, so the others are there to
+        hear it."""
+        if MPI.Is_finalized():
+            return
+        with self._lock:
+            sends = []
+            for m in self._monitors:
+                with m._counts_lock:
+                    counts = dict(m._counts)
+                sends += [m.comm.isend(counts, dest=r, tag=TAG_EXIT)
+                          for r in range(m.size) if r != m.rank]
+        deadline = time.monotonic() + EXIT_SEND_S
+        while not MPI.Request.Testall(sends) and \
+                time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def add(self, monitor):
         with self._lock:
@@ -275,6 +307,7 @@ class _Watchdog(object):
                     for m in monitors:
                         self._answer_questions(m)
                         self._collect_answers(m)
+                        self._collect_exits(m)
                         for op in list(m._active.values()):
                             self._look_after(m, op)
                     self._pending = [r for r in self._pending
@@ -301,6 +334,13 @@ class _Watchdog(object):
                 if op.asked is not None and op.asked[0] == qid:
                     op.answers[status.Get_source()] = state
 
+    def _collect_exits(self, m):
+        while m.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_EXIT):
+            status = MPI.Status()
+            counts = m.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_EXIT,
+                                 status=status)
+            m.exited[status.Get_source()] = counts
+
     def _ask(self, m, op):
         self._questions += 1
         qid = (m.rank, self._questions)
@@ -315,6 +355,15 @@ class _Watchdog(object):
         and again at the timeout (then abort)."""
         now = time.monotonic()
         waited = now - op.since
+        gone = never_arriving(m, op)
+        if gone:
+            sys.stderr.write(
+                'mnopt: %s has waited %.1f s in %s; %s exited without '
+                'entering it, so it cannot finish. Aborting the MPI job.\n'
+                % (m.name_of(m.rank), waited, op.label(),
+                   ', '.join(m.name_of(r) for r in gone)))
+            sys.stderr.flush()
+            _abort()
         if not op.warned and m.warning is not None and (
                 m.timeout is None or m.warning < m.timeout):
             due = m.warning
@@ -337,6 +386,15 @@ class _Watchdog(object):
         sys.stderr.flush()
         if timed_out:
             _abort()
+
+
+def never_arriving(m, op):
+    """The ranks whose process exited before entering ``op`` (which needs
+    every rank: a collective, and not on a serving rank)."""
+    if not op.collective or m.rank in m.helpers:
+        return []
+    return sorted(r for r, counts in list(m.exited.items())
+                  if r not in m.helpers and counts.get(op.name, 0) < op.count)
 
 
 def describe(m, op, waited, timed_out):

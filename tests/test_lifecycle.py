@@ -178,3 +178,46 @@ def test_dropped_communicators_are_freed(name, count):
         if i % 100 == 0:
             gc.collect()
     numpy.testing.assert_array_equal(grads[0][1], 1)
+
+
+# ------------------------------------------------------- how a job ends
+EARLY_EXIT = r'''
+import sys, time, numpy, mnopt
+comm = mnopt.create_communicator(sys.argv[1])
+grads = [('w', numpy.ones(1000, numpy.float32))]
+comm.mean_grads(grads)
+comm.allreduce_obj(1)
+if comm.rank == 1:
+    sys.exit(int(sys.argv[2]))      # before the others' next averaging
+if sys.argv[3] == 'wait':
+    comm.mean_grads(grads)           # would wait for rank 1 for ever
+time.sleep(1)                        # the healthy case: exit later
+print('rank %d done' % comm.rank)
+'''
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize('name', ['flat', 'reduction_server'])
+@pytest.mark.parametrize('code', [1, 0])
+def test_a_rank_that_exits_while_others_wait_ends_the_job(name, code):
+    start = time.monotonic()
+    proc = run_mpi(3, EARLY_EXIT, args=[name, str(code), 'wait'],
+                   timeout=300, module_runner=False,
+                   env={'MNOPT_STALL_WARNING': '100', 'MNOPT_TIMEOUT': '200'})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert 'done' not in proc.stdout
+    assert ('in %s#0.mean_grads #2; rank 1 exited without entering it, so '
+            'it cannot finish. Aborting the MPI job.' % name) in proc.stderr
+    assert elapsed < 60, elapsed      # not the 200 s timeout
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize('module_runner', [True, False],
+                         ids=['python-m-mpi4py', 'plain-python'])
+def test_ranks_exiting_at_different_times_exit_0(module_runner):
+    proc = run_mpi(3, EARLY_EXIT, args=['flat', '0', 'nowait'],
+                   timeout=120, module_runner=module_runner)
+    assert proc.returncode == 0, proc.stderr
+    assert 'mnopt:' not in proc.stderr
+    assert proc.stdout.count('done') == 2

@@ -556,11 +556,11 @@ class CommunicatorBase(object):
                      'on_overflow': self._overflow.on_overflow},
                     **self._stall_settings)
 
-    @watched('send')
+    @watched('send', collective=False)
     def send(self, data, dest, tag):
         _mpi.send_obj(self.mpi_comm, _host_message(data), dest, tag)
 
-    @watched('recv')
+    @watched('recv', collective=False)
     def recv(self, source, tag):
         return _device_message(_mpi.recv_obj(self.mpi_comm, source, tag))
 
@@ -610,11 +610,11 @@ class CommunicatorBase(object):
             self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
         return _like(host, x)
 
-    @watched('send_obj')
+    @watched('send_obj', collective=False)
     def send_obj(self, obj, dest, tag=0):
         _mpi.send_obj(self.mpi_comm, obj, dest, tag)
 
-    @watched('recv_obj')
+    @watched('recv_obj', collective=False)
     def recv_obj(self, source, status=None, tag=MPI.ANY_TAG):
         return _mpi.recv_obj(self.mpi_comm, source, tag, status)
 
