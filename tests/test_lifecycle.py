@@ -221,3 +221,4 @@ def test_ranks_exiting_at_different_times_exit_0(module_runner):
     assert proc.returncode == 0, proc.stderr
     assert 'mnopt:' not in proc.stderr
     assert proc.stdout.count('done') == 2
+

@@ -339,5 +339,12 @@ _open_colocated = set()
 
 @atexit.register
 def _close_colocated_at_exit():
-    for servers in list(_open_colocated):
+    # Every goodbye first, then the waits: a set's order differs between
+    # processes, and a worker waiting for one communicator's threads
+    # before saying goodbye to the next would wait for a worker doing the
+    # same the other way round.
+    still_open = list(_open_colocated)
+    for servers in still_open:
+        servers.close(wait=False)
+    for servers in still_open:
         servers.close(wait=True)
