@@ -30,3 +30,15 @@ def flag(name, default):
         raise ValueError('%s=%r: 1 (on) or 0 (off) was expected'
                          % (name, value))
     return value == '1'
+
+
+def choice(name, default, choices):
+    """The word in ``$name``, one of ``choices``; unset or empty is the
+    ``default``; anything else is a ValueError naming the choices."""
+    value = os.environ.get(name, '')
+    if value == '':
+        return default
+    if value not in choices:
+        raise ValueError('%s=%r: one of %s was expected'
+                         % (name, value, ', '.join(choices)))
+    return value

@@ -11,6 +11,7 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mnopt import _env
 from mnopt import grad_buffer
 
 
@@ -67,54 +68,96 @@ def wire_sum(wire):
     return _MPI_TYPES[wire], _sum_ops[wire]
 
 
-def allreduce_sum(comm, array, wire):
-    """Sum a contiguous numpy wire array in place across ``comm``.
+#: MNOPT_ALLREDUCE: which allreduce sums float32/float64 buffers.
+ALGORITHMS = ('auto', 'ring', 'mpi')
 
-    float32/float64 use MPI's own Allreduce.  The 16-bit wires need a user
-    op, for which MPICH falls back to a reduce + broadcast that moves the
-    whole buffer log2(N) times each way (at 1 Gbit/s, 4 nodes, FP16 was
-    slower than FP32); they go round a ring instead.
-    """
-    if not array.size:
+
+def allreduce_algorithm():
+    """$MNOPT_ALLREDUCE: 'ring' (mnopt/ring.py), 'mpi' (the MPI library's
+    Allreduce) or 'auto' (default: see ``uses_ring``)."""
+    return _env.choice('MNOPT_ALLREDUCE', 'auto', ALGORITHMS)
+
+
+#: auto: float32/float64 sums of at least this many bytes (in one call)
+#: go round mnopt's ring when the ranks span several nodes.
+RING_MIN_BYTES = 1 << 20
+#: auto: ... and at least this many ranks.
+RING_MIN_RANKS = 3
+
+
+def uses_ring(comm, wire, nbytes, algorithm=None):
+    """Whether ``allreduce_sum_parts`` sums ``nbytes`` of ``wire`` over
+    ``comm`` on mnopt's pipelined ring rather than with MPI's Allreduce.
+
+    The 16-bit wires need a user op, for which MPICH falls back to a
+    reduce + broadcast that moves the whole buffer log2(N) times each way
+    (at 1 Gbit/s, 4 nodes, FP16 was slower than FP32): always the ring.
+    float32/float64 (auto): the ring for large sums across nodes, MPI's
+    Allreduce for small ones (its latency is lower) and inside one
+    shared-memory node (it sums through shared memory)."""
+    algorithm = algorithm or allreduce_algorithm()
+    if comm.size == 1 or algorithm == 'mpi':
+        return False
+    if algorithm == 'ring' or wire in _SUM_FUNCS:
+        return True
+    return (nbytes >= RING_MIN_BYTES and comm.size >= RING_MIN_RANKS
+            and nodes_of(comm) > 1)
+
+
+_nodes_keyval = None
+
+
+def nodes_of(comm):
+    """How many shared-memory nodes ``comm``'s ranks are on.  Collective
+    the first time for each communicator (then kept as an attribute of
+    it, which MPI drops when the communicator is freed)."""
+    global _nodes_keyval
+    if _nodes_keyval is None:
+        _nodes_keyval = MPI.Comm.Create_keyval()
+    nodes = comm.Get_attr(_nodes_keyval)
+    if nodes is None:
+        shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        leader = numpy.array([1 if shared.rank == 0 else 0], numpy.int64)
+        shared.Free()
+        comm.Allreduce(MPI.IN_PLACE, leader, op=MPI.SUM)
+        nodes = int(leader[0])
+        comm.Set_attr(_nodes_keyval, nodes)
+    return nodes
+
+
+def allreduce_sum(comm, array, wire, algorithm=None):
+    """Sum a contiguous numpy wire array in place across ``comm`` (see
+    ``allreduce_sum_parts``)."""
+    allreduce_sum_parts(comm, [array], wire, algorithm)
+
+
+def allreduce_sum_parts(comm, parts, wire, algorithm=None):
+    """Sum each contiguous numpy wire array of ``parts`` in place across
+    ``comm``: on mnopt's pipelined ring (mnopt/ring.py; all parts in one
+    ring) or with MPI's Allreduce (one call per part), as ``uses_ring``
+    decides for their total size; ``algorithm`` overrides
+    $MNOPT_ALLREDUCE.  Every rank ends with the same bits, and at two
+    ranks both give the same bits (each element is one a + b).
+
+    Sizes are not checked here: the communicators check their gradient
+    layouts across ranks before summing."""
+    parts = [p for p in parts if p.size]
+    if not parts or comm.size == 1:
         return
-    if wire in _SUM_FUNCS and comm.size > 1:
-        ring_allreduce_sum(comm, array, wire)
+    nbytes = sum(p.nbytes for p in parts)
+    if uses_ring(comm, wire, nbytes, algorithm):
+        from mnopt import ring
+        ring.allreduce_sum_parts(comm, parts, wire, check=False)
         return
     mpi_type, op = wire_sum(wire)
-    comm.Allreduce(MPI.IN_PLACE, [array, mpi_type], op=op)
+    for part in parts:
+        comm.Allreduce(MPI.IN_PLACE, [part, mpi_type], op=op)
 
 
 def _sum_into(wire):
     """fn(a, b): b += a for numpy arrays of the wire's storage dtype."""
     fn = _SUM_FUNCS[wire]
     return lambda a, b: fn(a, b, None)
-
-
-def ring_allreduce_sum(comm, array, wire):
-    """Bandwidth-optimal ring: reduce-scatter, then allgather, N-1 steps
-    each, every rank sending and receiving 2(N-1)/N of the buffer.  Each
-    segment is summed once, in a fixed order, then copied: every rank ends
-    with the same bits."""
-    n, size, rank = array.size, comm.size, comm.rank
-    bounds = [n * i // size for i in range(size + 1)]
-
-    def seg(i):
-        i %= size
-        return array[bounds[i]:bounds[i + 1]]
-
-    mpi_type = _MPI_TYPES[wire]
-    right, left = (rank + 1) % size, (rank - 1) % size
-    add = _sum_into(wire)
-    scratch = numpy.empty(bounds[1] + 1, dtype=array.dtype)
-    tag = 0x5A6
-    for step in range(size - 1):   # reduce-scatter
-        out, into = seg(rank - step), seg(rank - step - 1)
-        got = scratch[:into.size]
-        comm.Sendrecv([out, mpi_type], right, tag, [got, mpi_type], left, tag)
-        add(got, into)
-    for step in range(size - 1):   # allgather: rank owns seg(rank + 1)
-        out, into = seg(rank + 1 - step), seg(rank - step)
-        comm.Sendrecv([out, mpi_type], right, tag, [into, mpi_type], left, tag)
 
 
 def reduce_sum(comm, array, wire, root=0):

@@ -3,15 +3,27 @@ from mnopt.communicators.base import CommunicatorBase, _Group, node_split
 
 
 class HierarchicalCommunicator(CommunicatorBase):
-    """Per bucket: reduce inside the node to its leader, allreduce among the
-    node leaders, broadcast inside the node.  Only one copy of the gradients
-    per node crosses the (slow) links between nodes.
+    """Reduce every bucket inside the node to its leader, allreduce them
+    among the node leaders (on mnopt's ring or with MPI's Allreduce, as
+    for ``flat``: $MNOPT_ALLREDUCE), broadcast them inside the node.  Only
+    one copy of the gradients per node crosses the (slow) links between
+    nodes.
 
     Intra-node traffic uses MPI, which moves it through shared memory;
     GPU buffers are staged through pinned host memory.
     """
 
     name = 'hierarchical'
+
+    @classmethod
+    def check_arguments(cls, **kwargs):
+        _mpi.allreduce_algorithm()
+        super(HierarchicalCommunicator, cls).check_arguments(**kwargs)
+
+    def __init__(self, mpi_comm, **kwargs):
+        super(HierarchicalCommunicator, self).__init__(mpi_comm, **kwargs)
+        #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
+        self.allreduce_algorithm = _mpi.allreduce_algorithm()
 
     def _make_group(self, comm):
         group = _Group(comm)
@@ -22,9 +34,13 @@ class HierarchicalCommunicator(CommunicatorBase):
     def _sum(self, buffer, group):
         wire = buffer.layout.wire
         leader = group.intra.rank == 0
-        for part in buffer.host_parts():
+        parts = list(buffer.host_parts())
+        for part in parts:
             _mpi.reduce_sum(group.intra, part, wire, root=0)
-            if leader:
-                _mpi.allreduce_sum(group.inter, part, wire)
+        if leader:
+            # All buckets in one call: the ring pipelines them together.
+            _mpi.allreduce_sum_parts(group.inter, parts, wire,
+                                     self.allreduce_algorithm)
+        for part in parts:
             _mpi.bcast_bytes(group.intra, part, root=0)
         buffer.from_host()

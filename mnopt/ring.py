@@ -1,0 +1,351 @@
+"""A pipelined ring over MPI point-to-point: reduce-scatter, all-gather,
+and the allreduce that is one then the other.
+
+Rank r sends to rank r+1 and receives from rank r-1.  The buffer is cut
+into one chunk per rank (``counts[c]`` elements for chunk c, chunk c
+starting where chunk c-1 ends) and each chunk into segments.  Step s
+(s = 0 .. N-2, reduce-scatter) sends chunk r-s-1 and receives chunk r-s-2,
+which it sums into its own; after N-1 steps rank r holds chunk r summed
+over every rank.  Steps N-1 .. 2N-3 (all-gather) pass the summed chunks on
+round the ring, each rank copying what it receives.
+
+Pipelining: every (step, segment) is its own message, and a segment moves
+on to the next step as soon as it has arrived and been summed, while later
+segments are still on the wire; up to ``WINDOW`` receives are posted
+ahead.  Sending, receiving and summing therefore overlap, and the
+all-gather of the first segments starts while the reduce-scatter of the
+last ones is still running.  Waits poll with short naps (MPICH busy-polls
+inside its blocking calls, taking the cores that the summing, the other
+ranks and the kernel's TCP stack need), so a rank stays responsive to
+mnopt's stall detection (mnopt/stall.py) when a peer never sends.
+
+Every element of chunk c is summed exactly once, in one fixed order
+(x[c+1] + x[c+2] + ... + x[c], rank numbers mod N), by the rank it
+arrives at, and then copied: every rank ends with the same bits.  Sums are
+in the wire dtype: numpy's add for float32/float64, mnopt's fused 16-bit
+loops for float16/bfloat16 (each pairwise sum rounded once, as
+mnopt._mpi's MPI ops do).  With two ranks each element is a single a + b,
+which is commutative: the same bits as MPI's Allreduce.
+
+Who calls these must call them in the same order on every rank with the
+same sizes; with ``check=True`` the sizes are compared first (one small
+all-gather) and a mismatch is a ValueError on every rank.
+"""
+
+import time
+import zlib
+
+import numpy
+from mpi4py import MPI
+
+from mnopt import _mpi
+
+#: Largest segment (bytes): one message of the ring.
+SEGMENT_BYTES = 256 << 10
+#: Smallest segment a chunk is cut into (bytes), unless the chunk is
+#: smaller; between the two, chunks are cut into ``SEGMENTS_PER_CHUNK``.
+MIN_SEGMENT_BYTES = 32 << 10
+SEGMENTS_PER_CHUNK = 4
+#: Receives posted ahead of the one being waited for.
+WINDOW = 8
+#: Longest nap between two polls (seconds).  Progress happens only inside
+#: MPI calls: a nap longer than a socket buffer takes to drain idles the
+#: link (256 KiB at 1 Gbit/s: 2 ms).
+MAX_NAP_S = 200e-6
+_FIRST_NAP_S = 10e-6
+TAG = 0x5A8
+
+_WIRES = ('float32', 'float64', 'float16', 'bfloat16')
+
+
+def reduce_scatter_sum(comm, array, wire, counts, check=True):
+    """Sum ``array`` across ``comm`` chunk by chunk; return this rank's.
+
+    ``array``: a contiguous 1-D numpy array in ``wire``'s storage dtype
+    (``grad_buffer.storage_dtype``: uint16 bits for bfloat16), the same
+    size on every rank,
+    laid out as one chunk per rank: chunk c is ``counts[c]`` elements
+    (zero allowed) starting at ``sum(counts[:c])``.  Returns the view of
+    ``array`` holding this rank's chunk, summed over every rank; the other
+    chunks of ``array`` are left holding partial sums.
+    """
+    counts = _counts(comm, array, wire, counts, check)
+    n = comm.size
+    if n > 1 and array.size:
+        _ring(comm, [array], wire, counts, 0, n - 1)
+    start = sum(counts[:comm.rank])
+    return array[start:start + counts[comm.rank]]
+
+
+def allgather_into(comm, array, counts, check=True):
+    """Fill ``array`` with every rank's chunk, in place.
+
+    ``array``: a contiguous 1-D numpy array (any dtype), the same size on
+    every rank, laid out as for ``reduce_scatter_sum``; on entry each rank
+    holds its own chunk, on return every chunk (bytes copied as they are).
+    """
+    counts = _counts(comm, array, None, counts, check)
+    n = comm.size
+    if n > 1 and array.size:
+        itemsize = array.dtype.itemsize
+        _ring(comm, [array.view(numpy.uint8)], None,
+              [c * itemsize for c in counts], n - 1, 2 * (n - 1))
+    return array
+
+
+def allreduce_sum(comm, array, wire, check=True):
+    """Sum ``array`` (as for ``reduce_scatter_sum``) in place across
+    ``comm``: every rank ends with the same bits."""
+    allreduce_sum_parts(comm, [array], wire, check)
+
+
+def allreduce_sum_parts(comm, parts, wire, check=True):
+    """Sum each array of ``parts`` in place across ``comm``, in one ring:
+    the parts are chunked and pipelined as if they were one buffer (their
+    concatenation), so many small pieces cost one ring's latency, not one
+    each.  Segments never straddle two parts."""
+    total = sum(p.size for p in parts)
+    bad = [p for p in parts if not _fits(p, wire)]
+    if check:
+        _agree(comm, total, wire, [total], bad and _describe(bad[0], wire))
+    elif bad:
+        raise TypeError(_describe(bad[0], wire))
+    n = comm.size
+    if n > 1 and total:
+        counts = [total * (c + 1) // n - total * c // n for c in range(n)]
+        _ring(comm, [p for p in parts if p.size], wire, counts, 0,
+              2 * (n - 1))
+
+
+# ------------------------------------------------------------------ checks
+
+def _fits(array, wire):
+    if wire is not None and wire not in _WIRES:
+        return False
+    want = None if wire is None else _mpi.grad_buffer.storage_dtype(wire)
+    return (isinstance(array, numpy.ndarray) and array.ndim == 1
+            and array.flags.c_contiguous
+            and (want is None or array.dtype == want))
+
+
+def _describe(array, wire):
+    if wire is not None and wire not in _WIRES:
+        return 'unknown wire %r; one of %s' % (wire, ', '.join(_WIRES))
+    if not isinstance(array, numpy.ndarray):
+        return 'a numpy array was expected, not %s' % type(array).__name__
+    return ('a contiguous 1-D numpy array%s was expected, not a %s array '
+            'of shape %s%s' % (
+                '' if wire is None else ' of %s (the %s wire)' % (
+                    _mpi.grad_buffer.storage_dtype(wire), wire),
+                array.dtype, array.shape,
+                '' if array.flags.c_contiguous else ', not contiguous'))
+
+
+def _counts(comm, array, wire, counts, check):
+    """``counts`` as a list of ints, after the checks (every rank's when
+    ``check``)."""
+    problem = None
+    if wire is not None and wire not in _WIRES:
+        problem = 'unknown wire %r; one of %s' % (wire, ', '.join(_WIRES))
+    elif not _fits(array, wire):
+        problem = _describe(array, wire)
+    try:
+        counts = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        problem = problem or 'counts must be whole numbers, not %r' % (
+            counts,)
+        counts = []
+    if problem is None:
+        if len(counts) != comm.size or min(counts) < 0:
+            problem = ('counts must give one size >= 0 per rank (%d), '
+                       'not %r' % (comm.size, counts))
+        elif sum(counts) != array.size:
+            problem = ('counts add up to %d but the array holds %d '
+                       'elements' % (sum(counts), array.size))
+    if check:
+        _agree(comm, getattr(array, 'size', -1), wire, counts, problem)
+    elif problem is not None:
+        raise ValueError(problem)
+    return counts
+
+
+#: Bytes of each rank's problem in ``_agree``'s exchange.
+_PROBLEM_BYTES = 256
+
+
+def _agree(comm, size, wire, counts, problem):
+    """Raise ValueError on every rank unless every rank has no problem and
+    the same size, wire and counts: one all-gather of 4 numbers and a line
+    of text per rank, waited for by polling (like the ring's own waits)."""
+    if comm.size == 1:
+        if problem:
+            raise ValueError(problem)
+        return
+    text = (problem or '').encode()[:_PROBLEM_BYTES].ljust(_PROBLEM_BYTES,
+                                                            b'\0')
+    mine = numpy.concatenate([numpy.array([
+        1 if problem else 0, size,
+        -1 if wire is None else _WIRES.index(wire) if wire in _WIRES else -2,
+        zlib.crc32(numpy.asarray(counts, dtype=numpy.int64).tobytes())],
+        dtype=numpy.int64), numpy.frombuffer(text, numpy.int64)])
+    everyone = numpy.empty((comm.size, mine.size), dtype=numpy.int64)
+    _mpi.wait_all([comm.Iallgather(mine, everyone)])
+    if problem:
+        raise ValueError(problem)
+    failed = ['rank %d: %s' % (r, everyone[r, 4:].tobytes().rstrip(b'\0')
+                               .decode(errors='replace'))
+              for r in range(comm.size) if everyone[r, 0]]
+    if failed:
+        raise ValueError('ring collective: bad arguments on %s'
+                         % '; '.join(failed))
+    differ = [r for r in range(comm.size)
+              if (everyone[r, 1:4] != everyone[0, 1:4]).any()]
+    if differ:
+        raise ValueError(
+            'ring collective: ranks disagree on the buffer: rank 0 has %d '
+            'elements (%s wire), rank %d has %d (%s)%s. Every rank must '
+            'pass the same size, wire and counts.' % (
+                everyone[0, 1], _wire_name(everyone[0, 2]), differ[0],
+                everyone[differ[0], 1], _wire_name(everyone[differ[0], 2]),
+                '' if everyone[0, 1] != everyone[differ[0], 1] else
+                ' and different counts' if everyone[0, 2] ==
+                everyone[differ[0], 2] else ''))
+
+
+def _wire_name(code):
+    return 'bytes' if code == -1 else _WIRES[code] if 0 <= code < len(
+        _WIRES) else '?'
+
+
+# ------------------------------------------------------------------ the ring
+
+def _segment_elems(counts, itemsize):
+    """Elements per segment: the same on every rank (from counts only)."""
+    largest = max(counts) * itemsize
+    per = -(-largest // SEGMENTS_PER_CHUNK)
+    seg = min(SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, per))
+    return max(1, seg // itemsize)
+
+
+def _chunk_segments(parts, counts, seg_elems):
+    """Per chunk, its segments as views of ``parts`` (concatenated)."""
+    ends = numpy.cumsum([p.size for p in parts]).tolist()
+    chunks, lo, part = [], 0, 0
+    for count in counts:
+        hi, segs = lo + count, []
+        while lo < hi:
+            while ends[part] <= lo:
+                part += 1
+            start = ends[part] - parts[part].size
+            stop = min(hi, lo + seg_elems, ends[part])
+            segs.append(parts[part][lo - start:stop - start])
+            lo = stop
+        chunks.append(segs)
+    return chunks
+
+
+def _ring(comm, parts, wire, counts, first, last):
+    """Run ring steps ``first`` .. ``last``-1 over ``parts`` (see the
+    module's docstring: steps below N-1 sum, the others copy).  ``wire``
+    None: raw bytes (copy steps only)."""
+    n, rank = comm.size, comm.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    mpi_type = MPI.BYTE if wire is None else _mpi._MPI_TYPES[wire]
+    add = None if wire is None else _adder(wire)
+    chunks = _chunk_segments(parts, counts,
+                             _segment_elems(counts, parts[0].itemsize))
+    # Message lists in the order they are posted (step by step, segment by
+    # segment); the left neighbour posts its sends in this same order, and
+    # MPI keeps messages between two ranks on one tag in order.
+    sends, send_dep = [], []      # view; receive that must be done first
+    recvs, recv_sum, recv_dep = [], [], []  # view; sums?; send done first
+    send_at, recv_at = {}, {}     # step -> index of its first message
+    for s in range(first, last):
+        send_at[s], recv_at[s] = len(sends), len(recvs)
+        for k, view in enumerate(chunks[(rank - s - 1) % n]):
+            sends.append(view)
+            # Step s sends what step s-1 received (and summed).
+            send_dep.append(recv_at[s - 1] + k if s > first else -1)
+        for k, view in enumerate(chunks[(rank - s - 2) % n]):
+            recvs.append(view)
+            recv_sum.append(s < n - 1)
+            # A copy step overwrites the chunk that step s+1-N sent: that
+            # send must have left first.
+            back = s + 1 - n
+            recv_dep.append(send_at[back] + k if back >= first else -1)
+    n_sends, n_recvs = len(sends), len(recvs)
+    send_req = [None] * n_sends
+    recv_req = [None] * n_recvs
+    # Sums arrive in scratch buffers (at most WINDOW are posted ahead).
+    scratch = [numpy.empty(max([v.size for v in recvs], default=0),
+                           parts[0].dtype)
+               for _ in range(min(WINDOW, sum(recv_sum)))]
+    scratch_of = {}
+    posted_sends = posted_recvs = recvs_done = sends_done = 0
+    nap = _FIRST_NAP_S
+    try:
+        while recvs_done < n_recvs or sends_done < n_sends:
+            moved = False
+            while (posted_recvs < n_recvs
+                   and posted_recvs < recvs_done + WINDOW):
+                i = posted_recvs
+                dep = recv_dep[i]
+                if dep >= 0 and not (dep < posted_sends
+                                     and send_req[dep].Test()):
+                    break
+                if recv_sum[i]:
+                    scratch_of[i] = scratch.pop()
+                    buf = scratch_of[i][:recvs[i].size]
+                else:
+                    buf = recvs[i]
+                recv_req[i] = comm.Irecv([buf, mpi_type], left, TAG)
+                posted_recvs += 1
+                moved = True
+            while posted_sends < n_sends and send_dep[posted_sends] < \
+                    recvs_done:
+                send_req[posted_sends] = comm.Isend(
+                    [sends[posted_sends], mpi_type], right, TAG)
+                posted_sends += 1
+                moved = True
+            while recvs_done < posted_recvs:
+                i = recvs_done
+                status = MPI.Status()
+                if not recv_req[i].Test(status):
+                    break
+                if status.Get_count(mpi_type) != recvs[i].size:
+                    raise RuntimeError(_size_error(comm, left, recvs[i].size,
+                                                   status, mpi_type))
+                if recv_sum[i]:
+                    got = scratch_of.pop(i)
+                    add(got[:recvs[i].size], recvs[i])
+                    scratch.append(got)
+                recvs_done += 1
+                moved = True
+            while sends_done < posted_sends and send_req[sends_done].Test():
+                sends_done += 1
+                moved = True
+            if moved:
+                nap = _FIRST_NAP_S
+            else:
+                time.sleep(nap)
+                nap = min(2 * nap, MAX_NAP_S)
+    except MPI.Exception as e:
+        if e.Get_error_class() == MPI.ERR_TRUNCATE:
+            raise RuntimeError(
+                'ring collective on rank %d: rank %d sent more than this '
+                'rank expected (%s): ranks disagree on the buffer size'
+                % (rank, left, e))
+        raise
+
+
+def _size_error(comm, source, want, status, mpi_type):
+    return ('ring collective on rank %d: rank %d sent %d elements where '
+            '%d were expected: ranks disagree on the buffer size'
+            % (comm.rank, source, status.Get_count(mpi_type), want))
+
+
+def _adder(wire):
+    """fn(a, b): b += a, in the wire dtype."""
+    if wire in _mpi._SUM_FUNCS:
+        return _mpi._sum_into(wire)
+    return lambda a, b: numpy.add(a, b, out=b)

@@ -1,0 +1,333 @@
+"""mnopt/ring.py: the pipelined ring's reduce-scatter, all-gather and
+allreduce, against the exact order the module promises (chunk c summed as
+x[c+1] + x[c+2] + ... + x[c]), a float64 reference, and every rank's bits.
+
+Runs serially and under mpiexec -n 2, -n 3 (and -n 4).
+"""
+
+import numpy
+import pytest
+from mpi4py import MPI
+
+import mnopt
+from mnopt import _mpi
+from mnopt import grad_buffer as gb
+from mnopt import ring
+from conftest import WORLD
+
+N = WORLD.size
+WIRES = ['float32', 'float64', 'float16', 'bfloat16']
+EPS = {'float16': 2.0 ** -10, 'bfloat16': 2.0 ** -7,
+       'float32': 2.0 ** -23, 'float64': 2.0 ** -52}
+# 0, 1, fewer than N, not divisible by N (nor, with tiny segments, by the
+# segment size), and several segments per chunk with default segments.
+SIZES = [0, 1, 2, 7, 1001, 100003]
+
+
+@pytest.fixture(params=['default', 'tiny'])
+def segments(request, monkeypatch):
+    """Default segments, or tiny ones (3 elements of 2 or 4 bytes, window
+    of 2): many segments per chunk, a last one shorter, the window full."""
+    if request.param == 'tiny':
+        monkeypatch.setattr(ring, 'SEGMENT_BYTES', 12)
+        monkeypatch.setattr(ring, 'MIN_SEGMENT_BYTES', 12)
+        monkeypatch.setattr(ring, 'WINDOW', 2)
+    return request.param
+
+
+def rank_values(n, rank, seed=0):
+    rng = numpy.random.RandomState(1000 * seed + rank)
+    return rng.standard_normal(n) * 4
+
+
+def to_wire(values, wire):
+    if wire == 'bfloat16':
+        return gb.float32_to_bfloat16_bits(values.astype(numpy.float32))
+    return values.astype(wire)
+
+
+def from_wire(array, wire):
+    if wire == 'bfloat16':
+        return gb.bfloat16_bits_to_float32(array).astype(numpy.float64)
+    return array.astype(numpy.float64)
+
+
+def even_counts(n, size=N):
+    return [n * (c + 1) // size - n * c // size for c in range(size)]
+
+
+def ring_order_sum(inputs, wire, counts):
+    """What every rank must hold: chunk c summed in the ring's order,
+    x[c+1] + x[c+2] + ... + x[c], each pairwise sum in the wire dtype."""
+    add = ring._adder(wire)
+    out = inputs[0].copy()
+    start = 0
+    for c, count in enumerate(counts):
+        piece = slice(start, start + count)
+        total = inputs[(c + 1) % N][piece].copy()
+        for j in range(2, N + 1):
+            into = inputs[(c + j) % N][piece].copy()
+            add(total, into)   # into = total + into, as the ring sums
+            total = into
+        out[piece] = total
+        start += count
+    return out
+
+
+def everyone_has_the_same_bits(array):
+    everyone = WORLD.allgather(array.tobytes())
+    return all(b == everyone[0] for b in everyone)
+
+
+def tolerance(wire, inputs):
+    """|sum - exact| bound: rounding each input to the wire and each of
+    the N-1 pairwise sums."""
+    scale = sum(numpy.abs(from_wire(x, wire)) for x in inputs) + 1e-300
+    return scale * (N + 1) * EPS[wire]
+
+
+@pytest.mark.parametrize('wire', WIRES)
+@pytest.mark.parametrize('n', SIZES)
+def test_allreduce_sums_in_the_ring_order_on_every_rank(wire, n, segments):
+    if segments == 'tiny' and n > 10000:
+        pytest.skip('tens of thousands of messages: slow, and no new case')
+    mine = to_wire(rank_values(n, WORLD.rank), wire)
+    inputs = WORLD.allgather(mine)
+    a = mine.copy()
+    ring.allreduce_sum(WORLD, a, wire)
+    assert everyone_has_the_same_bits(a)
+    want = ring_order_sum(inputs, wire, even_counts(n))
+    assert a.tobytes() == want.tobytes()
+    exact = sum(rank_values(n, r) for r in range(N))
+    err = numpy.abs(from_wire(a, wire) - exact)
+    assert (err <= tolerance(wire, inputs) + EPS[wire] * numpy.abs(exact)
+            ).all()
+
+
+@pytest.mark.parametrize('wire', ['float32', 'float64'])
+@pytest.mark.parametrize('n', [1, 7, 100003])
+def test_the_same_bits_as_mpi_allreduce_at_two_ranks(wire, n, segments):
+    if N != 2:
+        pytest.skip('at two ranks every algorithm computes one a + b')
+    mine = rank_values(n, WORLD.rank).astype(wire)
+    by_ring, by_mpi = mine.copy(), mine.copy()
+    ring.allreduce_sum(WORLD, by_ring, wire)
+    WORLD.Allreduce(MPI.IN_PLACE, by_mpi, op=MPI.SUM)
+    assert by_ring.tobytes() == by_mpi.tobytes()
+
+
+@pytest.mark.parametrize('wire', ['float16', 'bfloat16'])
+def test_16_bit_sums_at_two_ranks_round_once(wire):
+    # At two ranks each element is wire(float32(a) + float32(b)): what
+    # the previous (unpipelined) ring and MPI's user op computed.
+    mine = to_wire(rank_values(4099, WORLD.rank), wire)
+    inputs = WORLD.allgather(mine)
+    a = mine.copy()
+    ring.allreduce_sum(WORLD, a, wire)
+    if N == 2:
+        want = to_wire(from_wire(inputs[0], wire).astype(numpy.float32)
+                       + from_wire(inputs[1], wire).astype(numpy.float32),
+                       wire)
+        assert a.tobytes() == want.tobytes()
+    elif N == 1:
+        assert a.tobytes() == mine.tobytes()
+
+
+COUNT_SETS = {
+    'even': lambda size: even_counts(1003, size),
+    'uneven': lambda size: [5 + 97 * r for r in range(size)],
+    'zeros': lambda size: [0 if r % 2 else 301 + r for r in range(size)],
+    'all on the last': lambda size: [0] * (size - 1) + [1234],
+    'none': lambda size: [0] * size,
+}
+
+
+@pytest.mark.parametrize('wire', WIRES)
+@pytest.mark.parametrize('layout', sorted(COUNT_SETS))
+def test_reduce_scatter_returns_this_ranks_chunk_summed(wire, layout,
+                                                        segments):
+    counts = COUNT_SETS[layout](N)
+    n = sum(counts)
+    mine = to_wire(rank_values(n, WORLD.rank, seed=1), wire)
+    inputs = WORLD.allgather(mine)
+    a = mine.copy()
+    own = ring.reduce_scatter_sum(WORLD, a, wire, counts)
+    start = sum(counts[:WORLD.rank])
+    assert own.size == counts[WORLD.rank]
+    assert numpy.shares_memory(own, a) or own.size == 0
+    want = ring_order_sum(inputs, wire, counts)[start:start + own.size]
+    assert own.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'int8', 'complex128',
+                                   'uint16'])
+@pytest.mark.parametrize('layout', sorted(COUNT_SETS))
+def test_allgather_fills_every_chunk(dtype, layout, segments):
+    counts = COUNT_SETS[layout](N)
+    full = (numpy.arange(sum(counts)) % 101).astype(dtype)
+    a = numpy.zeros_like(full)
+    start = sum(counts[:WORLD.rank])
+    a[start:start + counts[WORLD.rank]] = \
+        full[start:start + counts[WORLD.rank]]
+    assert ring.allgather_into(WORLD, a, counts) is a
+    assert a.tobytes() == full.tobytes()
+
+
+@pytest.mark.parametrize('wire', WIRES)
+def test_reduce_scatter_then_allgather_is_the_allreduce(wire, segments):
+    # ZeRO's pair: the sharded sum, then everyone's shard to everyone.
+    counts = COUNT_SETS['uneven'](N)
+    mine = to_wire(rank_values(sum(counts), WORLD.rank, seed=2), wire)
+    inputs = WORLD.allgather(mine)
+    a = mine.copy()
+    ring.reduce_scatter_sum(WORLD, a, wire, counts)
+    ring.allgather_into(WORLD, a, counts)
+    assert a.tobytes() == ring_order_sum(inputs, wire, counts).tobytes()
+    assert everyone_has_the_same_bits(a)
+
+
+@pytest.mark.parametrize('wire', ['float32', 'bfloat16'])
+def test_parts_are_summed_as_one_buffer(wire, segments):
+    sizes = [3, 0, 1, 70001 if segments == 'default' else 701, 5, 4096, 2]
+    mine = [to_wire(rank_values(s, WORLD.rank, seed=3 + i), wire)
+            for i, s in enumerate(sizes)]
+    parts = [m.copy() for m in mine]
+    ring.allreduce_sum_parts(WORLD, parts, wire)
+    whole = numpy.concatenate(mine)
+    inputs = WORLD.allgather(whole)
+    want = ring_order_sum(inputs, wire, even_counts(whole.size))
+    assert numpy.concatenate(parts).tobytes() == want.tobytes()
+
+
+# ------------------------------------------------------------------ errors
+
+def test_mismatched_sizes_are_an_error_on_every_rank():
+    if N == 1:
+        pytest.skip('needs two ranks')
+    a = numpy.ones(10 + WORLD.rank, numpy.float32)
+    with pytest.raises(ValueError, match='disagree on the buffer'):
+        ring.allreduce_sum(WORLD, a, 'float32')
+    counts = even_counts(a.size)
+    with pytest.raises(ValueError, match='disagree on the buffer'):
+        ring.reduce_scatter_sum(WORLD, a, 'float32', counts)
+    with pytest.raises(ValueError, match='disagree on the buffer'):
+        ring.allgather_into(WORLD, a, counts)
+    # The same size, different counts.
+    b = numpy.ones(20, numpy.float32)
+    counts = [20 - 0] + [0] * (N - 1) if WORLD.rank == 0 else \
+        [0] * (N - 1) + [20]
+    with pytest.raises(ValueError, match='different counts'):
+        ring.reduce_scatter_sum(WORLD, b, 'float32', counts)
+    # The same size, different wires.
+    wire = 'float16' if WORLD.rank == 0 else 'bfloat16'
+    c = numpy.ones(20, gb.storage_dtype(wire))
+    with pytest.raises(ValueError, match='disagree on the buffer'):
+        ring.allreduce_sum(WORLD, c, wire)
+
+
+def test_bad_arguments_on_one_rank_are_an_error_on_every_rank():
+    a = numpy.ones(12, numpy.float32)
+    counts = even_counts(12)
+    bad_rank = N - 1
+    if WORLD.rank == bad_rank:
+        counts = counts[:-1] + [counts[-1] + 1]    # adds up to 13
+    # The rank at fault says what is wrong; the others, who and what.
+    with pytest.raises(ValueError, match='add up to 13'):
+        ring.reduce_scatter_sum(WORLD, a, 'float32', counts)
+    b = numpy.ones(12, numpy.float64 if WORLD.rank == bad_rank
+                   else numpy.float32)
+    with pytest.raises(ValueError, match='float32' if WORLD.rank == bad_rank
+                       else 'bad arguments on rank %d: .*float32' % bad_rank):
+        ring.allreduce_sum(WORLD, b, 'float32')
+    with pytest.raises(ValueError, match='one size >= 0 per rank'):
+        ring.allgather_into(WORLD, a, [12] + [0] * (
+            N - 1 + (WORLD.rank == bad_rank)))
+    with pytest.raises(ValueError, match='unknown wire'):
+        ring.allreduce_sum(WORLD, a, 'float8')
+    # Still in step afterwards.
+    d = numpy.ones(5, numpy.float32)
+    ring.allreduce_sum(WORLD, d, 'float32')
+    assert (d == N).all()
+
+
+def test_a_strided_array_is_refused():
+    a = numpy.ones(20, numpy.float32)[::2]
+    with pytest.raises(ValueError, match='contiguous'):
+        ring.allreduce_sum(WORLD, a, 'float32')
+
+
+# ------------------------------------------------- selection in allreduce_sum
+
+@pytest.mark.parametrize('algorithm', ['ring', 'mpi', 'auto'])
+@pytest.mark.parametrize('wire', WIRES)
+def test_allreduce_sum_agrees_with_itself_across_algorithms(algorithm, wire):
+    mine = to_wire(rank_values(30011, WORLD.rank, seed=5), wire)
+    a, b = mine.copy(), mine.copy()
+    _mpi.allreduce_sum(WORLD, a, wire, algorithm)
+    ring.allreduce_sum(WORLD, b, wire)
+    assert everyone_has_the_same_bits(a)
+    if N <= 2 or _mpi.uses_ring(WORLD, wire, a.nbytes, algorithm):
+        assert a.tobytes() == b.tobytes()
+    else:
+        inputs = WORLD.allgather(mine)
+        exact = sum(from_wire(x, wire) for x in inputs)
+        assert (numpy.abs(from_wire(a, wire) - exact)
+                <= tolerance(wire, inputs)).all()
+
+
+def test_auto_keeps_mpi_inside_one_node_and_for_small_sums():
+    if _mpi.nodes_of(WORLD) != 1:
+        pytest.skip('a test for one shared-memory node')
+    big = _mpi.RING_MIN_BYTES * 16
+    assert not _mpi.uses_ring(WORLD, 'float32', big, 'auto')
+    assert not _mpi.uses_ring(WORLD, 'float32', 4, 'auto')
+    assert _mpi.uses_ring(WORLD, 'float16', 4, 'auto') == (N > 1)
+    assert _mpi.uses_ring(WORLD, 'float32', 4, 'ring') == (N > 1)
+    assert not _mpi.uses_ring(WORLD, 'bfloat16', big, 'mpi')
+
+
+def test_the_setting_is_read_and_checked(monkeypatch):
+    monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring')
+    assert _mpi.allreduce_algorithm() == 'ring'
+    monkeypatch.setenv('MNOPT_ALLREDUCE', '')
+    assert _mpi.allreduce_algorithm() == 'auto'
+    monkeypatch.setenv('MNOPT_ALLREDUCE', 'nccl')
+    with pytest.raises(ValueError, match="MNOPT_ALLREDUCE='nccl'"):
+        _mpi.allreduce_algorithm()
+
+
+@pytest.mark.parametrize('name', ['flat', 'hierarchical', 'naive'])
+def test_a_bad_setting_on_one_rank_fails_create_communicator_everywhere(
+        name, monkeypatch):
+    bad_rank = N - 1
+    if WORLD.rank == bad_rank:
+        monkeypatch.setenv('MNOPT_ALLREDUCE', 'Ring')
+    with pytest.raises((ValueError, RuntimeError),
+                       match='MNOPT_ALLREDUCE'):
+        mnopt.create_communicator(name)
+
+
+@pytest.mark.parametrize('name', ['flat', 'hierarchical'])
+@pytest.mark.parametrize('wire', ['float32', 'float16'])
+def test_communicators_average_alike_on_the_ring_and_on_mpi(
+        name, wire, monkeypatch):
+    shapes = [(3,), (300, 257), (5, 7), (40000,), (1,)]
+    rng = numpy.random.RandomState(WORLD.rank)
+    grads = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
+    results = {}
+    for algorithm in ('ring', 'mpi'):
+        monkeypatch.setenv('MNOPT_ALLREDUCE', algorithm)
+        comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire)
+        assert comm.allreduce_algorithm == algorithm
+        named = [('g%d' % i, g.copy()) for i, g in enumerate(grads)]
+        comm.mean_grads(named)
+        comm.finalize()
+        results[algorithm] = numpy.concatenate([g.ravel() for _, g in named])
+        assert everyone_has_the_same_bits(results[algorithm])
+    everyone = WORLD.allgather(numpy.concatenate([g.ravel() for g in grads]))
+    exact = sum(x.astype(numpy.float64) for x in everyone) / N
+    for got in results.values():
+        numpy.testing.assert_allclose(got, exact, rtol=0,
+                                      atol=(N + 2) * 8 * EPS[wire])
+    if N <= 2 and wire == 'float32':
+        assert results['ring'].tobytes() == results['mpi'].tobytes()
