@@ -69,11 +69,13 @@ def test_gather_and_scatter(comm):
     x = var(numpy.full(2, float(r)))
     ys = F.gather(comm, x, root=0)
     if r == 0:
+        assert isinstance(ys, tuple)
         assert [float(y.array[0]) for y in ys] == list(map(float, range(n)))
-        loss = weighted_sum(ys)
+        weighted_sum(ys).backward()
     else:
-        loss = chainer.functions.sum(ys[0]) * 0   # keep the dummy in
-    loss.backward()
+        # ChainerMN's: the delegate variable, to backpropagate from.
+        assert isinstance(ys, chainer.Variable) and ys.array.size == 0
+        ys.backward()
     numpy.testing.assert_array_equal(x.grad, r + 1.0)
 
     xs = [var(numpy.full(2, float(k))) for k in range(n)] if r == 0 else None
@@ -83,6 +85,66 @@ def test_gather_and_scatter(comm):
     if r == 0:
         for k, xk in enumerate(xs):
             numpy.testing.assert_array_equal(xk.grad, k + 1.0)
+
+
+def test_collectives_of_plain_arrays_still_backpropagate(comm):
+    """Inputs that need no gradient (arrays, not Variables) on one rank
+    must not keep that rank out of the backward collective the others
+    enter: it would leave them waiting."""
+    r, n = comm.rank, comm.size
+    x = numpy.arange(3.0).astype(numpy.float32)
+    y = F.bcast(comm, x if r == 0 else None, root=0)
+    ((r + 1) * chainer.functions.sum(y)).backward()   # root: nothing to get
+
+    ys = F.allgather(comm, numpy.full(2, r, numpy.float32))
+    weighted_sum(ys).backward()
+    # And the communicator is still in step: a gradient-carrying call works.
+    v = var(numpy.full(2, r + 1.0))
+    ys = F.allgather(comm, v)
+    weighted_sum(ys).backward()
+    numpy.testing.assert_array_equal(v.grad, n * (r + 1.0))
+
+
+def test_pseudo_connect_returns_a_tuple():
+    delegate = chainer.Variable(numpy.zeros(0, numpy.float32))
+    a, b = var([1.0, 2.0]), var([3.0])
+    one = F.pseudo_connect(delegate, a)
+    assert isinstance(one, tuple) and len(one) == 1
+    numpy.testing.assert_array_equal(one[0].array, a.array)
+    assert F.pseudo_connect(delegate) == ()
+    y, z = F.pseudo_connect(delegate, a, b)
+    (2 * chainer.functions.sum(y) + 3 * chainer.functions.sum(z)).backward()
+    numpy.testing.assert_array_equal(a.grad, 2.0)
+    numpy.testing.assert_array_equal(b.grad, 3.0)
+    numpy.testing.assert_array_equal(delegate.grad, numpy.zeros(0))
+    # No delegate (a part with nothing sent before it): the actual values.
+    c = var([4.0])
+    w, = F.pseudo_connect(None, c)
+    (5 * chainer.functions.sum(w)).backward()
+    numpy.testing.assert_array_equal(c.grad, 5.0)
+
+
+def test_send_of_plain_arrays_still_receives_the_gradient(comm):
+    """A send of arrays that need no gradient still receives the one its
+    peer's recv sends back (ChainerMN's test_non_variable_send)."""
+    r, n = comm.rank, comm.size
+    if n == 1:
+        return
+    if r == 0:
+        x = numpy.ones((1, 3), numpy.float32)
+        delegate = F.send(x, comm, rank=1)
+        assert delegate.array.size == 0
+        y, = F.pseudo_connect(delegate, x)
+        chainer.functions.sum(y).backward()   # runs the send's backward
+        # In step: the next exchange pairs up with the peer's.
+        delegate = F.send(var([7.0]), comm, rank=1)
+        delegate.backward()
+    elif r == 1:
+        x = F.recv(comm, rank=0)
+        chainer.functions.sum(x).backward()
+        y = F.recv(comm, rank=0)
+        numpy.testing.assert_array_equal(y.array, [7.0])
+        chainer.functions.sum(y).backward()
 
 
 def test_send_recv_and_pseudo_connect(comm):
@@ -95,7 +157,7 @@ def test_send_recv_and_pseudo_connect(comm):
         x = var([1.0, 2.0, 3.0])
         delegate = F.send(x * 2, comm, rank=1)
         other = var([5.0])
-        z = F.pseudo_connect(delegate, other * 3)
+        z, = F.pseudo_connect(delegate, other * 3)
         chainer.functions.sum(z).backward()
         numpy.testing.assert_array_equal(x.grad, 2 * 4.0)  # d(4y)/dy, y=2x
         numpy.testing.assert_array_equal(other.grad, 3.0)
