@@ -1,0 +1,7 @@
+"""Splitting a dataset over ranks (ChainerMN's ``chainermn.datasets``,
+at its module paths)."""
+
+from mnopt.datasets.empty_dataset import create_empty_dataset  # NOQA
+from mnopt.datasets.scatter import DataSizeError  # NOQA
+from mnopt.datasets.scatter import scatter_dataset  # NOQA
+from mnopt.datasets.scatter import scatter_index  # NOQA
