@@ -64,6 +64,7 @@ def elementwise_source(name, inputs, outputs, body, types):
         lines.append('#include <cupy/float16.cuh>')
     lines += ['typedef %s %s;' % (C_TYPES[types[k]], k) for k in sorted(types)]
     from mnopt import _cuda
+    lines.append(_cuda.PREAMBLE)     # where CuPy puts a preamble
     params, loads = [], []
     for kind, plist in (('in', inputs), ('out', outputs)):
         for param in _parse(plist):
@@ -97,7 +98,9 @@ def elementwise_source(name, inputs, outputs, body, types):
 def _options(cupy):
     import cupy._core.core as core
     options = tuple(core.assemble_cupy_compiler_options(()))
-    return options + ('-DCUPY_USE_32BIT_INDEXING',)
+    # CuPy's compiler adds -ftz=true to every kernel it compiles
+    # (cupy/cuda/compiler.py).
+    return options + ('-DCUPY_USE_32BIT_INDEXING', '-ftz=true')
 
 
 def _cases():
@@ -236,3 +239,183 @@ def test_every_cupy_and_nccl_name_mnopt_uses_exists():
                     if not hasattr(cls, m)]
     assert not missing, 'not in CuPy %s / NumPy %s: %s' % (
         cupy.__version__, numpy.__version__, ', '.join(missing))
+
+
+# --------------------------------------------------------------- the PTX
+
+def _ptx(name, types, arch=ARCHS[0]):
+    cupy, nvrtc = _nvrtc()
+    from mnopt import _cuda
+    source = elementwise_source(name, *_cuda.KERNELS[name], types)
+    prog = nvrtc.createProgram(source, name + '.cu', [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_options(cupy)) + ['-arch=' + arch])
+        return nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _every_kernel():
+    from mnopt import _cuda
+    return [pytest.param(name, types, id='%s-%s' % (name, '-'.join(
+        '%s=%s' % kv for kv in sorted(types.items()))))
+        for name in sorted(_cuda.KERNELS)
+        for types in _cuda.KERNEL_TYPES[name]]
+
+
+@pytest.mark.parametrize('name,types', _every_kernel())
+def test_kernels_keep_subnormals_and_move_16_byte_vectors(name, types):
+    """Compiled as CuPy compiles them (-ftz=true): no instruction flushes
+    a subnormal to zero (the host keeps them: bit-identity), the aligned
+    path reads and writes 16 bytes per instruction, and nothing spills to
+    local memory."""
+    ptx = _ptx(name, types)
+    import re
+    assert not re.findall(r'\b[a-z]+(?:\.[a-z0-9]+)*\.ftz\b', ptx)
+    assert 'ld.global.v4.u32' in ptx and 'st.global.v4.u32' in ptx
+    assert '.local' not in ptx
+
+
+@pytest.mark.parametrize('name,types', [
+    p for p in _every_kernel() if p.values[0].startswith('mnopt_pack')])
+def test_pack_divides_in_the_host_codecs_precision(name, types):
+    """float64 only where the gradient or the wire is float64 (bfloat16:
+    always float32), as grad_buffer.HostCodec divides; the emulation below
+    checks that this precision gives the host's bits."""
+    ptx = _ptx(name, types)
+    wide = name == 'mnopt_pack' and 'float64' in types.values() \
+        or name == 'mnopt_pack_f16' and types['T'] == 'float64'
+    assert ('div.rn.f64' in ptx) == wide
+    assert ('div.rn.f32' in ptx) == (not wide)
+
+
+# --------------------------------------------------------------- emulated
+# The kernels' arithmetic on the host (numpy, whose float32 division and
+# casts round once to nearest-even and keep subnormals, as the kernels'
+# PTX does: checked above), against grad_buffer.HostCodec: its C loops for
+# float32 gradients on 16-bit wires, numpy otherwise.  Needs no CuPy.
+
+def kernel_pack(x, wire, divisor):
+    """What the pack kernels compute (mnopt/_cuda.py _SCALED and the
+    bfloat16 body)."""
+    from mnopt import grad_buffer
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        if wire == 'bfloat16':
+            return grad_buffer.float32_to_bfloat16_bits(
+                x.astype(numpy.float32) / numpy.float32(divisor))
+        wide = x.dtype == numpy.float64 or wire == 'float64'
+        compute = numpy.float64 if wide else numpy.float32
+        return (x.astype(compute) / compute(divisor)).astype(wire)
+
+
+def kernel_unpack(w, wire, grad_dtype):
+    from mnopt import grad_buffer
+    if wire == 'bfloat16':
+        w = grad_buffer.bfloat16_bits_to_float32(w)
+    with numpy.errstate(over='ignore'):
+        return w.astype(grad_dtype)
+
+
+def _same_bits(a, b):
+    a, b = numpy.asarray(a), numpy.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype.kind == 'f':
+        nan = numpy.isnan(a)
+        assert (nan == numpy.isnan(b)).all()
+        a, b = a[~nan], b[~nan]
+    return a.tobytes() == b.tobytes()
+
+
+def _values(grad_dtype, divisors):
+    """Every float16 value; for wider dtypes random values at every scale,
+    float32 subnormals, and values d * m (+-1 ulp) for float16 rounding
+    midpoints m: where dividing in float64 and rounding straight to
+    float16 can differ from dividing in float32 (as the host does)."""
+    rng = numpy.random.RandomState(5)
+    if grad_dtype == 'float16':
+        return numpy.arange(1 << 16, dtype=numpy.uint32).astype(
+            numpy.uint16).view(numpy.float16)
+    parts = [rng.standard_normal(20000) * 10.0 ** rng.randint(-45, 39, 20000),
+             rng.uniform(-1, 1, 2000) * 2.0 ** -126,   # float32 subnormals
+             numpy.array([0.0, -0.0, numpy.inf, -numpy.inf, numpy.nan,
+                          1e-45, -1e-45, 65504.0, 65520.0, 3.4e38])]
+    halves = numpy.arange(0x0400, 0x7BFF, 7, dtype=numpy.uint16).view(
+        numpy.float16).astype(numpy.float64)
+    mids = halves + numpy.spacing(halves.astype(numpy.float16)).astype(
+        numpy.float64) / 2
+    for d in divisors:
+        near = (mids * d).astype(numpy.float32)
+        parts += [near, numpy.nextafter(near, numpy.float32(numpy.inf)),
+                  numpy.nextafter(near, numpy.float32(-numpy.inf))]
+    with numpy.errstate(over='ignore'):
+        return numpy.concatenate(parts).astype(grad_dtype)
+
+
+DIVISORS = (1, 2, 3, 7, 1000, 2049, 65537)
+
+
+@pytest.mark.parametrize('wire', ['float16', 'bfloat16', 'float32',
+                                  'float64'])
+@pytest.mark.parametrize('grad_dtype', ['float16', 'float32', 'float64'])
+def test_emulated_kernel_arithmetic_is_the_host_codecs(grad_dtype, wire):
+    from mnopt import grad_buffer
+    x = _values(grad_dtype, DIVISORS)
+    codec = grad_buffer.HostCodec(wire)
+    for d in DIVISORS:
+        host = numpy.empty(x.size, grad_buffer.storage_dtype(wire))
+        with numpy.errstate(all='ignore'):   # the NaNs and infinities
+            codec.encode(x, host, d)
+        assert _same_bits(kernel_pack(x, wire, d).view(host.dtype), host), d
+        back = numpy.empty(x.size, grad_dtype)
+        with numpy.errstate(all='ignore'):
+            codec.decode(host, back)
+        assert _same_bits(kernel_unpack(host, wire, grad_dtype), back), d
+
+
+def test_dividing_float32_in_float64_would_not_be_the_hosts():
+    """Why the kernels divide float32 gradients in float32: the float64
+    quotient rounded straight to float16 differs from the host's for some
+    world sizes (65537 here); the float32 one is the host's for all."""
+    from mnopt import grad_buffer
+    x = _values('float32', (65537,))
+    host = numpy.empty(x.size, numpy.float16)
+    grad_buffer.HostCodec('float16').encode(x, host, 65537)
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        via_float64 = (x.astype(numpy.float64) / 65537).astype(numpy.float16)
+    assert not _same_bits(via_float64, host)
+    assert _same_bits(kernel_pack(x, 'float16', 65537), host)
+
+
+def _launch_map(sizes, aligned):
+    """Emulates the index mapping of mnopt/_cuda.py's bodies: for each
+    array, how often each element is visited over the whole launch."""
+    from mnopt import _cuda
+    chunk, lanes, vec = 1 << _cuda.CHUNK_BITS, 1 << _cuda.LANE_BITS, \
+        _cuda.VEC
+    chunks = [(n + chunk - 1) // chunk for n in sizes]
+    vstarts = numpy.concatenate([[0], numpy.cumsum(chunks)[:-1]]) * chunk
+    entry = numpy.repeat(numpy.arange(len(sizes)), chunks)
+    seen = [numpy.zeros(n, numpy.int64) for n in sizes]
+    for i in range(int(sum(chunks)) * lanes):
+        c = i >> _cuda.LANE_BITS
+        k = entry[c]
+        n = sizes[k]
+        base = (c << _cuda.CHUNK_BITS) - vstarts[k]
+        lane = i & (lanes - 1)
+        if aligned[k]:
+            j0 = base + lane * vec
+            js = range(j0, min(j0 + vec, n))
+        else:
+            js = [base + lane + r * lanes for r in range(vec)]
+        for j in js:
+            if j < n:
+                seen[k][j] += 1
+    return seen
+
+
+def test_every_element_is_moved_once():
+    sizes = [3, 0, 1, 1024, 1025, 2047, 8, 5000]
+    for aligned in ([True] * len(sizes), [False] * len(sizes),
+                    [k % 2 == 0 for k in range(len(sizes))]):
+        for k, seen in enumerate(_launch_map(sizes, aligned)):
+            assert (seen == 1).all(), (k, aligned[k])
