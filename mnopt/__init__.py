@@ -17,15 +17,22 @@ import importlib
 
 import _mnopt_chainer_numpy2
 
-from mnopt._mpi import LayoutMismatchError  # NOQA
-from mnopt.communicators import create_communicator  # NOQA
-from mnopt.communicators.base import CommunicatorBase  # NOQA
-from mnopt.overflow import GradientOverflowError  # NOQA
 
 __version__ = '0.1.0'
 
 # Chainer 7.8.1 under NumPy 2 (a no-op under NumPy 1 or once Chainer is in).
 _mnopt_chainer_numpy2.install_import_hook()
+
+#: The core, imported on first use: ``import mnopt`` must not start MPI
+#: (importing mpi4py.MPI initialises it), because the processes a script's
+#: multiprocessing forkserver starts import the script, and with it mnopt,
+#: without being MPI processes (ChainerMN's ImageNet example does this).
+_CORE = {
+    'create_communicator': 'mnopt.communicators',
+    'CommunicatorBase': 'mnopt.communicators.base',
+    'LayoutMismatchError': 'mnopt._mpi',
+    'GradientOverflowError': 'mnopt.overflow',
+}
 
 #: The Chainer layer: name -> the module that defines it (a module name
 #: maps to itself: ``mnopt.iterators`` as ``chainermn.iterators``).
@@ -48,6 +55,10 @@ _CHAINER_LAYER = {
 
 
 def __getattr__(name):
+    if name in _CORE:
+        value = getattr(importlib.import_module(_CORE[name]), name)
+        globals()[name] = value
+        return value
     module = _CHAINER_LAYER.get(name)
     if module is None:
         raise AttributeError('module %r has no attribute %r'
@@ -69,4 +80,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_CHAINER_LAYER))
+    return sorted(set(globals()) | set(_CORE) | set(_CHAINER_LAYER))

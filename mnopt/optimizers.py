@@ -7,7 +7,7 @@ import time
 import chainer
 import numpy
 
-from mnopt.communicators.base import named_grads
+from mnopt.arrays import named_grads
 
 
 _LOADED = object()  # _param_set after a snapshot was loaded

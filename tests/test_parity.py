@@ -8,7 +8,7 @@ import types
 import numpy
 import pytest
 
-from conftest import needs_chainer
+from conftest import chainer, needs_chainer
 
 pytestmark = needs_chainer
 
@@ -32,6 +32,7 @@ def test_config_per_communicator(comm):
     assert comm.get_config() == {'allreduce_grad_dtype': 'bfloat16',
                                  'batched_copy': True}
     comm.set_config('batched_copy', False)
+    assert comm.get_config('batched_copy') is False  # kept, as ChainerMN
     grads = [('w', numpy.full(4, comm.rank, numpy.float32))]
     comm.mean_grads(grads)
     numpy.testing.assert_array_equal(grads[0][1], (comm.size - 1) / 2.0)
@@ -40,6 +41,25 @@ def test_config_per_communicator(comm):
     with pytest.raises(ValueError, match='unknown config'):
         comm.get_config('batch_size')
     other.finalize()
+
+
+@needs_chainer
+def test_debug_mode_reports_a_mean_that_is_not_finite(comm):
+    # ChainerMN's check under chainer.set_debug(True): a mean gradient
+    # that is not finite is a ValueError on every rank.
+    model = chainer.Link()
+    with model.init_scope():
+        model.w = chainer.Parameter(numpy.ones(3, numpy.float32))
+    model.w.grad = numpy.array([1, numpy.nan if comm.rank == 0 else 2, 3],
+                               numpy.float32)
+    comm.multi_node_mean_grad(model)  # not in debug mode: no check
+    model.w.grad = numpy.array([1, numpy.nan if comm.rank == 0 else 2, 3],
+                               numpy.float32)
+    with chainer.using_config('debug', True):
+        with pytest.raises(ValueError, match='diverged .*w'):
+            comm.multi_node_mean_grad(model)
+        model.w.grad = numpy.ones(3, numpy.float32)
+        comm.multi_node_mean_grad(model)  # finite: no error
 
 
 def test_create_empty_dataset():

@@ -21,6 +21,7 @@ import time
 # mnopt first: run from a checkout on PYTHONPATH (no .pth installed), its
 # import gives Chainer the NumPy names NumPy 2 removed.
 import mnopt  # NOQA
+import mnopt.communicators
 import chainer
 import numpy
 from chainer import training

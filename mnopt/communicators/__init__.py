@@ -2,8 +2,6 @@
 
 import importlib
 
-from mnopt.communicators.base import CommunicatorBase  # NOQA
-
 _REGISTRY = {
     'naive': ('mnopt.communicators.naive', 'NaiveCommunicator'),
     'flat': ('mnopt.communicators.flat', 'FlatCommunicator'),
@@ -43,8 +41,8 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
         mpi_comm: the mpi4py communicator to run over (COMM_WORLD).
         allreduce_grad_dtype: dtype gradients travel in: ``'float16'``,
             ``'bfloat16'``, ``'float32'``, ``'float64'`` or None (their own).
-        batched_copy: accepted for ChainerMN compatibility; packing is
-            always batched.
+        batched_copy: ChainerMN's setting, kept (``get_config``); mnopt
+            always packs in one batched pass.
         bucket_bytes: bytes of wire data per reduction call (default 1 MiB).
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
@@ -80,7 +78,6 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
             channel of a colocated server, 64 MiB) and ``stats`` (collect
             per-phase timings in ``comm.stats``).
     """
-    del batched_copy
     if abort_on_exception:
         # First: whatever fails below (a bad setting on one rank) must end
         # the job, not leave the other ranks waiting for this one.
@@ -117,7 +114,9 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
             '(python -m mnopt.server) but asks for the %r communicator: '
             "use 'reduction_server', or launch without servers"
             % (len(servers), cls.name))
-    return cls(mpi_comm, **kwargs)
+    comm = cls(mpi_comm, **kwargs)
+    comm.set_config('batched_copy', batched_copy)
+    return comm
 
 
 def _intracommunicator(mpi_comm):
@@ -157,3 +156,12 @@ def _agree_to_start(comm, problem, name, stall_warning, timeout):
     if problems:
         raise RuntimeError('create_communicator(%r) failed on %s'
                            % (name, '; '.join(problems)))
+
+
+def __getattr__(name):
+    # Imported on first use: importing mpi4py.MPI starts MPI, which
+    # ``import mnopt.communicators`` must not (see mnopt/__init__.py).
+    if name == 'CommunicatorBase':
+        from mnopt.communicators.base import CommunicatorBase
+        return CommunicatorBase
+    raise AttributeError('module %r has no attribute %r' % (__name__, name))

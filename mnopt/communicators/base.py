@@ -21,6 +21,8 @@ from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
 from mnopt import stall
+from mnopt.arrays import array_module, named_grads, to_host
+from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
 from mnopt.stall import watched
 
 
@@ -163,6 +165,14 @@ def whole_argument(name, value, minimum):
     return int(value)
 
 
+def _chainer_debug():
+    """Whether Chainer is in use and in debug mode (``chainer.set_debug``);
+    the core does not import Chainer for it."""
+    import sys
+    chainer = sys.modules.get('chainer')
+    return chainer is not None and chainer.is_debug()
+
+
 class MeanHandle(object):
     """An averaging in progress; ``wait()`` returns when it is done and
     raises any exception it ended with."""
@@ -189,18 +199,7 @@ def _device_of(named, xp):
     return _cuda.device_id([a for _, a in named])
 
 
-def _array_module(arrays):
-    kinds = {type(a).__module__.split('.')[0] for a in arrays}
-    if not kinds or kinds == {'numpy'}:
-        return numpy
-    if kinds == {'cupy'}:
-        import cupy
-        return cupy
-    raise TypeError('gradients must be all numpy or all cupy arrays, got %s'
-                    % sorted(kinds))
-
-
-class CommunicatorBase(object):
+class CommunicatorBase(ChainerMNCollectives):
     """A data-parallel communicator (ChainerMN's API).
 
     Subclasses set ``name`` and implement ``_sum(buffer, group)``: sum the
@@ -273,6 +272,7 @@ class CommunicatorBase(object):
         #: Bytes this rank sent for its last vote (sign compression).
         self.vote_stats = {}
         self.bucket_bytes = int(bucket_bytes)
+        self.batched_copy = True  # ChainerMN's setting (set_config)
         #: The MPI communicators and thread this communicator holds: freed
         #: by finalize(), or when the communicator is garbage-collected
         #: (MPI has a few thousand communicators per process).
@@ -282,6 +282,8 @@ class CommunicatorBase(object):
         CommunicatorBase._created += 1
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
+
+    # ChainerMN's array and object collectives: chainermn_collectives.py.
         if self._owns_monitor():
             self._resources.monitor = self._monitor
         intra, leaders, node, n_nodes = node_split(mpi_comm)
@@ -334,11 +336,14 @@ class CommunicatorBase(object):
         """ChainerMN's run-time settings, per communicator:
         ``'allreduce_grad_dtype'`` (a dtype, its name, or None; every rank
         must set the same, which the next averaging checks) and
-        ``'batched_copy'`` (accepted; packing is always batched)."""
+        ``'batched_copy'`` (kept and reported as ChainerMN does; mnopt
+        always packs in one batched pass, which gives the same bits)."""
         self.get_config(name)  # an unknown name raises
+        value = kwargs.get('dtype', value)
         if name == 'allreduce_grad_dtype':
-            self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
-                kwargs.get('dtype', value))
+            self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(value)
+        else:
+            self.batched_copy = bool(value)
 
     def get_config(self, name=None):
         """The setting ``name`` (a numpy dtype, or the string 'bfloat16',
@@ -346,7 +351,7 @@ class CommunicatorBase(object):
         wire = self.allreduce_grad_dtype
         config = {'allreduce_grad_dtype': None if wire is None else
                   wire if wire == 'bfloat16' else numpy.dtype(wire),
-                  'batched_copy': True}
+                  'batched_copy': self.batched_copy}
         if name is None:
             return config
         if name not in config:
@@ -415,7 +420,7 @@ class CommunicatorBase(object):
             resources.executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self.name,
                 initializer=_sched.prefer_low_latency)
-        xp = _array_module([a for _, a in named])
+        xp = array_module([a for _, a in named])
         device = _device_of(named, xp)
         ready = None
         if xp is not numpy:
@@ -448,7 +453,7 @@ class CommunicatorBase(object):
             stream.synchronize()
 
     def _mean(self, group, named, iteration=None):
-        xp = _array_module([a for _, a in named])
+        xp = array_module([a for _, a in named])
         if xp is numpy:
             return self._mean_on_device(group, named, xp, iteration)
         # Kernels, buffers and NCCL calls go to the gradients' GPU, whatever
@@ -505,7 +510,16 @@ class CommunicatorBase(object):
         are skipped too, unless ``zero_fill``: then they count as zeros
         (and receive the mean as their gradient).
         """
-        self.mean_grads(named_grads(model, zero_fill))
+        named = named_grads(model, zero_fill)
+        self.mean_grads(named)
+        if _chainer_debug():
+            # ChainerMN's check, in Chainer's debug mode: the means are the
+            # same on every rank, so every rank raises.
+            for name, grad in named:
+                if not array_module([grad]).isfinite(grad).all():
+                    raise ValueError('Parameters diverged after allreduce: '
+                                     'the mean gradient of %s is not finite'
+                                     % name)
 
     def allreduce_grad(self, model, zero_fill=False):
         """Deprecated ChainerMN name of multi_node_mean_grad."""
@@ -522,7 +536,7 @@ class CommunicatorBase(object):
                                     [a.dtype for _, a in named], wire='-')
         _mpi.check_layouts(comm, layout, what='parameters')
         for _, array in named:
-            host = _to_host(array)
+            host = to_host(array)
             _mpi.bcast_bytes(comm, host, root)
             if host is not array:
                 array.set(host)
@@ -556,141 +570,10 @@ class CommunicatorBase(object):
                      'on_overflow': self._overflow.on_overflow},
                     **self._stall_settings)
 
-    @watched('send', collective=False)
-    def send(self, data, dest, tag):
-        _mpi.send_obj(self.mpi_comm, _host_message(data), dest, tag)
-
-    @watched('recv', collective=False)
-    def recv(self, source, tag):
-        return _device_message(_mpi.recv_obj(self.mpi_comm, source, tag))
-
-    @watched('bcast')
-    def bcast(self, x, root=0):
-        msg = _mpi.bcast_obj(self.mpi_comm, _host_message(x)
-                             if self.rank == root else None, root)
-        return x if self.rank == root else _device_message(msg)
-
-    @watched('gather')
-    def gather(self, x, root=0):
-        msgs = _mpi.gather_obj(self.mpi_comm, _host_message(x), root)
-        return None if msgs is None else tuple(map(_device_message, msgs))
-
-    @watched('allgather')
-    def allgather(self, x):
-        return tuple(map(_device_message,
-                         _mpi.allgather_obj(self.mpi_comm, _host_message(x))))
-
-    @watched('scatter')
-    def scatter(self, xs, root=0):
-        msgs = [_host_message(x) for x in xs] if self.rank == root else None
-        return _device_message(_mpi.scatter_obj(self.mpi_comm, msgs, root))
-
-    @watched('alltoall')
-    def alltoall(self, xs):
-        if len(xs) != self.size:
-            raise ValueError('alltoall needs one array per rank (%d), got %d'
-                             % (self.size, len(xs)))
-        out = []
-        for root in range(self.size):
-            out.append(self.scatter(xs if self.rank == root else None, root))
-        return tuple(out)
-
-    @watched('allreduce')
-    def allreduce(self, x):
-        """Element-wise sum of ``x`` over all ranks (a new array)."""
-        host = numpy.array(_to_host(x), copy=True)
-        headers = _mpi.allgather_obj(self.mpi_comm, (host.shape, host.dtype.name))
-        if any(h != headers[0] for h in headers):
-            raise ValueError('allreduce: ranks hold different arrays: %s'
-                             % ', '.join('rank %d %s %s' % ((r,) + h)
-                                         for r, h in enumerate(headers)))
-        if host.dtype.name in grad_buffer.WIRE_DTYPES:
-            _mpi.allreduce_sum(self.mpi_comm, host.reshape(-1), host.dtype.name)
-        else:
-            self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
-        return _like(host, x)
-
-    @watched('send_obj', collective=False)
-    def send_obj(self, obj, dest, tag=0):
-        _mpi.send_obj(self.mpi_comm, obj, dest, tag)
-
-    @watched('recv_obj', collective=False)
-    def recv_obj(self, source, status=None, tag=MPI.ANY_TAG):
-        return _mpi.recv_obj(self.mpi_comm, source, tag, status)
-
-    @watched('bcast_obj')
-    def bcast_obj(self, obj, max_buf_len=None, root=0):
-        return _mpi.bcast_obj(self.mpi_comm, obj, root)
-
-    @watched('gather_obj')
-    def gather_obj(self, obj, root=0):
-        return _mpi.gather_obj(self.mpi_comm, obj, root)
-
-    @watched('allgather_obj')
-    def allgather_obj(self, obj):
-        return _mpi.allgather_obj(self.mpi_comm, obj)
-
-    @watched('allreduce_obj')
-    def allreduce_obj(self, obj):
-        """Sum of ``obj`` over ranks with ``+``, in rank order (the same
-        result on every rank)."""
-        objs = _mpi.allgather_obj(self.mpi_comm, obj)
-        total = objs[0]
-        for o in objs[1:]:
-            total = total + o
-        return total
-
-    @watched('scatter_obj')
-    def scatter_obj(self, objs, root=0):
-        return _mpi.scatter_obj(self.mpi_comm, objs, root)
+    # ChainerMN's array and object collectives: chainermn_collectives.py.
 
 
-def named_grads(model, zero_fill):
-    """The gradients to average, sorted by parameter name (the order of
-    ``namedparams`` can differ between processes)."""
-    out = []
-    for name, param in sorted(model.namedparams()):
-        if param.array is None:
-            continue
-        if param.grad is None:
-            if not zero_fill:
-                continue
-            xp = _array_module([param.array])
-            param.grad = xp.zeros_like(param.array)
-        out.append((name, param.grad))
-    return out
-
-
-# ------------------------------------------------------------- host staging
-def _to_host(x):
-    if isinstance(x, numpy.ndarray):
-        return numpy.ascontiguousarray(x)
-    if type(x).__module__.split('.')[0] == 'cupy':
-        return x.get()
-    return numpy.ascontiguousarray(numpy.asarray(x))
-
-
-def _like(host, original):
-    if isinstance(original, numpy.ndarray) or not hasattr(original, 'device'):
-        return host
-    import cupy
-    return cupy.asarray(host)
-
-
-def _host_message(data):
-    """(is_tuple, on_gpu, host arrays) for the array collectives."""
-    if isinstance(data, (tuple, list)):
-        return (True, any(not isinstance(a, numpy.ndarray) for a in data),
-                [_to_host(a) for a in data])
-    return False, not isinstance(data, numpy.ndarray), [_to_host(data)]
-
-
-def _device_message(msg):
-    is_tuple, on_gpu, arrays = msg
-    if on_gpu:
-        try:
-            import cupy
-            arrays = [cupy.asarray(a) for a in arrays]
-        except ImportError:
-            pass
-    return tuple(arrays) if is_tuple else arrays[0]
+# Old private names, until mnopt.extensions.allreduce_persistent imports
+# mnopt.arrays.
+from mnopt.arrays import as_array_like as _like  # NOQA
+_to_host = to_host

@@ -1,0 +1,131 @@
+"""ChainerMN's array and object collectives (``send``, ``bcast``,
+``allreduce``, ``send_obj``, ...), mixed into every communicator.
+
+Arrays travel as host copies (GPU arrays come back as CuPy arrays on the
+receiver's current device); objects are pickled in chunks by ``_mpi``.
+Every call is stall-watched like the gradient averaging: a rank that never
+joins is reported, not waited on forever.
+"""
+
+import numpy
+from mpi4py import MPI
+
+from mnopt import _mpi
+from mnopt import grad_buffer
+from mnopt.arrays import as_array_like, to_host
+from mnopt.stall import watched
+
+
+def host_message(data):
+    """(is_tuple, on_gpu, host arrays): an array or a tuple/list of them,
+    ready to pickle."""
+    if isinstance(data, (tuple, list)):
+        return (True, any(not isinstance(a, numpy.ndarray) for a in data),
+                [to_host(a) for a in data])
+    return False, not isinstance(data, numpy.ndarray), [to_host(data)]
+
+
+def device_message(msg):
+    """The arrays of a ``host_message``, back on the GPU if they came from
+    one (and CuPy is here)."""
+    is_tuple, on_gpu, arrays = msg
+    if on_gpu:
+        try:
+            import cupy
+            arrays = [cupy.asarray(a) for a in arrays]
+        except ImportError:
+            pass
+    return tuple(arrays) if is_tuple else arrays[0]
+
+
+class ChainerMNCollectives(object):
+    """Needs ``self.mpi_comm``, ``self.rank``, ``self.size`` and the stall
+    monitor that ``watched`` uses (CommunicatorBase has them)."""
+
+    @watched('send', collective=False)
+    def send(self, data, dest, tag):
+        _mpi.send_obj(self.mpi_comm, host_message(data), dest, tag)
+
+    @watched('recv', collective=False)
+    def recv(self, source, tag):
+        return device_message(_mpi.recv_obj(self.mpi_comm, source, tag))
+
+    @watched('bcast')
+    def bcast(self, x, root=0):
+        msg = _mpi.bcast_obj(self.mpi_comm, host_message(x)
+                             if self.rank == root else None, root)
+        return x if self.rank == root else device_message(msg)
+
+    @watched('gather')
+    def gather(self, x, root=0):
+        msgs = _mpi.gather_obj(self.mpi_comm, host_message(x), root)
+        return None if msgs is None else tuple(map(device_message, msgs))
+
+    @watched('allgather')
+    def allgather(self, x):
+        return tuple(map(device_message,
+                         _mpi.allgather_obj(self.mpi_comm, host_message(x))))
+
+    @watched('scatter')
+    def scatter(self, xs, root=0):
+        msgs = [host_message(x) for x in xs] if self.rank == root else None
+        return device_message(_mpi.scatter_obj(self.mpi_comm, msgs, root))
+
+    @watched('alltoall')
+    def alltoall(self, xs):
+        if len(xs) != self.size:
+            raise ValueError('alltoall needs one array per rank (%d), got %d'
+                             % (self.size, len(xs)))
+        out = []
+        for root in range(self.size):
+            out.append(self.scatter(xs if self.rank == root else None, root))
+        return tuple(out)
+
+    @watched('allreduce')
+    def allreduce(self, x):
+        """Element-wise sum of ``x`` over all ranks (a new array)."""
+        host = numpy.array(to_host(x), copy=True)
+        headers = _mpi.allgather_obj(self.mpi_comm, (host.shape, host.dtype.name))
+        if any(h != headers[0] for h in headers):
+            raise ValueError('allreduce: ranks hold different arrays: %s'
+                             % ', '.join('rank %d %s %s' % ((r,) + h)
+                                         for r, h in enumerate(headers)))
+        if host.dtype.name in grad_buffer.WIRE_DTYPES:
+            _mpi.allreduce_sum(self.mpi_comm, host.reshape(-1), host.dtype.name)
+        else:
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        return as_array_like(host, x)
+
+    @watched('send_obj', collective=False)
+    def send_obj(self, obj, dest, tag=0):
+        _mpi.send_obj(self.mpi_comm, obj, dest, tag)
+
+    @watched('recv_obj', collective=False)
+    def recv_obj(self, source, status=None, tag=MPI.ANY_TAG):
+        return _mpi.recv_obj(self.mpi_comm, source, tag, status)
+
+    @watched('bcast_obj')
+    def bcast_obj(self, obj, max_buf_len=None, root=0):
+        return _mpi.bcast_obj(self.mpi_comm, obj, root)
+
+    @watched('gather_obj')
+    def gather_obj(self, obj, root=0):
+        return _mpi.gather_obj(self.mpi_comm, obj, root)
+
+    @watched('allgather_obj')
+    def allgather_obj(self, obj):
+        return _mpi.allgather_obj(self.mpi_comm, obj)
+
+    @watched('allreduce_obj')
+    def allreduce_obj(self, obj):
+        """Sum of ``obj`` over ranks with ``+``, in rank order (the same
+        result on every rank)."""
+        objs = _mpi.allgather_obj(self.mpi_comm, obj)
+        total = objs[0]
+        for o in objs[1:]:
+            total = total + o
+        return total
+
+    @watched('scatter_obj')
+    def scatter_obj(self, objs, root=0):
+        return _mpi.scatter_obj(self.mpi_comm, objs, root)
