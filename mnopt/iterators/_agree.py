@@ -1,0 +1,12 @@
+"""The ranks' agreement on an iterator's arguments, checked once at
+creation."""
+
+
+def same_on_every_rank(communicator, what, value):
+    """Raise ValueError on every rank unless every rank passed the same
+    ``value``; otherwise return it."""
+    values = communicator.allgather_obj(value)
+    if any(v != values[0] for v in values):
+        raise ValueError('ranks disagree on %s: %s' % (what, ', '.join(
+            'rank %d: %r' % rv for rv in enumerate(values))))
+    return value
