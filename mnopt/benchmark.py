@@ -560,27 +560,35 @@ def main(argv=None):
                 default=None)
     rows = []
     print('# mean_grads, ResNet-50 gradients (%d float32, %.1f MB), '
-          'N=%d, %d repetitions, slowest rank' % (total, nbytes / 1e6,
-                                                  world.size, args.reps))
-    print('%-34s %9s %9s %9s %9s %9s' % ('case', 'median ms', 'min ms',
-                                         'max ms', 'algbw GB/s', 'x limit'))
+          'N=%d, %d repetitions, slowest rank; algbw = bytes/time, busbw = '
+          'algbw*2(N-1)/N (what each rank\'s link carries on a ring); '
+          'MNOPT_ALLREDUCE=%s' % (total, nbytes / 1e6, world.size,
+                                  args.reps, os.environ.get(
+                                      'MNOPT_ALLREDUCE') or 'auto'))
+    print('%-34s %9s %9s %9s %9s %9s %9s' % (
+        'case', 'median ms', 'min ms', 'max ms', 'algbw GB/s', 'busbw GB/s',
+        'x limit'))
     for (label, kind, _), t, med in zip(cases, times, medians):
         row = {'case': label, 'kind': kind, 'median_s': float(med),
                'min_s': float(t.min()), 'max_s': float(t.max()),
                'algbw_GBps': nbytes / med / 1e9,
+               'busbw_GBps': bus_bandwidth(nbytes / med / 1e9, world.size),
                'x_limit': float(med / limit) if limit else None}
         if label in SIGN_COMMS:  # measured: bytes rank 0 sent in its vote
             row['sent_bytes'] = SIGN_COMMS[label].vote_stats['bytes_sent']
         if link_bytes is not None:
             row['link_tx_bytes'] = link_bytes[len(rows)]
         rows.append(row)
-        print('%-34s %9.1f %9.1f %9.1f %9.2f %9s' % (
+        print('%-34s %9.1f %9.1f %9.1f %9.3f %9.3f %9s' % (
             label, med * 1e3, t.min() * 1e3, t.max() * 1e3,
-            row['algbw_GBps'], '%.2f' % row['x_limit'] if limit else '-'))
+            row['algbw_GBps'], row['busbw_GBps'],
+            '%.2f' % row['x_limit'] if limit else '-'))
     if args.json:
         with open(args.json, 'w') as f:
             json.dump({'n_ranks': world.size, 'n_elements': total,
-                       'reps': args.reps, 'rows': rows}, f, indent=1)
+                       'reps': args.reps, 'allreduce': os.environ.get(
+                           'MNOPT_ALLREDUCE') or 'auto',
+                       'rows': rows}, f, indent=1)
 
 
 if __name__ == '__main__':
