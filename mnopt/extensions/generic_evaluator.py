@@ -1,20 +1,28 @@
 """GenericMultiNodeEvaluator: any evaluation, computed batch by batch on
 every rank and combined on one."""
 
-import chainer
+import copy
+
 from chainer import function
 from chainer.dataset import convert
 from chainer.training import extension
 
 
 class GenericMultiNodeEvaluator(extension.Extension):
-    """Subclass it and define ``calc_local(*batch)``, which returns a
-    picklable result for one batch of this rank's ``iterator``, and
-    ``aggregate(results)``, which gets the results of every rank's batches
-    (rank by rank, in batch order) on ``root`` and returns the evaluation.
-    Calling it (or the trainer, as an extension) returns that on ``root``
-    and None elsewhere; ranks may have different numbers of batches.
-    ``progress_hook(batch)`` is called after each local batch."""
+    """ChainerMN's evaluation that is not a mean: each rank runs
+    ``calc_local(*batch)`` on each batch of its own (non-repeating)
+    ``iterator``; ``root`` gets every result, in ChainerMN's order (round
+    by round: the first batch of every rank in rank order, then the
+    second...; ranks may have different numbers of batches), and returns
+    ``aggregate(results)``.  Calling it (or the trainer, as an extension)
+    returns that on ``root`` and None elsewhere.
+
+    By default ``calc_local`` calls ``target`` and ``aggregate`` returns
+    the list of results, as ChainerMN's; override them.  A result of None
+    is left out (ChainerMN reads it as a rank with no batch left).
+    ``progress_hook(batch)`` is called after each local batch, on every
+    rank (ChainerMN: on ``root`` only).  A ``calc_local`` error on any rank is raised on every rank
+    (the rank's own error there, RuntimeError naming it elsewhere)."""
 
     trigger = 1, 'epoch'
     default_name = 'validation'
@@ -22,29 +30,41 @@ class GenericMultiNodeEvaluator(extension.Extension):
     name = None
 
     def __init__(self, comm, iterator, target, device=None,
-                 converter=convert.concat_examples, root=0,
+                 converter=convert.concat_examples, root=0, *,
                  progress_hook=None):
+        if not 0 <= root < comm.size:
+            raise ValueError('root %r is not a rank of a communicator of '
+                             'size %d' % (root, comm.size))
         self.comm = comm
         self.iterator = iterator
-        self.target = target
+        self._targets = {'main': target}
         self.device = device
         self.converter = converter
         self.root = root
-        self.progress_hook = progress_hook
+        self._progress_hook = progress_hook
+
+    @property
+    def target(self):
+        return self._targets['main']
 
     def calc_local(self, *args, **kwargs):
-        raise NotImplementedError('define calc_local in a subclass')
+        """One batch's result (anything picklable but None); by default
+        ``target(*args, **kwargs)``."""
+        return self._targets['main'](*args, **kwargs)
 
     def aggregate(self, results):
-        raise NotImplementedError('define aggregate in a subclass')
+        """The evaluation, from every rank's results (on ``root`` only);
+        by default the list itself."""
+        return results
 
-    def __call__(self, trainer=None):
+    def _local_results(self):
         it = self.iterator
         if hasattr(it, 'reset'):
             it.reset()
+        else:
+            it = copy.copy(it)
         results = []
-        with function.no_backprop_mode(), \
-                chainer.using_config('train', False):
+        with function.no_backprop_mode():
             for batch in it:
                 arrays = self.converter(batch, self.device)
                 if isinstance(arrays, tuple):
@@ -54,9 +74,30 @@ class GenericMultiNodeEvaluator(extension.Extension):
                 else:
                     result = self.calc_local(arrays)
                 results.append(result)
-                if self.progress_hook is not None:
-                    self.progress_hook(batch)
+                if self._progress_hook is not None:
+                    self._progress_hook(batch)
+        return results
+
+    def __call__(self, trainer=None):
+        error = None
+        try:
+            results = self._local_results()
+        except Exception as e:
+            results, error = None, e
+        errors = self.comm.allgather_obj(
+            None if error is None else '%s: %s' % (type(error).__name__,
+                                                   error))
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RuntimeError('GenericMultiNodeEvaluator failed on %s' % (
+                '; '.join('rank %d: %s' % f for f in failed)))
         gathered = self.comm.gather_obj(results, root=self.root)
         if self.comm.rank != self.root:
             return None
-        return self.aggregate([r for rank in gathered for r in rank])
+        rounds = max(len(r) for r in gathered)
+        return self.aggregate([
+            rank_results[i] for i in range(rounds)
+            for rank_results in gathered
+            if i < len(rank_results) and rank_results[i] is not None])
