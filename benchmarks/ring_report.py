@@ -1,0 +1,77 @@
+"""docs/results/netsim/ring.md from the ring_*.json that
+benchmarks/ring_bench.py wrote (one file per node count and rate).
+
+    python benchmarks/ring_report.py docs/results/netsim/ring_*.json \\
+        > docs/results/netsim/ring.md
+"""
+
+import json
+import sys
+
+
+def main(paths):
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        run['path'] = path
+        runs.append(run)
+    runs.sort(key=lambda r: (r['rate_mbit'], r['n_ranks'], r['path']))
+    print('# mnopt\'s pipelined ring vs MPI Allreduce (simulated cluster)\n')
+    print('One rank per node, every link shaped to the rate in each '
+          'direction (`python -m mnopt.netsim`); ResNet-50\'s 162 '
+          'gradients, 102.2 MB of float32.  Times: the slowest rank, '
+          'min / median / max over the repetitions, cases round-robin in '
+          'one run.  CPU idle: the share of the machine\'s 2 cores idle '
+          'while the case ran (median).  Bound: 2(N-1)/N * bytes / rate.\n')
+    print('| nodes | rate Mbit/s | case | min s | median s | max s | '
+          'x bound | CPU idle % | file |')
+    print('|---|---|---|---|---|---|---|---|---|')
+    for run in runs:
+        if not run['cases']:
+            continue
+        for c in run['cases']:
+            t = c['time_s']
+            print('| %d | %g | %s | %.3f | %.3f | %.3f | %.2f | %.0f | %s |'
+                  % (run['n_ranks'], run['rate_mbit'], c['case'], t['min'],
+                     t['median'], t['max'], c['x_bound'],
+                     100 * c['cpu_idle']['median'],
+                     run['path'].split('/')[-1]))
+        print('| %d | %g | ring bound | | %.3f | | 1.00 | | |'
+              % (run['n_ranks'], run['rate_mbit'],
+                 run['cases'][0]['bound_s']))
+    sized = [r for r in runs if r['sizes']]
+    if sized:
+        print('\n## One buffer by size: ring vs MPI Allreduce\n')
+        print('| nodes | rate Mbit/s | bytes | ring median ms (min-max) | '
+              'MPI median ms (min-max) | MPI / ring | bound ms | CPU idle % '
+              'ring / MPI |')
+        print('|---|---|---|---|---|---|---|---|')
+        for run in sized:
+            for r in run['sizes']:
+                ring, mpi = r['ring'], r['mpi']
+                print('| %d | %g | %d | %.1f (%.1f-%.1f) | %.1f (%.1f-%.1f) '
+                      '| %.2f | %.1f | %.0f / %.0f |' % (
+                          run['n_ranks'], run['rate_mbit'], r['bytes'],
+                          1e3 * ring['time_s']['median'],
+                          1e3 * ring['time_s']['min'],
+                          1e3 * ring['time_s']['max'],
+                          1e3 * mpi['time_s']['median'],
+                          1e3 * mpi['time_s']['min'],
+                          1e3 * mpi['time_s']['max'],
+                          r['mpi_over_ring'], 1e3 * r['bound_s'],
+                          100 * ring['cpu_idle']['median'],
+                          100 * mpi['cpu_idle']['median']))
+    print('\nCommands: each JSON records its argv; the runs were\n')
+    print('```sh')
+    for run in runs:
+        print('python -m mnopt.netsim run --nodes %d --rate %gmbit -- '
+              '.venv/numpy2/bin/python -m mpi4py %s'
+              % (run['n_ranks'], run['rate_mbit'], ' '.join(
+                  a if not a.endswith('ring_bench.py')
+                  else 'benchmarks/ring_bench.py' for a in run['argv'])))
+    print('```')
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
