@@ -20,6 +20,7 @@ arrays (with a pinned host mirror for MPI staging) for GPU gradients.
 
 import bisect
 import hashlib
+import weakref
 
 import numpy
 
@@ -151,6 +152,27 @@ def make_layout(named_arrays, wire):
                 'gradient %r has dtype %s; only float16, float32 and '
                 'float64 gradients can be averaged' % (name, dtype))
     return Layout(names, shapes, dtypes, wire)
+
+
+# --------------------------------------------------------------- host memory
+
+#: The host arrays pinned_host_empty allocated (id -> array), while alive.
+_pinned = weakref.WeakValueDictionary()
+
+
+def pinned_host_empty(n, dtype):
+    """A page-locked host array: the host side of every copy to or from a
+    GPU buffer, so that the copy runs at full speed and can overlap (a copy
+    through pageable memory is staged by the driver and cannot)."""
+    from mnopt import _cuda
+    a = _cuda.pinned_empty(n, dtype)
+    _pinned[id(a)] = a
+    return a
+
+
+def is_pinned_host(a):
+    """Whether ``a`` came from pinned_host_empty."""
+    return _pinned.get(id(a)) is a
 
 
 # --------------------------------------------------------------- buffer
@@ -292,7 +314,7 @@ class GradBuffer(object):
         if self.xp is not numpy:
             from mnopt import _cuda
             if self._host is None:
-                self._host = _cuda.pinned_empty(self.wire.size, self.dtype)
+                self._host = self.new_host_buffer()
             self.wire.get(out=self._host)
             host = self._host
         for b in self.buckets:
@@ -307,10 +329,31 @@ class GradBuffer(object):
         if self.xp is not numpy:
             self.wire.set(self._host)
 
+    def new_host_buffer(self):
+        """An empty host array shaped like the host buffer and allocated as
+        it is: pinned for a GPU buffer (the GPU copies to and from it)."""
+        if self.xp is numpy:
+            return numpy.empty(self.wire.size, self.dtype)
+        return pinned_host_empty(self.wire.size, self.dtype)
+
+    def fits_host(self, other):
+        """Whether ``other`` can become the host buffer (swap_host)."""
+        return (other.shape == (self.wire.size,) and other.dtype == self.dtype
+                and (self.xp is numpy or is_pinned_host(other)))
+
     def swap_host(self, other):
-        """Adopt ``other`` (shaped like the host buffer) as the host buffer,
-        for transports whose sums arrive in a second buffer; returns the
-        previous one for reuse."""
+        """Adopt ``other`` (from ``new_host_buffer``, or returned by an
+        earlier swap) as the host buffer, for transports whose sums arrive
+        in a second buffer; returns the previous one for reuse.  A GPU
+        buffer takes only pinned memory: a copy through pageable memory
+        cannot overlap."""
+        if not self.fits_host(other):
+            raise ValueError(
+                'swap_host takes a host buffer made by new_host_buffer() '
+                '(pinned for a GPU buffer), shaped (%d,) %s; got %s %s%s'
+                % (self.wire.size, self.dtype, other.shape, other.dtype,
+                   '' if self.xp is numpy else ' (pinned: %s)'
+                   % is_pinned_host(other)))
         if self.xp is numpy:
             old, self.wire = self.wire, other
         else:

@@ -124,7 +124,7 @@ class ReductionServerCommunicator(CommunicatorBase):
         # each mean unpacked into them as it arrives: both copies hide
         # behind the network.
         self._exchange(
-            group, buffer.wire, self._result_buffer(group, buffer.wire),
+            group, buffer.wire, self._result_buffer(group, buffer),
             buffer.layout.wire, buffer.layout.digest,
             on_push=lambda part: buffer.pack_range(
                 arrays, part.start, part.stop, self._pack_divisor()),
@@ -135,7 +135,7 @@ class ReductionServerCommunicator(CommunicatorBase):
         data = next(iter(buffer.host_parts()), None)
         if data is None:
             return
-        result = self._result_buffer(group, data)
+        result = self._result_buffer(group, buffer)
         self._exchange(group, data, result, buffer.layout.wire,
                        buffer.layout.digest)
         # The means arrived in the second buffer: adopt it, keep the other.
@@ -177,10 +177,12 @@ class ReductionServerCommunicator(CommunicatorBase):
             job.async_user = None
 
     @staticmethod
-    def _result_buffer(group, data):
-        if group.result is None or group.result.size != data.size \
-                or group.result.dtype != data.dtype:
-            group.result = numpy.empty_like(data)
+    def _result_buffer(group, buffer):
+        """The second host buffer the means arrive in (kept per group,
+        swapped with the buffer's own): made by the buffer, so pinned
+        where a GPU copies it."""
+        if group.result is None or not buffer.fits_host(group.result):
+            group.result = buffer.new_host_buffer()
         return group.result
 
     def _exchange(self, group, data, result, wire, digest, step=0,
