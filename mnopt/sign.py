@@ -84,6 +84,13 @@ def coin(index, step):
     return (z >> xp.uint64(63)).astype(xp.uint8)
 
 
+def to_host(array):
+    """A device array as numpy (CuPy: one copy, waiting for the work that
+    makes it); numpy arrays as they are."""
+    get = getattr(array, 'get', None)
+    return numpy.asarray(array if get is None else get())
+
+
 def _xp(array):
     if type(array).__module__.split('.')[0] == 'cupy':
         import cupy
@@ -126,6 +133,8 @@ class SignCodec(object):
     def encode(self, arrays, step):
         """(packed sign bits, per-array scales as float64 numpy)."""
         xp, p, offs = self.xp, self.p, self.offsets
+        if xp is not numpy:
+            return self._encode_on_device(arrays, step)
         fast = xp is numpy and _signbits is not None
         if fast and self._bits is None:  # each step writes every element's
             # bit; the padding after the last stays 0, as packbits makes it
@@ -157,6 +166,40 @@ class SignCodec(object):
                 # e = p - scale * sign(p), the sign being the bit voted.
                 both = xp.array([-scales[i], scales[i]], xp.float32)
                 xp.subtract(p[lo:hi], both[positive[lo:hi]],
+                            out=self.residual[lo:hi])
+        return xp.packbits(positive), scales
+
+    def _encode_on_device(self, arrays, step):
+        """encode for device arrays: whole-buffer passes where numpy goes
+        array by array (for its cache), and every array's scale brought to
+        the host at once (one synchronisation, not one per array).  The
+        numbers are numpy's: the same sums of |p| over the same slices."""
+        xp, p, offs = self.xp, self.p, self.offsets
+        for i, a in enumerate(arrays):
+            if offs[i + 1] > offs[i]:
+                p[offs[i]:offs[i + 1]] = a.reshape(-1)
+        if self.residual is not None:
+            p += self.residual
+        filled = [i for i in range(len(arrays)) if offs[i + 1] > offs[i]]
+        scales = numpy.zeros(len(arrays), numpy.float64)
+        if filled:
+            magnitude = xp.abs(p)
+            sums = xp.stack([magnitude[offs[i]:offs[i + 1]].sum(
+                dtype=xp.float64) for i in filled])
+            # float(sum) / size, as the host path divides.
+            scales[filled] = to_host(sums) / (offs[1:] - offs[:-1])[filled]
+        positive = (p > 0).view(xp.uint8)
+        zero = xp.nonzero(p == 0)[0]
+        if zero.size:
+            positive[zero] = coin(zero.astype(xp.uint64), step)
+        if self.residual is not None:
+            # e = p - scale * sign(p), the sign being the bit voted; every
+            # array's (-scale, +scale) in one copy to the device.
+            both = xp.asarray(numpy.stack([-scales, scales], axis=1)
+                              .astype(numpy.float32))
+            for i in filled:
+                lo, hi = offs[i], offs[i + 1]
+                xp.subtract(p[lo:hi], both[i][positive[lo:hi]],
                             out=self.residual[lo:hi])
         return xp.packbits(positive), scales
 

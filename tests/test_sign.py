@@ -172,6 +172,54 @@ def test_c_loops_match_numpy(monkeypatch):
             numpy.testing.assert_array_equal(a, b)
 
 
+class ArraysElsewhere(object):
+    """An array module that is not numpy (so SignCodec takes its device
+    path) but computes with numpy: the device path's numbers, on the
+    host."""
+
+    def __getattr__(self, name):
+        return getattr(numpy, name)
+
+
+@pytest.mark.parametrize('error_feedback', [True, False])
+def test_device_path_brings_all_scales_to_the_host_at_once(
+        monkeypatch, error_feedback):
+    """The device path (CuPy arrays) fetches every array's scale in one
+    copy, not one synchronisation per array, and gives the host path's
+    bits, scales and residuals exactly (same sums, same order)."""
+    rng = numpy.random.RandomState(4)
+    shapes = [(13,), (0,), (7, 9), (1,), (4000,), (3, 5, 2)]
+    layout = mnopt.grad_buffer.make_layout(
+        [('p%d' % i, numpy.zeros(s, numpy.float32))
+         for i, s in enumerate(shapes)], 'float32')
+    fetched = []
+    real_to_host = sign.to_host
+
+    def counting_to_host(array):
+        fetched.append(array.size)
+        return real_to_host(array)
+    monkeypatch.setattr(sign, 'to_host', counting_to_host)
+    on_host = sign.SignCodec(layout, error_feedback=error_feedback)
+    elsewhere = sign.SignCodec(layout, ArraysElsewhere(),
+                               error_feedback=error_feedback)
+    for step in range(4):   # residuals carried over
+        grads = [rng.standard_normal(s).astype(numpy.float32)
+                 for s in shapes]
+        grads[-2][::5] = 0   # exact zeros: the coin decides
+        bits, scales = on_host.encode(grads, step)
+        bits = bits.copy()
+        del fetched[:]
+        got_bits, got_scales = elsewhere.encode(grads, step)
+        # One fetch, of the 5 non-empty arrays' sums.
+        assert fetched == [5], step
+        numpy.testing.assert_array_equal(got_bits, bits)
+        assert got_scales.dtype == numpy.float64
+        assert got_scales.tobytes() == scales.tobytes(), step
+        if error_feedback:
+            assert elsewhere.residual.tobytes() == \
+                on_host.residual.tobytes(), step
+
+
 def test_counts_survive_bit_packing():
     rng = numpy.random.RandomState(0)
     for bits in range(1, 9):
