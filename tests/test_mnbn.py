@@ -91,6 +91,8 @@ def test_forward_and_backward_equal_one_process(comm, monkeypatch):
 
 
 def test_float16_inputs_accumulate_in_float32(comm):
+    """A float16 link (as chainer.links.BatchNormalization's: float16
+    parameters and statistics) computes in float32."""
     n, r = comm.size, comm.rank
     x, gy = full_batch(n, numpy.float16)
     _, y_full, gx_full = single_process(x.astype(numpy.float32),
@@ -99,7 +101,8 @@ def test_float16_inputs_accumulate_in_float32(comm):
                                                    dtype=numpy.float16)
     mnbn.gamma.array[...] = numpy.arange(1, C + 1)
     mnbn.beta.array[...] = 0.5
-    assert mnbn.gamma.dtype == numpy.float32
+    assert mnbn.gamma.dtype == mnbn.beta.dtype == numpy.float16
+    assert mnbn.avg_mean.dtype == mnbn.avg_var.dtype == numpy.float16
     mine = my_slice(r, n)
     xv = chainer.Variable(x[mine])
     y = mnbn(xv)
@@ -111,6 +114,102 @@ def test_float16_inputs_accumulate_in_float32(comm):
     y.backward()
     numpy.testing.assert_allclose(xv.grad, gx_full[mine], rtol=2 ** -9,
                                   atol=2 ** -9 * 4)
+    assert mnbn.gamma.grad.dtype == mnbn.beta.grad.dtype == numpy.float16
+
+
+@pytest.mark.parametrize('dtype, param_dtype', [
+    (numpy.float16, numpy.float16), (numpy.float32, numpy.float32),
+    (numpy.float64, numpy.float64), ('mixed16', numpy.float32)])
+def test_parameters_have_batch_normalizations_dtype(dtype, param_dtype):
+    """The same dtypes as chainer.links.BatchNormalization, given as an
+    argument or by chainer.config.dtype."""
+    comm = mnopt.create_communicator('naive')
+    try:
+        dtype = getattr(chainer, dtype) if isinstance(dtype, str) else dtype
+        with chainer.using_config('dtype', dtype):
+            for mnbn, bn in (
+                    (mnopt.links.MultiNodeBatchNormalization(C, comm),
+                     chainer.links.BatchNormalization(C)),
+                    (mnopt.links.MultiNodeBatchNormalization(
+                        C, comm, dtype=dtype),
+                     chainer.links.BatchNormalization(C, dtype=dtype))):
+                for name in ('gamma', 'beta', 'avg_mean', 'avg_var'):
+                    theirs = getattr(bn, name)
+                    assert theirs.dtype == param_dtype
+                    assert getattr(mnbn, name).dtype == theirs.dtype, name
+                # An initializer given keeps the link's dtype too.
+                mnbn = mnopt.links.MultiNodeBatchNormalization(
+                    C, comm, dtype=dtype,
+                    initial_gamma=chainer.initializers.Constant(2.0))
+                assert mnbn.gamma.dtype == param_dtype
+                numpy.testing.assert_array_equal(mnbn.gamma.array, 2.0)
+        # mixed16: float16 activations, float32 parameters.
+        if dtype is chainer.mixed16:
+            with chainer.using_config('dtype', dtype):
+                mnbn = mnopt.links.MultiNodeBatchNormalization(C, comm)
+            x = numpy.random.RandomState(1).standard_normal(
+                (4, C)).astype(numpy.float16)
+            y = mnbn(x)
+            assert y.dtype == numpy.float16
+            chainer.functions.sum(y * y).backward()
+            assert mnbn.gamma.grad.dtype == numpy.float32
+    finally:
+        comm.finalize()
+
+
+def test_copies_share_the_communicator(comm):
+    """copy(mode='copy') and deepcopy work (a communicator cannot be
+    copied) and the copy normalises over all ranks as the original."""
+    import copy
+    n, r = comm.size, comm.rank
+
+    class Net(chainer.Chain):
+        def __init__(self):
+            super(Net, self).__init__()
+            with self.init_scope():
+                self.bn = mnopt.links.MultiNodeBatchNormalization(C, comm)
+
+    for original in (mnopt.links.MultiNodeBatchNormalization(C, comm),
+                     Net()):
+        for duplicate in (original.copy(mode='copy'),
+                          copy.deepcopy(original)):
+            bn = getattr(duplicate, 'bn', duplicate)
+            assert bn.comm is comm
+            assert bn.gamma is not getattr(original, 'bn', original).gamma
+            x, gy = full_batch(n)
+            _, y_full, _ = single_process(x, gy)
+            bn.gamma.array[...] = numpy.arange(1, C + 1)
+            bn.beta.array[...] = 0.5
+            y = bn(x[my_slice(r, n)])
+            numpy.testing.assert_allclose(y.array, y_full[my_slice(r, n)],
+                                          rtol=1e-5, atol=1e-5)
+
+
+def test_communication_backend_is_checked():
+    """As ChainerMN: 'mpi' and 'auto' everywhere, 'nccl' only with the
+    pure_nccl communicator, anything else refused (on every rank: the
+    check needs no communication)."""
+    comm = mnopt.create_communicator('naive')
+    try:
+        for backend in ('mpi', 'auto'):
+            mnopt.links.MultiNodeBatchNormalization(
+                C, comm, communication_backend=backend)
+        for backend, message in (('nccl', 'pure_nccl'),
+                                 ('dummy', 'must be one of'),
+                                 ('MPI', 'must be one of')):
+            with pytest.raises(ValueError, match=message):
+                mnopt.links.MultiNodeBatchNormalization(
+                    C, comm, communication_backend=backend)
+            with pytest.raises(ValueError, match=message):
+                mnopt.links.create_mnbn_model(
+                    chainer.links.BatchNormalization(C), comm,
+                    communication_backend=backend)
+        model = mnopt.links.create_mnbn_model(
+            chainer.Sequential(chainer.links.BatchNormalization(C)), comm,
+            communication_backend='mpi')
+        assert model[0].communication_backend == 'mpi'
+    finally:
+        comm.finalize()
 
 
 def test_evaluation_uses_running_averages_without_communicating(

@@ -7,18 +7,47 @@ Each direction costs one reduction: forward sums (sum, sum of squares,
 count) per channel, backward (sum of gy, sum of gy * x_hat) per channel,
 packed into one float64 buffer (ChainerMN makes two in each direction).
 Batch sizes may differ between ranks; float16 inputs are accumulated in
-float64 and normalised in float32.  In evaluation (chainer.config.train
-False) the running averages are used and nothing is communicated.
+float64 and normalised in float32.  Parameters and running statistics
+have the link's dtype, as chainer.links.BatchNormalization's (float16 for
+float16, float32 under chainer.mixed16).  In evaluation
+(chainer.config.train False) the running averages are used and nothing is
+communicated.
 
 Parameters' gradients are each rank's own (sum over its batch), as for
 every other link: the multi-node optimizer averages them.
 """
+
+import copy
 
 import chainer
 import numpy
 from chainer import function
 from chainer import initializers
 from chainer import variable
+
+from mnopt.communicators.pure_nccl import PureNcclCommunicator
+from mnopt.links.communicator_sharing import deepcopy_sharing
+
+#: ChainerMN's choices; 'nccl' needs a pure_nccl communicator.  Every
+#: choice reduces through ``comm.allreduce`` (which uses NCCL where the
+#: communicator does): the argument is checked, as ChainerMN does.
+COMMUNICATION_BACKENDS = ('mpi', 'nccl', 'auto')
+
+
+def check_communication_backend(comm, communication_backend):
+    """Raises ValueError for a backend ChainerMN would refuse with
+    ``comm``."""
+    if communication_backend not in COMMUNICATION_BACKENDS:
+        raise ValueError(
+            'MultiNodeBatchNormalization: communication_backend must be one '
+            'of %s, not %r' % (', '.join(COMMUNICATION_BACKENDS),
+                               communication_backend))
+    if communication_backend == 'nccl' and \
+            not isinstance(comm, PureNcclCommunicator):
+        raise ValueError(
+            "MultiNodeBatchNormalization: communication_backend='nccl' "
+            "needs the pure_nccl communicator, not %s (use 'mpi' or "
+            "'auto')" % type(comm).__name__)
 
 
 def _channel_axes(x):
@@ -43,11 +72,14 @@ def _global_sums(comm, xp, arrays):
 
 
 def _initializer(value, default, dtype):
-    """An initializer from what BatchNormalization accepts: None (the
-    default constant), a scalar or array, or an initializer."""
+    """An initializer of ``dtype`` from what BatchNormalization accepts:
+    None (the default constant), a scalar or array, or an initializer (a
+    copy: the caller's keeps its dtype)."""
     if value is None:
         value = default
     if isinstance(value, chainer.initializer.Initializer):
+        value = copy.copy(value)
+        value.dtype = dtype
         return value
     return initializers.Constant(value, dtype=dtype)
 
@@ -115,17 +147,22 @@ class MultiNodeBatchNormalization(chainer.Link):
     """Batch normalization whose statistics are over the batches of every
     rank of ``comm`` (ChainerMN's link of the same name and arguments).
 
-    ``communication_backend`` is accepted for compatibility: the reduction
-    goes through ``comm.allreduce`` on every communicator."""
+    ``communication_backend``: 'mpi', 'nccl' (a pure_nccl communicator
+    only) or 'auto', checked as ChainerMN does; the reduction goes through
+    ``comm.allreduce`` whichever it is.
+
+    A copy of the link (``copy(mode='copy')``, ``copy.deepcopy``) shares
+    the communicator."""
 
     def __init__(self, size, comm, decay=0.9, eps=2e-5, dtype=None,
                  use_gamma=True, use_beta=True, initial_gamma=None,
                  initial_beta=None, communication_backend='auto'):
         super(MultiNodeBatchNormalization, self).__init__()
-        del communication_backend
-        dtype = chainer.get_dtype(dtype)
-        # float16 layers keep their statistics and parameters in float32.
-        param_dtype = numpy.float32 if dtype == numpy.float16 else dtype
+        check_communication_backend(comm, communication_backend)
+        self.communication_backend = communication_backend
+        # As chainer.links.BatchNormalization: mixed16 keeps float32
+        # parameters and statistics, float16 keeps float16.
+        param_dtype = chainer.get_dtype(dtype, map_mixed16=numpy.float32)
         self.comm = comm
         self.decay, self.eps = decay, eps
         self.avg_mean = numpy.zeros(size, dtype=param_dtype)
@@ -167,3 +204,6 @@ class MultiNodeBatchNormalization(chainer.Link):
 
     def start_finetuning(self):
         self.N = 0
+
+    def __deepcopy__(self, memo):
+        return deepcopy_sharing(self, memo, self.comm)

@@ -5,14 +5,16 @@ import copy
 
 import chainer
 
+from mnopt.links.batch_normalization import check_communication_backend
 from mnopt.links.batch_normalization import MultiNodeBatchNormalization
 
 
-def _mnbn_from(bn, comm):
+def _mnbn_from(bn, comm, communication_backend):
     mnbn = MultiNodeBatchNormalization(
         bn.avg_mean.shape, comm, decay=bn.decay, eps=bn.eps,
         dtype=bn.avg_mean.dtype, use_gamma=hasattr(bn, 'gamma'),
-        use_beta=hasattr(bn, 'beta'))
+        use_beta=hasattr(bn, 'beta'),
+        communication_backend=communication_backend)
     mnbn.copyparams(bn)
     mnbn.avg_mean[...] = bn.avg_mean
     mnbn.avg_var[...] = bn.avg_var
@@ -27,16 +29,18 @@ def create_mnbn_model(link, comm, communication_backend='auto'):
     """A deep copy of ``link`` in which every
     ``chainer.links.BatchNormalization`` (at any depth, in Chains and
     ChainLists alike) is a MultiNodeBatchNormalization with the same
-    parameters and running statistics.  ``link`` is left unchanged."""
-    del communication_backend
+    parameters and running statistics, given ``communication_backend``
+    ('mpi', 'nccl' or 'auto', checked first).  ``link`` is left
+    unchanged; the copy shares the communicators the model holds."""
+    check_communication_backend(comm, communication_backend)
     if isinstance(link, chainer.links.BatchNormalization):
-        return _mnbn_from(link, comm)
+        return _mnbn_from(link, comm, communication_backend)
     new = copy.deepcopy(link)
-    _replace_in(new, comm)
+    _replace_in(new, comm, communication_backend)
     return new
 
 
-def _replace_in(link, comm):
+def _replace_in(link, comm, backend):
     # Chainer 7 keeps a Chain's children as attributes named in _children
     # and a ChainList's in the list _children (a Sequential's also in
     # _layers): the layout of every Chainer 7 release, which ChainerMN's
@@ -44,18 +48,18 @@ def _replace_in(link, comm):
     if isinstance(link, chainer.ChainList):
         for i, child in enumerate(list(link._children)):
             if isinstance(child, chainer.links.BatchNormalization):
-                new = link._children[i] = _mnbn_from(child, comm)
+                new = link._children[i] = _mnbn_from(child, comm, backend)
                 # chainer.Sequential also runs its layers from _layers.
                 layers = getattr(link, '_layers', [])
                 for k, layer in enumerate(layers):
                     if layer is child:
                         layers[k] = new
             else:
-                _replace_in(child, comm)
+                _replace_in(child, comm, backend)
     elif isinstance(link, chainer.Chain):
         for name in sorted(link._children):
             child = getattr(link, name)
             if isinstance(child, chainer.links.BatchNormalization):
-                link.__dict__[name] = _mnbn_from(child, comm)
+                link.__dict__[name] = _mnbn_from(child, comm, backend)
             else:
-                _replace_in(child, comm)
+                _replace_in(child, comm, backend)

@@ -6,6 +6,7 @@ import numbers
 import chainer
 
 from mnopt.functions import point_to_point
+from mnopt.links.communicator_sharing import deepcopy_sharing
 
 
 def _ranks(ranks):
@@ -51,6 +52,9 @@ class MultiNodeChainList(chainer.ChainList):
     Backward runs the parts' communication in the reverse order of the
     forward pass, which is what the peers expect: each communication is
     tied after the previous one in the graph (pseudo_connect).
+
+    A copy (``copy(mode='copy')``, ``copy.deepcopy``) shares the
+    communicator.
     """
 
     def __init__(self, comm):
@@ -72,6 +76,9 @@ class MultiNodeChainList(chainer.ChainList):
                              'rank_out None (give the model output)')
         super(MultiNodeChainList, self).add_link(link)
         self._rank_inouts.append((rank_in, rank_out))
+
+    def __deepcopy__(self, memo):
+        return deepcopy_sharing(self, memo, self._comm)
 
     def forward(self, *inputs):
         me = self._comm.rank
