@@ -5,6 +5,8 @@ x[c+1] + x[c+2] + ... + x[c]), a float64 reference, and every rank's bits.
 Runs serially and under mpiexec -n 2, -n 3 (and -n 4).
 """
 
+import time
+
 import numpy
 import pytest
 from mpi4py import MPI
@@ -13,7 +15,7 @@ import mnopt
 from mnopt import _mpi
 from mnopt import grad_buffer as gb
 from mnopt import ring
-from conftest import WORLD
+from conftest import WORLD, run_mpi
 
 N = WORLD.size
 WIRES = ['float32', 'float64', 'float16', 'bfloat16']
@@ -307,10 +309,15 @@ def test_a_bad_setting_on_one_rank_fails_create_communicator_everywhere(
         mnopt.create_communicator(name)
 
 
-@pytest.mark.parametrize('name', ['flat', 'hierarchical'])
+@pytest.mark.parametrize('name', ['flat', 'hierarchical',
+                                  'hierarchical-1-per-node'])
 @pytest.mark.parametrize('wire', ['float32', 'float16'])
 def test_communicators_average_alike_on_the_ring_and_on_mpi(
         name, wire, monkeypatch):
+    if name == 'hierarchical-1-per-node':
+        # Every rank its own node: the leaders' allreduce spans all ranks.
+        monkeypatch.setenv('MNOPT_RANKS_PER_NODE', '1')
+        name = 'hierarchical'
     shapes = [(3,), (300, 257), (5, 7), (40000,), (1,)]
     rng = numpy.random.RandomState(WORLD.rank)
     grads = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
@@ -331,3 +338,38 @@ def test_communicators_average_alike_on_the_ring_and_on_mpi(
                                       atol=(N + 2) * 8 * EPS[wire])
     if N <= 2 and wire == 'float32':
         assert results['ring'].tobytes() == results['mpi'].tobytes()
+
+
+STALLED_RING = r'''
+import sys, time, numpy, mnopt
+comm = mnopt.create_communicator('flat', allreduce_grad_dtype='float16',
+                                 stall_warning=1, timeout=4)
+grads = [('w', numpy.ones(300000, numpy.float32))]
+comm.mean_grads(grads)
+if comm.rank == 2:
+    if sys.argv[1] == 'exit':
+        sys.exit(0)
+    time.sleep(60)
+start = time.monotonic()
+comm.mean_grads(grads)
+print('finished without rank 2')
+'''
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize('how', ['exit', 'sleep'])
+def test_a_rank_missing_from_the_ring_is_reported_not_waited_for(how):
+    # The ring's waits poll: the watchdog reports the missing rank and
+    # ends the job (at once when it exited, at the timeout when it sleeps).
+    start = time.monotonic()
+    proc = run_mpi(3, STALLED_RING, timeout=50, args=[how],
+                   module_runner=False)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert 'finished without rank 2' not in proc.stdout
+    if how == 'exit':
+        assert 'rank 2 exited without entering it' in proc.stderr
+    else:
+        assert 'not arrived: rank 2' in proc.stderr
+        assert 'Timeout (4 s, MNOPT_TIMEOUT)' in proc.stderr
+    assert took < 40
