@@ -63,9 +63,8 @@ def reduce_scatter_sum(comm, array, wire, counts, check=True):
 
     ``array``: a contiguous 1-D numpy array in ``wire``'s storage dtype
     (``grad_buffer.storage_dtype``: uint16 bits for bfloat16), the same
-    size on every rank,
-    laid out as one chunk per rank: chunk c is ``counts[c]`` elements
-    (zero allowed) starting at ``sum(counts[:c])``.  Returns the view of
+    size on every rank, laid out as one chunk per rank: chunk c is
+    ``counts[c]`` elements (zero allowed) starting at ``sum(counts[:c])``.  Returns the view of
     ``array`` holding this rank's chunk, summed over every rank; the other
     chunks of ``array`` are left holding partial sums.
     """
@@ -104,12 +103,12 @@ def allreduce_sum_parts(comm, parts, wire, check=True):
     the parts are chunked and pipelined as if they were one buffer (their
     concatenation), so many small pieces cost one ring's latency, not one
     each.  Segments never straddle two parts."""
-    total = sum(p.size for p in parts)
     bad = [p for p in parts if not _fits(p, wire)]
+    total = sum(p.size for p in parts if _fits(p, wire))
     if check:
         _agree(comm, total, wire, [total], bad and _describe(bad[0], wire))
     elif bad:
-        raise TypeError(_describe(bad[0], wire))
+        raise ValueError(_describe(bad[0], wire))
     n = comm.size
     if n > 1 and total:
         counts = [total * (c + 1) // n - total * c // n for c in range(n)]
