@@ -46,8 +46,13 @@ if editable_wheel is not None:
     cmdclass['editable_wheel'] = editable_wheel_with_pth
 
 # Pinned pairs for a GPU: a CuPy, the NCCL it loads, and the NumPy it runs
-# on.  CuPy 14 requires NumPy 2; CuPy 13 is the last for NumPy 1.
-GPU_CUDA12 = ['cupy-cuda12x>=13,<14', 'nvidia-nccl-cu12']
+# on.  CuPy 14 requires NumPy 2; CuPy 13 is the last for NumPy 1.  CuPy 13
+# is also the last with cuDNN bindings (Chainer 7 convolves through cuDNN
+# only where `import cupy.cudnn` works), built for cuDNN 8: the cuDNN 8
+# wheel (libcudnn.so.8; 9.x ships libcudnn.so.9), which CuPy 13 loads from
+# the library path (docs/install.md).
+GPU_CUDA12 = ['cupy-cuda12x>=13,<14', 'nvidia-nccl-cu12',
+              'nvidia-cudnn-cu12>=8.9,<9']
 GPU_CUDA13 = ['cupy-cuda13x>=14', 'nvidia-nccl-cu13', 'numpy>=2']
 
 setup(
