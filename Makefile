@@ -98,9 +98,16 @@ convergence: setup
 experiments: setup
 	$(PY) benchmarks/experiments.py
 
-# Every stack in turn: the same test modules serially and under
-# mpiexec -n 2 and -n 3.  The core stack runs serially: it adds the
-# no-Chainer case and the kernel compile check, which must not skip there.
+# Every stack in turn.  The first stack of STACKS runs every test module
+# serially and under mpiexec -n 2 and -n 3.  The other stacks run what can
+# differ on them: every test but the end-to-end jobs (``spawn``: restart,
+# examples, faults), serially and under -n 2, plus the jobs marked
+# ``every_stack`` (stack checks, and what the MPI library's launcher
+# decides: aborts, MPMD launches).  The core stack runs serially: it adds
+# the no-Chainer case and the kernel compile check, which must not skip
+# there.  TESTS_ALL=1 runs everything on every stack.
+ON_EVERY_STACK := not spawn or every_stack
+
 test: $(addprefix test-,$(STACKS))
 
 test-%: .venv/%/.installed
@@ -108,13 +115,21 @@ test-%: .venv/%/.installed
 	    print("== stack $*: Python", sys.version.split()[0], "| NumPy", \
 	          numpy.__version__, "|", *MPI.Get_library_version().split()[:3])'
 	start=$$(date +%s); \
+	launch="$(or $(LAUNCH_$*),.venv/$*/bin/mpiexec)"; \
+	pytest=".venv/$*/bin/python -m pytest -q --color=no"; \
+	under_mpi=".venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no"; \
+	if [ "$*" = "$(firstword $(STACKS))" ] || [ "$(TESTS_ALL)" = 1 ]; then \
+	    only=""; \
+	else \
+	    only="$(ON_EVERY_STACK)"; \
+	fi; \
 	if [ $* = core ]; then \
-	    MNOPT_REQUIRE_NVRTC=1 .venv/$*/bin/python -m pytest -q --color=no; \
+	    MNOPT_REQUIRE_NVRTC=1 $$pytest $${only:+-m "$$only"}; \
 	else \
 	    export MNOPT_TEST_MPIEXEC="$(LAUNCH_$*)" && \
-	    .venv/$*/bin/python -m pytest -q --color=no && \
-	    $(or $(LAUNCH_$*),.venv/$*/bin/mpiexec) -n 2 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no && \
-	    $(or $(LAUNCH_$*),.venv/$*/bin/mpiexec) -n 3 .venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no; \
+	    $$pytest $${only:+-m "$$only"} && \
+	    $$launch -n 2 $$under_mpi $${only:+-m "$$only"} && \
+	    { [ -n "$$only" ] || $$launch -n 3 $$under_mpi; }; \
 	fi && echo "== stack $*: tests took $$(( $$(date +%s) - start )) s"
 
 clean:

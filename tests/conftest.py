@@ -31,6 +31,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         'markers', 'spawn: launches its own mpiexec job; runs only in the '
                    'serial pass (an mpiexec inside mpiexec is not supported)')
+    config.addinivalue_line(
+        'markers', 'every_stack: a spawned job that runs on every stack, not '
+                   'only the first (what NumPy, Chainer or the MPI library '
+                   'and its launcher can change; see the Makefile)')
     if WORLD.rank > 0:
         # Only rank 0 reports progress; failures on any rank still print.
         config.option.verbose = -1

@@ -30,6 +30,7 @@ def test_more_ranks_than_gpus_is_a_problem():
 
 
 @pytest.mark.spawn
+@pytest.mark.every_stack  # reports the MPI library's versions
 def test_check_runs_under_mpiexec():
     proc = run_mpi(2, 'import runpy\nrunpy.run_module("mnopt.check", '
                       'run_name="__main__")\n', timeout=60,

@@ -34,10 +34,11 @@ def train(n, out, cache, *flags, timeout=240):
     ['--communicator', 'naive'],
     ['--communicator', 'flat', '--allreduce-grad-dtype', 'float16'],
     ['--communicator', 'flat', '--double-buffering'],
+    ['--communicator', 'flat', '--overlap'],
     ['--communicator', 'flat', '--loaderjob', '2'],
     ['--communicator', 'flat', '--arch', 'resnet50', '--mnbn'],
 ], ids=['flat', 'hierarchical', 'naive', 'fp16', 'double-buffering',
-        'loader-processes', 'resnet50-mnbn'])
+        'overlap', 'loader-processes', 'resnet50-mnbn'])
 def test_a_few_iterations(tmp_path, data_cache, flags):
     proc = train(2, tmp_path, data_cache, '--iteration', '4', *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,6 +48,18 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
     assert (tmp_path / 'snapshot_iter_4.npz').exists()
     if '--mnbn' in flags:
         assert ', multi-node batch normalization' in proc.stdout
+    # The summary at the end, once.
+    name = flags[1]
+    wire = flags[3] if '--allreduce-grad-dtype' in flags else 'float32'
+    assert proc.stdout.count('== mnopt: 2 ranks, communicator %s, wire %s'
+                             % (name, wire)) == 1, proc.stdout[-2000:]
+    assert 'training   4 iterations in' in proc.stdout
+    assert '% of step time blocked in averaging' in proc.stdout
+    hides = {'--double-buffering': 'double buffering hid ',
+             '--overlap': 'overlap hid '}
+    for flag, line in hides.items():
+        assert (line in proc.stdout) == (flag in flags), proc.stdout[-2000:]
+    assert 'snapshot   %s' % (tmp_path / 'snapshot_iter_4.npz') in proc.stdout
 
 
 @pytest.mark.parametrize('double_buffering', [False, True])

@@ -197,6 +197,7 @@ print('rank %d done' % comm.rank)
 
 
 @pytest.mark.spawn
+@pytest.mark.every_stack  # what the launcher does when a rank exits
 @pytest.mark.parametrize('name', ['flat', 'reduction_server'])
 @pytest.mark.parametrize('code', [1, 0])
 def test_a_rank_that_exits_while_others_wait_ends_the_job(name, code):

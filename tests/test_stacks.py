@@ -14,7 +14,8 @@ import pytest
 
 from conftest import REPO, needs_chainer, run_mpi
 
-pytestmark = pytest.mark.spawn
+# NumPy, Chainer and the MPI library are what differ between stacks.
+pytestmark = [pytest.mark.spawn, pytest.mark.every_stack]
 
 NUMPY2 = int(numpy.__version__.split('.')[0]) >= 2
 

@@ -88,7 +88,12 @@ def parse_args(argv=None):
                    choices=mnopt.communicators.NAMES)
     p.add_argument('--allreduce-grad-dtype', default=None,
                    choices=['float32', 'float16', 'bfloat16'])
-    p.add_argument('--double-buffering', action='store_true')
+    p.add_argument('--double-buffering', action='store_true',
+                   help='average the previous iteration\'s gradients '
+                        'during this one (updates one step stale)')
+    p.add_argument('--overlap', action='store_true',
+                   help='average gradients during backward, bucket by '
+                        'bucket (exact: no staleness)')
     p.add_argument('--mnbn', action='store_true',
                    help='batch normalization over every rank\'s batch '
                         '(MultiNodeBatchNormalization; for resnet50)')
@@ -164,7 +169,8 @@ def load_datasets(args, comm):
 
 class Throughput(training.Extension):
     """Reports images per second (all ranks together) and the seconds per
-    iteration each rank spent blocked in gradient averaging."""
+    iteration each rank spent blocked in gradient averaging; keeps each
+    step's time and blocked time for the summary at the end."""
 
     trigger = (1, 'iteration')
     priority = training.PRIORITY_WRITER
@@ -173,15 +179,72 @@ class Throughput(training.Extension):
         self._optimizer = optimizer
         self._images = images_per_iteration
         self._last = None
+        self.steps = []     #: (seconds, seconds blocked in averaging)
 
     def __call__(self, trainer):
         now = time.perf_counter()
         comm_time = self._optimizer.communication_time
         if self._last is not None:
             t, c = self._last
+            self.steps.append((now - t, comm_time - c))
             chainer.report({'images/sec': self._images / max(now - t, 1e-9),
                             'allreduce/sec': comm_time - c})
         self._last = (now, comm_time)
+
+
+def summary(trainer, comm, args, throughput, averaging_seconds, elapsed):
+    """What mnopt did in this run, in a few lines (rank 0 prints them)."""
+    steps = comm.gather_obj(throughput.steps)
+    averaged = comm.gather_obj(averaging_seconds)
+    if comm.rank != 0:
+        return None
+    # The median step: validation and snapshots fall into a few steps.
+    per_rank = [sorted(t for t, _ in s) for s in steps if s]
+    step = numpy.median([numpy.median(t) for t in per_rank]) if per_rank \
+        else float('nan')
+    total = sum(t for s in steps for t, _ in s)
+    blocked = sum(b for s in steps for _, b in s)
+    took = sum(averaged)
+    log = trainer.get_extension('LogReport').log
+    last = next((e for e in reversed(log)
+                 if 'validation/main/accuracy' in e), {})
+    hidden = ('overlap' if args.overlap else 'double buffering'
+              if args.double_buffering else None)
+    lines = [
+        '== mnopt: %d ranks, communicator %s, wire %s%s'
+        % (comm.size, comm.name, comm.allreduce_grad_dtype or 'float32',
+           ', ' + hidden if hidden else ''),
+        'training   %d iterations in %.1f s: %.0f images/s (median step '
+        '%.3f s, %d images)' % (
+            trainer.updater.iteration, elapsed,
+            args.batchsize * comm.size / step, step,
+            args.batchsize * comm.size),
+        'averaging  %.1f%% of step time blocked in averaging (%.3f s per '
+        'step)' % (100.0 * blocked / max(total, 1e-9),
+                   blocked / max(1, sum(len(s) for s in steps))),
+    ]
+    if hidden:
+        lines.append('           %s hid %.0f%% of the %.3f s averaging took '
+                     'per step' % (hidden, 100.0 * max(0.0, took - blocked)
+                                   / max(took, 1e-9),
+                                   took / max(1, sum(len(s) for s in steps))))
+    if last:
+        lines.append('validation accuracy %.3f, loss %.3f (epoch %d; chance '
+                     '%.3f)' % (last['validation/main/accuracy'],
+                                last['validation/main/loss'], last['epoch'],
+                                1.0 / args.n_classes))
+    out = args.out
+    plots = [os.path.join(out, f) for f in ('accuracy.png', 'loss.png')
+             if os.path.exists(os.path.join(out, f))]
+    if plots:
+        lines.append('plots      ' + ', '.join(plots))
+    newest = snapshot_iterations(out)
+    if newest:
+        lines.append('snapshot   %s (--resume auto continues from it)'
+                     % os.path.join(out, 'snapshot_iter_%d.npz' % newest[-1]))
+    text = '\n'.join(lines)
+    print(text, flush=True)
+    return text
 
 
 class SeedGpuRandom(training.Extension):
@@ -207,15 +270,15 @@ class SeedGpuRandom(training.Extension):
 def trainer_snapshot(comm):
     """The shared part of a snapshot: the trainer (model, optimizer state,
     iteration, epoch, rank 0's iterator, the log), the same on every rank,
-    so one replica set and rank 0 writes it, to ``snapshot_iter_N.npz``
-    (ChainerMN's multi_node_snapshot; Chainer's writer renames a finished
-    temporary file)."""
-    return mnopt.extensions.multi_node_snapshot(
-        comm, extensions.snapshot(
-            filename='snapshot_iter_{.updater.iteration}.npz',
-            writer=extensions.snapshot_writers.SimpleWriter(
-                compression=False)),   # 10x faster
-        replica_sets=[list(range(comm.size))])
+    so rank 0 alone writes it, to ``snapshot_iter_N.npz`` (Chainer's
+    writer renames a finished temporary file; multi_node_snapshot would
+    name it ``snapshot_iter_N.npz.0``, as ChainerMN's)."""
+    if comm.rank != 0:
+        return lambda trainer: None
+    return extensions.snapshot(
+        filename='snapshot_iter_{.updater.iteration}.npz',
+        writer=extensions.snapshot_writers.SimpleWriter(
+            compression=False))   # 10x faster
 
 
 #: The name of the ``Snapshot`` extension in the trainer, so the key under
@@ -527,7 +590,7 @@ def main(argv=None):
         model.to_gpu()
     optimizer = mnopt.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9), comm,
-        double_buffering=args.double_buffering)
+        double_buffering=args.double_buffering, overlap=args.overlap)
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
 
@@ -558,7 +621,8 @@ def main(argv=None):
     evaluator = extensions.Evaluator(val_iter, model, device=device)
     trainer.extend(mnopt.create_multi_node_evaluator(evaluator, comm),
                    trigger=val_interval, name='validation')
-    trainer.extend(Throughput(optimizer, args.batchsize * comm.size))
+    throughput = Throughput(optimizer, args.batchsize * comm.size)
+    trainer.extend(throughput)
     if device >= 0:
         trainer.extend(SeedGpuRandom(args.seed, comm.rank))
     snapshot_trigger = SnapshotTrigger(snapshot_interval, stop)
@@ -586,7 +650,8 @@ def main(argv=None):
         print('mnopt ImageNet example: %d ranks, communicator %s, wire %s%s%s, '
               '%s, %s, batch %d per rank, %d training images'
               % (comm.size, comm.name, comm.allreduce_grad_dtype or 'float32',
-                 ', double buffering' if args.double_buffering else '',
+                 ', double buffering' if args.double_buffering else
+                 ', overlap' if args.overlap else '',
                  ', multi-node batch normalization' if args.mnbn else '',
                  args.arch, 'GPU' if device >= 0 else 'CPU', args.batchsize,
                  len(train) * comm.size))
@@ -603,7 +668,10 @@ def main(argv=None):
             print('resumed from %s at iteration %d%s' % (
                 args.resume, updater.iteration,
                 '' if same else ' (data split anew for %d ranks)' % comm.size))
+    start = time.perf_counter()
     trainer.run()
+    summary(trainer, comm, args, throughput, comm.averaging_seconds,
+            time.perf_counter() - start)
     return trainer
 
 

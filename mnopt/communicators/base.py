@@ -7,7 +7,9 @@ synchronous path and the asynchronous one (double buffering) each have their
 own group, so two threads never share an MPI communicator.
 """
 
+import contextlib
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -269,6 +271,11 @@ class CommunicatorBase(ChainerMNCollectives):
         self.warmup_steps = int(warmup_steps)
         self.vote = sign.normalize_vote(vote)
         self.steps = 0  # averagings so far (warm-up, and the votes' coin)
+        #: Seconds spent averaging (in the caller or in the background),
+        #: all averagings so far: against the time a caller was blocked,
+        #: what double buffering or overlap hid.
+        self.averaging_seconds = 0.0
+        self._averaging_lock = threading.Lock()
         #: Bytes this rank sent for its last vote (sign compression).
         self.vote_stats = {}
         self.bucket_bytes = int(bucket_bytes)
@@ -391,7 +398,8 @@ class CommunicatorBase(ChainerMNCollectives):
         (default: each averaging is an iteration of its own); a caller
         that averages an iteration in pieces passes the same for each.
         """
-        self._mean(self._sync_group, list(named_grads), iteration)
+        with self._averaging_timed():
+            self._mean(self._sync_group, list(named_grads), iteration)
 
     @watched('mean_grads_async')
     def mean_grads_async(self, named_grads, queue=False, iteration=None):
@@ -437,6 +445,12 @@ class CommunicatorBase(ChainerMNCollectives):
     @watched('mean_grads_async.background')
     def _mean_in_background(self, group, named, xp, device, ready,
                             iteration):
+        with self._averaging_timed():
+            self._mean_in_background_untimed(group, named, xp, device,
+                                             ready, iteration)
+
+    def _mean_in_background_untimed(self, group, named, xp, device, ready,
+                                    iteration):
         if xp is numpy:
             return self._mean(group, named, iteration)
         # CuPy's current device is per thread (GPU 0 in a new one): enter
@@ -451,6 +465,15 @@ class CommunicatorBase(ChainerMNCollectives):
                 self._mean(group, named, iteration)
             # Blocks this background thread only: wait() then means done.
             stream.synchronize()
+
+    @contextlib.contextmanager
+    def _averaging_timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._averaging_lock:   # the caller's and the background's
+                self.averaging_seconds += time.perf_counter() - start
 
     def _mean(self, group, named, iteration=None):
         xp = array_module([a for _, a in named])
