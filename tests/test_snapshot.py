@@ -36,8 +36,8 @@ def outdir(comm):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def make_trainer(comm, out, iterations, replica_sets=None, autoload=False,
-                 interval=2):
+def make_trainer(comm, out, iterations, replica_sets='each alone',
+                 autoload=False, interval=2):
     L, E = chainer.links, chainer.training.extensions
     model = L.Classifier(L.Linear(3, 2))
     rng = numpy.random.RandomState(comm.rank)
@@ -50,6 +50,8 @@ def make_trainer(comm, out, iterations, replica_sets=None, autoload=False,
     updater = chainer.training.StandardUpdater(it, opt)
     trainer = chainer.training.Trainer(updater, (iterations, 'iteration'),
                                        out=out)
+    if replica_sets == 'each alone':
+        replica_sets = list(range(comm.size))
     ext = mnopt.extensions.multi_node_snapshot(
         comm, E.snapshot(autoload=autoload), replica_sets)
     trainer.extend(ext, trigger=(interval, 'iteration'))
@@ -61,12 +63,8 @@ def test_every_replica_set_writes_and_autoload_resumes(comm, outdir):
     trainer.run()
     comm.allgather_obj(None)
     names = sorted(os.listdir(outdir))
-    n = comm.size
-    if n == 1:
-        assert 'snapshot_iter_6' in names
-    else:
-        for k in range(n):
-            assert 'snapshot_iter_6.set%d' % k in names
+    for r in range(comm.size):   # ChainerMN's names: the writer's rank
+        assert 'snapshot_iter_6.%d' % r in names
     again, ext = make_trainer(comm, outdir, 8, autoload=True)
     ext.initialize(again)
     assert ext.loaded == 'snapshot_iter_6'
@@ -81,9 +79,7 @@ def test_autoload_skips_a_snapshot_one_rank_lacks(comm, outdir):
     trainer.run()
     comm.allgather_obj(None)
     if comm.rank == comm.size - 1:   # its newest file was cut short
-        name = 'snapshot_iter_6' + ('.set%d' % comm.rank if comm.size > 1
-                                    else '')
-        path = os.path.join(outdir, name)
+        path = os.path.join(outdir, set_file(comm, 'snapshot_iter_6'))
         with open(path, 'r+b') as f:
             f.truncate(os.path.getsize(path) // 2)
     comm.allgather_obj(None)
@@ -97,7 +93,7 @@ def test_autoload_skips_a_snapshot_one_rank_lacks(comm, outdir):
 def set_file(comm, name):
     """The name of this rank's own file of snapshot ``name`` (one replica
     set per rank)."""
-    return name + ('.set%d' % comm.rank if comm.size > 1 else '')
+    return '%s.%d' % (name, comm.rank)
 
 
 def warns_on_rank_0(comm, match):
@@ -118,7 +114,7 @@ def test_autoload_never_loads_another_sets_file_for_a_missing_one(
     comm.allgather_obj(None)
     again, ext = make_trainer(comm, outdir, 8, autoload=True)
     with (warns_on_rank_0(comm, r'snapshot_iter_6\b.*rank %d: '
-                          r'snapshot_iter_6\.set%d is missing'
+                          r'snapshot_iter_6\.%d is missing'
                           % ((comm.size - 1,) * 2))
           if comm.size > 1 else contextlib.nullcontext()):
         ext.initialize(again)
@@ -169,7 +165,7 @@ def test_one_replica_set_writes_once_and_loads_on_any_number_of_ranks(
     trainer.run()
     comm.allgather_obj(None)
     assert sorted(n for n in os.listdir(outdir) if n.startswith('snap')) \
-        == ['snapshot_iter_2', 'snapshot_iter_4']
+        == ['snapshot_iter_2.0', 'snapshot_iter_4.0']
     # Resume on one rank each (another number of ranks).
     alone = comm.split(comm.rank, 0)
     again, ext = make_trainer(alone, outdir, 6, autoload=True)
@@ -201,9 +197,12 @@ def test_a_crash_mid_write_leaves_nothing_loadable(comm, outdir):
 
 
 def test_bad_replica_sets_fail_on_every_rank(comm):
-    with pytest.raises(ValueError, match='every rank'):
+    with pytest.raises(ValueError, match='in two sets'):
         mnopt.extensions.multi_node_snapshot(
-            comm, chainer.training.extensions.snapshot(), [[0, 0]])
+            comm, chainer.training.extensions.snapshot(), [[0], 0])
+    with pytest.raises(ValueError, match='is not a rank of'):
+        mnopt.extensions.multi_node_snapshot(
+            comm, chainer.training.extensions.snapshot(), [comm.size])
     if comm.size > 1:
         sets = [[r] for r in range(comm.size)]
         if comm.rank == 1:
@@ -270,3 +269,36 @@ def test_checkpointer_skips_a_damaged_checkpoint_with_a_warning(
         loader.maybe_load(again)
     assert loader.get_stats()['loaded'] == 4
     assert again.updater.iteration == 4
+
+
+@pytest.mark.parametrize('replica_sets,size,expected', [
+    ([0], 4, [{0}, {1, 2, 3}]),
+    ([0, 1], 4, [{0}, {1}, {2, 3}]),
+    ([[0, 1], [2, 3]], 4, [{0, 1}, {2, 3}]),
+    ([], 4, [{0, 1, 2, 3}]),
+    ([range(0, 8, 2)], 8, [{0, 2, 4, 6}, {1, 3, 5, 7}]),
+])
+def test_replica_sets_are_parsed_as_chainermn_documents(replica_sets, size,
+                                                        expected):
+    from mnopt.extensions.multi_node_snapshot import parse_replica_sets
+    assert parse_replica_sets(replica_sets, size) == expected
+
+
+@pytest.mark.parametrize('replica_sets', [[], None, [0]])
+def test_the_first_rank_of_each_set_writes_name_dot_rank(comm, replica_sets):
+    snapshot = chainer.training.extensions.snapshot()
+    ext = mnopt.extensions.multi_node_snapshot(comm, snapshot, replica_sets)
+    writers = [0] if replica_sets != [0] or comm.size == 1 else [0, 1]
+    assert ext.is_master == (comm.rank in writers)
+    assert snapshot.filename == 'snapshot_iter_{.updater.iteration}.%d' \
+        % comm.rank
+
+
+def test_a_callable_filename_gets_the_rank_too(comm):
+    import types
+    snapshot = chainer.training.extensions.snapshot(
+        filename=lambda t: 'it-%d' % t.updater.iteration)
+    mnopt.extensions.multi_node_snapshot(comm, snapshot, [])
+    trainer = types.SimpleNamespace(
+        updater=types.SimpleNamespace(iteration=7))
+    assert snapshot.filename(trainer) == 'it-7.%d' % comm.rank

@@ -1,20 +1,22 @@
 """multi_node_snapshot: Chainer's snapshot extension, once per replica set,
 with an autoload that every rank agrees on.
 
-Ranks in one *replica set* hold the same state (data parallelism: all of
-them, for the model and optimizer); only the first rank of each set
-writes, to ``FILENAME.setK`` (K the set's index; no suffix with a single
-set), and records in it how many sets wrote the snapshot.  Writes go
-through Chainer's writers: into a temporary directory, then renamed, so a
-crash mid-write never leaves a loadable half file under a snapshot's name.
+Ranks in one *replica set* hold the same state; only the set's first
+(lowest) rank writes, to ChainerMN's file name ``FILENAME.R`` (R that
+rank; a callable filename's result gets the same suffix), and records in
+it how many sets wrote the snapshot.  ``replica_sets`` as ChainerMN parses
+it: ranks or iterables of ranks; ranks left out form one more set (``[]``:
+one set of every rank).  Writes go through Chainer's writers: into a
+temporary directory, then renamed, so a crash mid-write never leaves a
+loadable half file under a snapshot's name.
 
 With ``autoload`` (given to ``extensions.snapshot``), every rank lists the
 snapshots whose file it would load is whole (zip CRCs checked: a file cut
 short or with damaged bytes is not), the ranks keep those they all have,
 and load the newest (by the numbers in its name:
 ``snapshot_iter_{.updater.iteration}`` sorts by iteration); a newer one
-skipped is named in a warning.  A set loads its own file.  Set 0's file
-stands in for it only where set 0's file says fewer sets wrote the
+skipped is named in a warning.  A set loads its writer's file.  The first
+set's file stands in for it only where that file says fewer sets wrote the
 snapshot (resuming on more ranks: with one replica set, on any); a set's
 missing file is otherwise an incomplete snapshot, never loaded.
 """
@@ -30,15 +32,30 @@ import numpy
 from chainer.training import extension
 
 
-def _normalize_sets(replica_sets, size):
-    if not replica_sets:
-        return [[r] for r in range(size)]
-    sets = [[s] if isinstance(s, int) else sorted(s) for s in replica_sets]
-    ranks = sorted(r for s in sets for r in s)
-    if ranks != list(range(size)):
-        raise ValueError('replica_sets must hold every rank 0..%d exactly '
-                         'once, not %r' % (size - 1, replica_sets))
-    return sets
+def parse_replica_sets(replica_sets, size):
+    """ChainerMN's replica sets for ``size`` ranks, as a list of sets:
+    each item a rank or an iterable of ranks; the ranks no item names form
+    one more set (``[]``: one set of every rank).  A rank out of range or
+    in two sets is a ValueError."""
+    sets = []
+    for item in replica_sets:
+        ranks = [item] if isinstance(item, (int, numpy.integer)) \
+            else list(item)
+        for r in ranks:
+            if isinstance(r, bool) or \
+                    not isinstance(r, (int, numpy.integer)) \
+                    or not 0 <= r < size:
+                raise ValueError('replica_sets %r: %r is not a rank of %d'
+                                 % (replica_sets, r, size))
+        sets.append({int(r) for r in ranks})
+    named = [r for s in sets for r in s]
+    if len(named) != len(set(named)):
+        raise ValueError('replica_sets %r names a rank in two sets (every '
+                         'rank belongs to one)' % (replica_sets,))
+    rest = set(range(size)) - set(named)
+    if rest:
+        sets.append(rest)
+    return [s for s in sets if s]
 
 
 def _pattern(fmt):
@@ -154,12 +171,11 @@ class _RecordingSets(object):
 class _MultiNodeSnapshot(extension.Extension):
 
     def __init__(self, comm, snapshot, replica_sets):
-        if not isinstance(snapshot.filename, str):
-            raise TypeError('multi_node_snapshot needs a filename format '
-                            'string, not a callable')
         self.comm = comm
         self.snapshot = snapshot
-        self.sets = _normalize_sets(replica_sets, comm.size)
+        sets = parse_replica_sets(
+            [] if replica_sets is None else replica_sets, comm.size)
+        self.sets = [sorted(s) for s in sets]
         everyone = comm.allgather_obj(self.sets)
         if any(s != self.sets for s in everyone):
             raise ValueError('ranks passed different replica_sets: %s'
@@ -167,47 +183,64 @@ class _MultiNodeSnapshot(extension.Extension):
                                          for rs in enumerate(everyone)))
         self.set_index = next(k for k, s in enumerate(self.sets)
                               if comm.rank in s)
-        self.is_writer = comm.rank == self.sets[self.set_index][0]
+        self.replica_set = set(self.sets[self.set_index])
+        self.master = self.sets[self.set_index][0]
         self.base = snapshot.filename
-        if len(self.sets) > 1:
-            snapshot.filename = self.base + '.set%d' % self.set_index
+        # ChainerMN's names: each writer appends its rank.
+        if callable(snapshot.filename):
+            def with_rank(trainer, filename=snapshot.filename):
+                return '{}.{}'.format(filename(trainer), comm.rank)
+            snapshot.filename = with_rank
+        else:
+            snapshot.filename = '{}.{}'.format(snapshot.filename, comm.rank)
         snapshot.writer = _RecordingSets(snapshot.writer, len(self.sets))
         # This extension does the loading, for every rank alike.
         self.autoload, snapshot.autoload = snapshot.autoload, False
+        if self.autoload and callable(self.base):
+            raise ValueError('multi_node_snapshot: autoload needs a filename '
+                             'format string to find the snapshots by, not '
+                             'a callable')
         self.trigger = snapshot.trigger
         self.priority = snapshot.priority
         self.loaded = None  #: the snapshot autoload loaded, if any
 
+    @property
+    def is_master(self):
+        """Whether this rank writes its replica set's snapshots."""
+        return self.comm.rank == self.master
+
+    @property
+    def is_writer(self):
+        return self.is_master
+
     def initialize(self, trainer):
         if self.autoload:
             self._autoload(trainer)
-        if self.is_writer:
+        if self.is_master:
             self.snapshot.initialize(trainer)
 
     def __call__(self, trainer):
-        if self.is_writer:
+        if self.is_master:
             self.snapshot(trainer)
 
     def on_error(self, trainer, exc, tb):
-        if self.is_writer:
+        if self.is_master:
             self.snapshot.on_error(trainer, exc, tb)
 
     def finalize(self):
-        if self.is_writer:
+        if self.is_master:
             self.snapshot.finalize()
 
     def _my_file(self, outdir, name, names):
         """The file this rank loads for snapshot ``name`` and None, or None
         and why it has none."""
-        if name in names:   # written by a single replica set
-            return os.path.join(outdir, name), None
-        mine = '%s.set%d' % (name, self.set_index)
+        mine = '%s.%d' % (name, self.master)
         if mine in names:
             return os.path.join(outdir, mine), None
-        # Set 0's file, only for a snapshot that fewer sets wrote: where
-        # set 0's file does not say so, this set's file is missing.
-        first = os.path.join(outdir, name + '.set0')
-        if npz_is_whole(first):
+        # The first set's file, only for a snapshot that fewer sets wrote:
+        # where that file does not say so, this set's file is missing.
+        first = os.path.join(outdir, '%s.%d' % (name, self.sets[0][0]))
+        if self.set_index > 0 and npz_is_whole(first):
             written_by = sets_that_wrote(first)
             if written_by is not None and self.set_index >= written_by:
                 return first, None
@@ -221,7 +254,7 @@ class _MultiNodeSnapshot(extension.Extension):
     def _autoload(self, trainer):
         outdir = trainer.out
         names = set(os.listdir(outdir)) if os.path.isdir(outdir) else set()
-        regex = re.compile('(%s)(\\.set\\d+)?$' % _pattern(self.base))
+        regex = re.compile('(%s)\\.\\d+$' % _pattern(self.base))
         candidates = {m.group(1) for m in map(regex.match, names) if m}
         newest = newest_loadable(
             self.comm, {c: self._problem(outdir, c, names)
@@ -238,8 +271,9 @@ class _MultiNodeSnapshot(extension.Extension):
 
 def multi_node_snapshot(comm, snapshot, replica_sets=None):
     """Wrap ``snapshot`` (``chainer.training.extensions.snapshot(...)``) so
-    that one rank per replica set writes it and ``autoload`` resumes every
-    rank from the newest snapshot all of them hold completely (see the
-    module's doc).  ``replica_sets``: lists of ranks (or single ranks);
-    default: every rank alone."""
+    that the first rank of each replica set writes it, to
+    ``FILENAME.RANK`` as ChainerMN's, and ``autoload`` resumes every rank
+    from the newest snapshot all of them hold completely (see the module's
+    doc).  ``replica_sets``: ranks or iterables of ranks, the ranks left
+    out forming one more set; ``[]`` (or None): one set of every rank."""
     return _MultiNodeSnapshot(comm, snapshot, replica_sets)
