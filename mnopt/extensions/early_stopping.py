@@ -14,14 +14,14 @@ class MultiNodeEarlyStoppingTrigger(object):
     ValueError."""
 
     def __init__(self, comm, check_trigger=(1, 'epoch'), monitor='main/loss',
-                 patience=3, mode='auto', verbose=False,
-                 max_trigger=(100, 'epoch')):
+                 patience=None, mode='auto', verbose=False,
+                 max_trigger=(100, 'epoch'), **kwargs):
         self.comm = comm
         self.monitor = monitor
         self.actual_trigger = triggers.EarlyStoppingTrigger(
             check_trigger=check_trigger, monitor=monitor, patience=patience,
             mode=mode, verbose=verbose and comm.rank == 0,
-            max_trigger=max_trigger)
+            max_trigger=max_trigger, **kwargs)   # patients=: the alias
 
     def __call__(self, trainer):
         observation = trainer.observation
