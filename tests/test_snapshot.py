@@ -302,3 +302,20 @@ def test_a_callable_filename_gets_the_rank_too(comm):
     trainer = types.SimpleNamespace(
         updater=types.SimpleNamespace(iteration=7))
     assert snapshot.filename(trainer) == 'it-7.%d' % comm.rank
+
+
+def test_checkpointer_saves_and_loads_an_object_without_a_trainer(
+        comm, outdir):
+    # ChainerMN's use without a trainer: save(target, iteration) each step.
+    model = chainer.links.Linear(2, 2)
+    cp = mnopt.create_multi_node_checkpointer('obj', comm, path=outdir)
+    for it in (1, 2):
+        model.W.array[...] = it
+        cp.save(model, it)
+    again = chainer.links.Linear(2, 2)
+    loader = mnopt.create_multi_node_checkpointer('obj', comm, path=outdir)
+    loader.maybe_load(again)
+    assert loader.get_stats()['loaded'] == 2
+    assert (again.W.array == 2).all()
+    with pytest.raises(ValueError, match='needs path='):
+        mnopt.create_multi_node_checkpointer('obj', comm).save(model, 3)

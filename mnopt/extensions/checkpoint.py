@@ -56,11 +56,20 @@ class _MultiNodeCheckpointer(extension.Extension):
         return sorted(found)
 
     def __call__(self, trainer):
-        outdir = self._dir(trainer)
+        self.save(trainer, trainer.updater.iteration)
+
+    def save(self, target, iteration):
+        """Checkpoint ``target`` (a trainer, or any serializable object
+        when ``path`` was given) as of ``iteration``, on every rank at the
+        same iteration (ChainerMN's use without a trainer)."""
+        outdir = self.path or getattr(target, 'out', None)
+        if outdir is None:
+            raise ValueError('create_multi_node_checkpointer needs path= '
+                             'to save an object that is not a trainer')
         os.makedirs(outdir, exist_ok=True)
-        path = self._file(outdir, trainer.updater.iteration)
+        path = self._file(outdir, iteration)
         tmp = path + '.tmp%d' % os.getpid()
-        chainer.serializers.save_npz(tmp, trainer)
+        chainer.serializers.save_npz(tmp, target)
         os.replace(tmp, path)   # never a half file under the final name
         self.stats['saved'] += 1
         self._saves += 1
