@@ -62,6 +62,21 @@ def test_debug_mode_reports_a_mean_that_is_not_finite(comm):
         comm.multi_node_mean_grad(model)  # finite: no error
 
 
+def test_copies_of_a_model_share_its_communicator(comm):
+    # A communicator is a handle on shared MPI state: a deep copy of a
+    # user's model holding one (as ChainerMN scripts keep it on the model)
+    # must work and talk to the same ranks.
+    import copy
+    model = chainer.Link()
+    model.comm = comm
+    for clone in (copy.deepcopy(model), copy.copy(model),
+                  model.copy(mode='copy')):
+        assert clone.comm is comm
+    grads = [('w', numpy.full(2, comm.rank, numpy.float32))]
+    copy.deepcopy(model).comm.mean_grads(grads)
+    numpy.testing.assert_array_equal(grads[0][1], (comm.size - 1) / 2.0)
+
+
 def test_create_empty_dataset():
     data = mnopt.datasets.create_empty_dataset(list(range(7)))
     assert data == [()] * 7

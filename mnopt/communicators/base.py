@@ -331,6 +331,16 @@ class CommunicatorBase(ChainerMNCollectives):
     def inter_size(self):
         return self._inter_size
 
+    def __deepcopy__(self, memo):
+        # A communicator is a handle on MPI communicators, threads and
+        # buffers shared with the other ranks: a deep copy of a model that
+        # holds one (link.copy(mode='copy'), copy.deepcopy) talks to the
+        # same ranks through the same communicator.
+        return self
+
+    def __copy__(self):
+        return self
+
     def __repr__(self):
         return '<%s rank %d/%d, allreduce_grad_dtype=%s%s>' % (
             type(self).__name__, self.rank, self.size,
