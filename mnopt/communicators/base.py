@@ -604,9 +604,3 @@ class CommunicatorBase(ChainerMNCollectives):
                     **self._stall_settings)
 
     # ChainerMN's array and object collectives: chainermn_collectives.py.
-
-
-# Old private names, until mnopt.extensions.allreduce_persistent imports
-# mnopt.arrays.
-from mnopt.arrays import as_array_like as _like  # NOQA
-_to_host = to_host

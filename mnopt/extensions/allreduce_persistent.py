@@ -3,7 +3,7 @@ statistics) averaged over ranks."""
 
 import numpy
 
-from mnopt.communicators.base import _like, _to_host
+from mnopt.arrays import as_array_like, to_host
 
 
 class AllreducePersistent(object):
@@ -44,11 +44,11 @@ class AllreducePersistent(object):
         if not arrays:
             return
         flat = numpy.concatenate([
-            _to_host(v).astype(numpy.float64).ravel()
+            to_host(v).astype(numpy.float64).ravel()
             for _, _, _, v in arrays])
-        total = _to_host(self.comm.allreduce(flat)) / self.comm.size
+        total = to_host(self.comm.allreduce(flat)) / self.comm.size
         start = 0
         for _, link, name, value in arrays:
             mean = total[start:start + value.size].reshape(value.shape)
             start += value.size
-            link.__dict__[name] = _like(mean.astype(value.dtype), value)
+            link.__dict__[name] = as_array_like(mean.astype(value.dtype), value)

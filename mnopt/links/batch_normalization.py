@@ -25,13 +25,19 @@ from chainer import function
 from chainer import initializers
 from chainer import variable
 
-from mnopt.communicators.pure_nccl import PureNcclCommunicator
 from mnopt.links.communicator_sharing import deepcopy_sharing
 
 #: ChainerMN's choices; 'nccl' needs a pure_nccl communicator.  Every
 #: choice reduces through ``comm.allreduce`` (which uses NCCL where the
 #: communicator does): the argument is checked, as ChainerMN does.
 COMMUNICATION_BACKENDS = ('mpi', 'nccl', 'auto')
+
+
+def _is_pure_nccl(comm):
+    # Not imported at module level: the communicators import mpi4py.MPI,
+    # which ``import mnopt.links`` must not start (mnopt/__init__.py).
+    from mnopt.communicators.pure_nccl import PureNcclCommunicator
+    return isinstance(comm, PureNcclCommunicator)
 
 
 def check_communication_backend(comm, communication_backend):
@@ -43,7 +49,7 @@ def check_communication_backend(comm, communication_backend):
             'of %s, not %r' % (', '.join(COMMUNICATION_BACKENDS),
                                communication_backend))
     if communication_backend == 'nccl' and \
-            not isinstance(comm, PureNcclCommunicator):
+            not _is_pure_nccl(comm):
         raise ValueError(
             "MultiNodeBatchNormalization: communication_backend='nccl' "
             "needs the pure_nccl communicator, not %s (use 'mpi' or "
