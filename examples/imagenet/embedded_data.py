@@ -12,21 +12,30 @@ import numpy
 
 CLASSES = ('circle', 'square', 'triangle', 'cross', 'hstripes', 'vstripes',
            'ring', 'diamond')
-VERSION = '1'
+VERSION = '2'
+
+#: Image side; the example crops 48 pixels from it (at random in training),
+#: and every shape lies inside the central 40, so any crop holds all of it.
+SIZE = 56
 
 
 def _draw(kind, size, rng):
+    """One image: a shape of a random colour, size and place on a noisy
+    background of another colour, contrasting enough to be seen."""
     from PIL import Image, ImageDraw
-    background = rng.randint(0, 256, size=(size, size, 3)).astype(numpy.uint8)
-    background = (background // 3 + rng.randint(0, 170, size=3)).astype(
-        numpy.uint8)
-    img = Image.fromarray(background)
+    base = rng.randint(0, 256, size=3)
+    noise = rng.randint(0, 48, size=(size, size, 3))
+    img = Image.fromarray(numpy.clip(base + noise - 24, 0, 255).astype(
+        numpy.uint8))
     draw = ImageDraw.Draw(img)
-    color = tuple(int(c) for c in rng.randint(0, 256, size=3))
-    r = rng.randint(size // 5, size // 3)
-    cx, cy = rng.randint(r + 2, size - r - 2, size=2)
+    color = (base + rng.choice([-1, 1], size=3) * rng.randint(
+        110, 150, size=3)) % 256    # far from the background in each channel
+    color = tuple(int(c) for c in color)
+    margin = (size - 40) // 2
+    r = rng.randint(11, 17)
+    cx, cy = rng.randint(margin + r, size - margin - r + 1, size=2)
     box = (cx - r, cy - r, cx + r, cy + r)
-    width = max(2, r // 3)
+    width = max(3, r // 3)
     if kind == 'circle':
         draw.ellipse(box, fill=color)
     elif kind == 'square':
@@ -51,7 +60,7 @@ def _draw(kind, size, rng):
     return img
 
 
-def build(root, n_train=80, n_val=20, size=72, seed=0):
+def build(root, n_train=80, n_val=40, size=SIZE, seed=0):
     """Create the dataset under ``root`` unless it is already there.
 
     Returns (train list, val list, mean file, image root).

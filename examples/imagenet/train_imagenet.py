@@ -79,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument('--mean', help='mean image (.npy); default: the '
                                   'embedded set\'s, or none')
     p.add_argument('--arch', '-a', choices=sorted(models.ARCHS),
-                   default='nin')
+                   help="default: nin, or smallcnn for the embedded set")
     p.add_argument('--n-classes', type=int, default=None,
                    help='default: 1000, or 8 for the embedded set')
     p.add_argument('--insize', type=int, default=None,
@@ -101,10 +101,14 @@ def parse_args(argv=None):
                    help='per rank')
     p.add_argument('--val-batchsize', type=int, default=50)
     p.add_argument('--epoch', '-E', type=int, default=None,
-                   help='default: 10, or 20 for the embedded set')
+                   help='default: 10 (the embedded set too)')
     p.add_argument('--iteration', type=int, default=None,
                    help='stop after this many iterations (overrides --epoch)')
-    p.add_argument('--lr', type=float, default=0.01)
+    p.add_argument('--lr', type=float, default=None,
+                   help='default: 0.01, or 0.05 for the embedded set')
+    p.add_argument('--lr-schedule', choices=['constant', 'linear'],
+                   default=None, help='linear: down to 0 at the end; '
+                   'default: constant, or linear for the embedded set')
     p.add_argument('--out', '-o', default='result')
     p.add_argument('--resume', help="snapshot to resume from, or 'auto': "
                    "the newest one in --out that every rank holds "
@@ -149,10 +153,15 @@ def load_datasets(args, comm):
         args.mean = args.mean or mean_file
         args.n_classes = args.n_classes or len(embedded_data.CLASSES)
         args.insize = args.insize or 48
-        args.epoch = args.epoch or 20
+        args.arch = args.arch or 'smallcnn'
+        args.lr = args.lr or 0.05
+        args.lr_schedule = args.lr_schedule or 'linear'
     args.epoch = args.epoch or 10
     args.n_classes = args.n_classes or 1000
     args.insize = args.insize or 224
+    args.arch = args.arch or 'nin'
+    args.lr = args.lr or 0.01
+    args.lr_schedule = args.lr_schedule or 'constant'
     train = val = None
     if comm.rank == 0:
         if args.mean:
@@ -612,6 +621,11 @@ def main(argv=None):
     stop = ((args.iteration, 'iteration') if args.iteration
             else (args.epoch, 'epoch'))
     trainer = training.Trainer(updater, stop, out=args.out)
+    if args.lr_schedule == 'linear':
+        last = args.iteration or args.epoch * len(train_iter.dataset) \
+            // args.batchsize
+        trainer.extend(extensions.LinearShift(
+            'lr', (args.lr, 0.0), (0, last)))
 
     log_interval = (1, 'iteration') if args.iteration and \
         args.iteration <= 20 else (5, 'iteration')
