@@ -33,7 +33,7 @@ OPENMPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 LAUNCH_openmpi := env $(OPENMPI_ENV) mpiexec
 PRE_openmpi := openmpi-system
 
-.PHONY: setup run test bench convergence experiments clean openmpi-system \
+.PHONY: setup run run-cluster test bench convergence experiments clean openmpi-system \
     gpu-check gpu-wheels
 # The stamps of built stacks are kept (make would delete them as the
 # intermediate files of a pattern rule, and rebuild every stack each time).
@@ -67,6 +67,19 @@ openmpi-system:
 run: setup
 	$(MPIEXEC) -n $(NP) $(PY) -m mpi4py examples/imagenet/train_imagenet.py \
 	    --out result/imagenet
+
+# The main job on a simulated cluster (root: network namespaces, see
+# mnopt/netsim.py): 2 nodes joined by a LINK (100 Mbit/s) link, 3 epochs
+# each synchronous, with double buffering and with overlap; each run's
+# summary shows the share of the step spent averaging and what was hidden.
+LINK ?= 100mbit
+run-cluster: setup
+	for mode in sync double-buffering overlap; do \
+	    $(PY) -m mnopt.netsim run --nodes 2 --rate $(LINK) -- \
+	        $(PY) -m mpi4py examples/imagenet/train_imagenet.py --epoch 3 \
+	        --out result/imagenet-cluster-$$mode \
+	        $$([ $$mode = sync ] || echo --$$mode) || exit 1; \
+	done
 
 # Every GPU test and benchmark, on a machine with a GPU (docs/gpu.md);
 # results and logs in $$OUT (default result/gpu-check).
