@@ -55,6 +55,30 @@ def any_comm(request):
     c.finalize()
 
 
+@pytest.fixture
+def naive_comm():
+    """A naive communicator, finalized after the test (modules testing the
+    ChainerMN-shaped pieces import it as their ``comm`` fixture)."""
+    import mnopt
+    c = mnopt.create_communicator('naive')
+    yield c
+    c.finalize()
+
+
+@pytest.fixture
+def cupy():
+    """CuPy, where a GPU is usable; else the test skips (fails under
+    MNOPT_REQUIRE_GPU=1, as on the GPU machine)."""
+    from mnopt import _cuda
+    problem = _cuda.gpu_problem()
+    if problem is not None:
+        if os.environ.get('MNOPT_REQUIRE_GPU') == '1':
+            pytest.fail('MNOPT_REQUIRE_GPU=1 but %s' % problem)
+        pytest.skip('needs a GPU: %s' % problem)
+    import cupy as cp
+    return cp
+
+
 @pytest.fixture(params=CPU_COMMUNICATORS + ('hierarchical-2-per-node',))
 def comm_name(request, monkeypatch):
     """Each CPU communicator; hierarchical also with nodes faked as pairs

@@ -7,18 +7,12 @@ import types
 import numpy
 import pytest
 
+from conftest import naive_comm as comm  # NOQA: the comm fixture
 from conftest import chainer, needs_chainer
 
 pytestmark = needs_chainer
 
 import mnopt  # NOQA
-
-
-@pytest.fixture
-def comm():
-    c = mnopt.create_communicator('naive')
-    yield c
-    c.finalize()
 
 
 def trainer_at(iteration):

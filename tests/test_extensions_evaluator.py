@@ -5,18 +5,12 @@ under mpiexec -n 2 / -n 3."""
 import numpy
 import pytest
 
+from conftest import naive_comm as comm  # NOQA: the comm fixture
 from conftest import chainer, needs_chainer
 
 pytestmark = needs_chainer
 
 import mnopt  # NOQA
-
-
-@pytest.fixture
-def comm():
-    c = mnopt.create_communicator('naive')
-    yield c
-    c.finalize()
 
 
 def rank_iterator(comm, n_batches, batch_size=2):

@@ -21,17 +21,6 @@ from conftest import (REPO, WORLD, chainer, expected_mean, make_model,
                       needs_chainer, rank_grads, run_mpi,
                       snapshot_models_equal)
 
-GPU_PROBLEM = _cuda.gpu_problem()
-
-
-@pytest.fixture
-def cupy():
-    if GPU_PROBLEM is not None:
-        if os.environ.get('MNOPT_REQUIRE_GPU') == '1':
-            pytest.fail('MNOPT_REQUIRE_GPU=1 but %s' % GPU_PROBLEM)
-        pytest.skip('needs a GPU: %s' % GPU_PROBLEM)
-    import cupy as cp
-    return cp
 
 
 GRAD_DTYPES = ('float16', 'float32', 'float64')

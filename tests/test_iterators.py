@@ -9,18 +9,12 @@ import tempfile
 import numpy
 import pytest
 
+from conftest import naive_comm as comm  # NOQA: the comm fixture
 from conftest import chainer, needs_chainer
 
 pytestmark = needs_chainer
 
 import mnopt  # NOQA
-
-
-@pytest.fixture
-def comm():
-    c = mnopt.create_communicator('naive')
-    yield c
-    c.finalize()
 
 
 def serial(data, batch_size=3, **kw):

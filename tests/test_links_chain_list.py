@@ -6,18 +6,12 @@ Serially and under mpiexec -n 2 / -n 3."""
 import numpy
 import pytest
 
+from conftest import naive_comm as comm  # NOQA: the comm fixture
 from conftest import chainer, needs_chainer
 
 pytestmark = needs_chainer
 
 import mnopt  # NOQA
-
-
-@pytest.fixture
-def comm():
-    c = mnopt.create_communicator('naive')
-    yield c
-    c.finalize()
 
 
 def linear(seed, n_in=3, n_out=3):

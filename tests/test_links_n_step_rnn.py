@@ -7,6 +7,7 @@ mpiexec -n 2 / -n 3."""
 import numpy
 import pytest
 
+from conftest import naive_comm as comm  # NOQA: the comm fixture
 from conftest import chainer, needs_chainer
 
 pytestmark = needs_chainer
@@ -14,13 +15,6 @@ pytestmark = needs_chainer
 import mnopt  # NOQA
 
 N_IN, N_HID = 3, 4
-
-
-@pytest.fixture
-def comm():
-    c = mnopt.create_communicator('naive')
-    yield c
-    c.finalize()
 
 
 def lstm(seed):

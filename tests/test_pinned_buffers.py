@@ -9,7 +9,6 @@ buffers are checked with CUDA's pointer attributes (tests/test_gpu.py's
 ``MNOPT_REQUIRE_GPU=1`` rule applies: a GPU-only test skips without one).
 """
 
-import os
 
 import numpy
 import pytest
@@ -145,17 +144,6 @@ def test_a_cpu_buffer_takes_plain_host_memory(pinned):
 
 # ------------------------------------------------------------ on a GPU
 
-GPU_PROBLEM = _cuda.gpu_problem()
-
-
-@pytest.fixture
-def cupy():
-    if GPU_PROBLEM is not None:
-        if os.environ.get('MNOPT_REQUIRE_GPU') == '1':
-            pytest.fail('MNOPT_REQUIRE_GPU=1 but %s' % GPU_PROBLEM)
-        pytest.skip('needs a GPU: %s' % GPU_PROBLEM)
-    import cupy as cp
-    return cp
 
 
 def cuda_host_memory_type(cp, a):
