@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import chainer, needs_chainer, python_path, run_mpi
+from conftest import chainer, needs_chainer, python_path, run_mpi, slack
 
 NOT_STARTED = r'''
 import sys
@@ -25,7 +25,7 @@ print(sorted(mnopt.communicators.NAMES))
 
 def _run(code):
     return subprocess.run([sys.executable, '-c', code], capture_output=True,
-                          text=True, timeout=120,
+                          text=True, timeout=slack(120),
                           env={'PYTHONPATH': python_path(), 'PATH': '/usr/bin:/bin'})
 
 

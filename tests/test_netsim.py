@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, slack
 from mnopt import netsim
 
 pytestmark = pytest.mark.spawn
@@ -49,7 +49,7 @@ def run_probe(tmp_path, nodes, ranks_per_node, nbytes):
         [sys.executable, '-m', 'mnopt.netsim', 'exec', '--nodes', str(nodes),
          '--ranks-per-node', str(ranks_per_node), '--', sys.executable,
          str(script), str(nbytes)],
-        capture_output=True, text=True, timeout=120, env=env)
+        capture_output=True, text=True, timeout=slack(120), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')][0]
     return eval(line[len('RESULT'):])
@@ -81,7 +81,7 @@ def test_exec_refuses_when_the_cluster_is_down():
     netsim.down()
     proc = subprocess.run(
         [sys.executable, '-m', 'mnopt.netsim', 'exec', '--nodes', '2', '--',
-         'true'], capture_output=True, text=True, timeout=60,
+         'true'], capture_output=True, text=True, timeout=slack(60),
         env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 2
     assert 'the cluster is not up' in proc.stderr
@@ -137,7 +137,7 @@ def test_chain_with_one_slow_link(tmp_path):
         proc = subprocess.run(
             [sys.executable, '-m', 'mnopt.netsim', 'exec', '--nodes', '3',
              '--', sys.executable, str(script)],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=slack(120),
             env=dict(os.environ, PYTHONPATH=REPO))
     finally:
         netsim.down()

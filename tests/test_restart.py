@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, mpiexec, run_mpi, snapshot_models_equal
+from conftest import REPO, mpiexec, run_mpi, snapshot_models_equal, slack
 
 pytestmark = pytest.mark.spawn
 pytest.importorskip('chainer', reason='the example needs Chainer')
@@ -88,7 +88,7 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache,
         victims = ranks_of(part)
         assert len(victims) == 2, victims
         os.kill(rng.choice(victims), signal.SIGKILL)
-        out, err = job.communicate(timeout=300)
+        out, err = job.communicate(timeout=slack(300))
     except BaseException:
         os.killpg(job.pid, signal.SIGKILL)
         raise
@@ -109,7 +109,7 @@ def test_launcher_gives_up_after_max_restarts(tmp_path):
         [sys.executable, '-m', 'mnopt.launch', '--max-restarts', '2',
          '--delay', '0', '--', sys.executable, '-c',
          'import os, sys; print("attempt", os.environ["MNOPT_RESTART"]); '
-         'sys.exit(3)'], capture_output=True, text=True, timeout=60,
+         'sys.exit(3)'], capture_output=True, text=True, timeout=slack(60),
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 3
     assert proc.stdout.split() == ['attempt', '0', 'attempt', '1',
@@ -122,7 +122,7 @@ def test_launcher_stops_at_the_first_success():
         [sys.executable, '-m', 'mnopt.launch', '--delay', '0', '--',
          sys.executable, '-c', 'import os, sys; '
          'sys.exit(0 if os.environ["MNOPT_RESTART"] == "1" else 1)'],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        capture_output=True, text=True, timeout=slack(60), cwd=REPO,
         env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 0
     assert proc.stderr.count('exited with status 1') == 1

@@ -12,7 +12,7 @@ import sys
 import numpy
 import pytest
 
-from conftest import REPO, needs_chainer, run_mpi
+from conftest import REPO, needs_chainer, run_mpi, slack
 
 # NumPy, Chainer and the MPI library are what differ between stacks.
 pytestmark = [pytest.mark.spawn, pytest.mark.every_stack]
@@ -88,7 +88,7 @@ def python(code, env=None):
     the checkout first on the path."""
     return subprocess.run(
         [sys.executable, '-c', code], capture_output=True, text=True,
-        timeout=120, cwd='/', env=dict(os.environ, PYTHONPATH=REPO,
+        timeout=slack(120), cwd='/', env=dict(os.environ, PYTHONPATH=REPO,
                                        **(env or {})))
 
 
