@@ -39,6 +39,7 @@ import math
 import numpy
 
 from mnopt import _mpi
+from mnopt import grad_buffer
 
 try:  # optional one-pass C loops (mnopt/_signbits.c), bit-identical
     from mnopt import _signbits
@@ -129,6 +130,33 @@ class SignCodec(object):
         self.residual = xp.zeros(self.total, dtype=xp.float32) \
             if error_feedback else None
         self._bits = None
+        # A device codec's bits and majority pass through host memory (the
+        # vote is MPI's): pinned buffers, kept, so the copies run at full
+        # speed (a pageable one is staged by the driver).
+        self._host_bits = self._host_majority = None
+
+    def bits_to_host(self, bits):
+        """``encode``'s bits in host memory: themselves for a numpy codec,
+        else copied into this codec's pinned buffer (overwritten by the
+        next call)."""
+        if self.xp is numpy:
+            return bits
+        if self._host_bits is None:
+            self._host_bits = grad_buffer.pinned_host_empty(self.n_bytes,
+                                                            numpy.uint8)
+        return bits.get(out=self._host_bits)
+
+    def majority_to_device(self, majority):
+        """The voted bits (host) where ``decode`` reads them: themselves
+        for a numpy codec, else copied to the device through this codec's
+        pinned buffer."""
+        if self.xp is numpy:
+            return majority
+        if self._host_majority is None:
+            self._host_majority = grad_buffer.pinned_host_empty(
+                self.n_bytes, numpy.uint8)
+        self._host_majority[...] = majority
+        return self.xp.asarray(self._host_majority)
 
     def encode(self, arrays, step):
         """(packed sign bits, per-array scales as float64 numpy)."""

@@ -177,3 +177,42 @@ def test_host_buffers_of_gpu_copies_are_page_locked_on_the_gpu(cupy):
         assert result is not None
         assert cuda_host_memory_type(cupy, result) == page_locked
     comm.finalize()
+
+
+class FakeCupyWithAsarray(FakeCupy):
+    @staticmethod
+    def asarray(a):
+        return numpy.array(a).view(FakeDeviceArray)
+
+
+@pytest.mark.skipif(WORLD.size > 1, reason='no communication')
+def test_sign_compressions_host_copies_go_through_pinned_buffers(pinned):
+    """A device codec's bits go to the host (for the vote) and the voted
+    bits back to the device through pinned buffers, kept between steps."""
+    from mnopt import sign
+    layout = grad_buffer.make_layout(
+        [('/w', numpy.zeros(100, numpy.float32))], 'float32')
+    codec = sign.SignCodec(layout, numpy, error_feedback=False)
+    codec.xp = FakeCupyWithAsarray      # as a CuPy codec would be
+    for step in range(3):
+        device_bits = numpy.arange(codec.n_bytes, dtype=numpy.uint8).view(
+            FakeDeviceArray) + step
+        host = codec.bits_to_host(device_bits)
+        assert _made_by(host, pinned) and (host == device_bits).all()
+        majority = numpy.full(codec.n_bytes, 7 + step, numpy.uint8)
+        on_device = codec.majority_to_device(majority)
+        assert _made_by(codec._host_majority, pinned)
+        assert (numpy.asarray(on_device) == 7 + step).all()
+    assert len(pinned) == 2     # one of each, kept
+
+
+@pytest.mark.skipif(WORLD.size > 1, reason='no communication')
+def test_a_host_sign_codec_copies_nothing(pinned):
+    from mnopt import sign
+    layout = grad_buffer.make_layout(
+        [('/w', numpy.zeros(100, numpy.float32))], 'float32')
+    codec = sign.SignCodec(layout, numpy)
+    bits = numpy.zeros(codec.n_bytes, numpy.uint8)
+    assert codec.bits_to_host(bits) is bits
+    assert codec.majority_to_device(bits) is bits
+    assert not pinned

@@ -25,6 +25,7 @@ from mnopt import sign
 from mnopt import stall
 from mnopt.arrays import array_module, named_grads, to_host
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
+from mnopt.communicators.sharded import ShardedCollectives
 from mnopt.stall import watched
 
 
@@ -201,7 +202,7 @@ def _device_of(named, xp):
     return _cuda.device_id([a for _, a in named])
 
 
-class CommunicatorBase(ChainerMNCollectives):
+class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
     """A data-parallel communicator (ChainerMN's API).
 
     Subclasses set ``name`` and implement ``_sum(buffer, group)``: sum the
@@ -514,12 +515,11 @@ class CommunicatorBase(ChainerMNCollectives):
         codec = group.sign_codec_for(named, xp, self.error_feedback)
         arrays = [a for _, a in named]
         bits, scales = codec.encode(arrays, step)
-        if xp is not numpy:
-            bits = bits.get()
+        bits = codec.bits_to_host(bits)
         scales = sign.mean_scales(group.comm, scales)
         self.vote_stats = {}
         majority = self._vote(group, bits, codec.total, step)
-        codec.decode(xp.asarray(majority), scales, arrays)
+        codec.decode(codec.majority_to_device(majority), scales, arrays)
 
     def _vote(self, group, bits, n_elements, step):
         """Element-wise majority of every rank's packed sign bits over the
