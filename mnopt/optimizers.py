@@ -358,7 +358,7 @@ class _OverlapOptimizer(_MultiNodeOptimizer):
 
 def create_multi_node_optimizer(actual_optimizer, communicator,
                                 double_buffering=False, zero_fill=True,
-                                overlap=False):
+                                overlap=False, shard_state=False):
     """Wrap a Chainer optimizer so it averages gradients over all ranks.
 
     Args:
@@ -374,7 +374,25 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
             communicator) as they become final, hiding communication behind
             the rest of backward with no staleness: the parameters are those
             of the synchronous optimizer, bit for bit.
+        shard_state: ZeRO stage 1 (mnopt/zero.py, docs/zero.md): each rank
+            owns a share of the parameters (whole arrays, balanced by
+            bytes), keeps the optimizer state (Adam's m and v, momentum...)
+            of its share only and updates only it; the mean gradients reach
+            their owners through one reduce-scatter and the updated
+            parameters come back through one all-gather.  Optimizers whose
+            update is per parameter, per-parameter hooks and
+            GradientClipping; a snapshot holds each rank's own share.  Not
+            with double_buffering, overlap, the reduction_server
+            communicator or compression='sign'.
     """
+    if shard_state:
+        if double_buffering or overlap:
+            raise ValueError('shard_state does not combine with %s (yet): '
+                             'the sharded optimizer averages synchronously'
+                             % ('double_buffering' if double_buffering
+                                else 'overlap'))
+        from mnopt import zero
+        return zero.create(actual_optimizer, communicator, zero_fill)
     if double_buffering and overlap:
         raise ValueError('double_buffering and overlap exclude each other: '
                          'double buffering applies last iteration\'s mean, '

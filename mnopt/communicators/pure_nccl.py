@@ -1,4 +1,5 @@
 from mnopt import _cuda
+from mnopt import grad_buffer
 from mnopt.communicators.base import CommunicatorBase
 
 
@@ -48,3 +49,82 @@ class PureNcclCommunicator(CommunicatorBase):
                 % (group.nccl.device_id(), buffer.device))
         _cuda.nccl_allreduce_sum(group.nccl, buffer.wire, buffer.layout.wire,
                                  group.stream)
+
+    # ZeRO's collectives (mnopt/communicators/sharded.py) on NCCL, on the
+    # group's side stream.  NCCL's reduceScatter and allGather move equal
+    # counts per rank, so every rank's share is padded to the largest in
+    # the device buffers (the padding stays zero); the packing kernels are
+    # the averaging's, with the padded offsets.  Unverified on a GPU.
+
+    def _nccl_for(self, group, device):
+        if group.nccl is None:
+            group.nccl = _cuda.nccl_communicator(group.comm)
+            group.stream = _cuda.new_stream()
+        elif group.nccl.device_id() != device:
+            raise RuntimeError(
+                'pure_nccl: the arrays moved from GPU %d to GPU %d after the '
+                'first collective; NCCL is bound to the first GPU (create '
+                'the communicator again after moving the model)'
+                % (group.nccl.device_id(), device))
+        return group.nccl
+
+    def _reduce_scatter_mean(self, group, shards, arrays, xp):
+        if xp is not _cuda.cupy():
+            raise TypeError(
+                "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
+                "move the model to the GPU (model.to_gpu()) or use 'flat'")
+        nccl = self._nccl_for(group, _cuda.device_id(arrays))
+        bufs, layout, rank = shards.device, shards.layout, self.rank
+        own = list(shards.own(rank))
+        if 'wire' not in bufs:
+            stride = max(shards.counts)
+            offs = layout.offsets
+            padded = [r * stride + offs[i] - shards.starts[r]
+                      for r in range(self.size) for i in shards.own(r)]
+            dtype = grad_buffer.storage_dtype(layout.wire)
+            bufs['stride'] = stride
+            bufs['wire'] = xp.zeros(self.size * stride, dtype)
+            bufs['mine'] = xp.empty(stride, dtype)
+            bufs['pack'] = _cuda.Codec(layout.wire, layout.sizes, padded)
+            bufs['unpack'] = _cuda.Codec(
+                layout.wire, [layout.sizes[i] for i in own],
+                [offs[i] - shards.starts[rank] for i in own])
+        bufs['pack'].pack(arrays, bufs['wire'], self._pack_divisor())
+        _cuda.nccl_reduce_scatter_sum(nccl, bufs['wire'], bufs['mine'],
+                                      bufs['stride'], layout.wire,
+                                      group.stream)
+        bufs['unpack'].unpack(bufs['mine'], [arrays[i] for i in own])
+
+    def _allgather_params(self, group, shards, arrays, xp):
+        if xp is not _cuda.cupy():
+            raise TypeError(
+                "pure_nccl gathers CuPy (GPU) parameters but got numpy ones; "
+                "move the model to the GPU (model.to_gpu()) or use 'flat'")
+        nccl = self._nccl_for(group, _cuda.device_id(arrays))
+        bufs, rank = shards.device, self.rank
+        if 'params' not in bufs:
+            bufs['byte_stride'] = max(shards.byte_counts)
+            bufs['params'] = xp.zeros(self.size * bufs['byte_stride'],
+                                      xp.uint8)
+        stride, flat = bufs['byte_stride'], bufs['params']
+        offs = shards.byte_offsets
+
+        def slot(r, i):
+            lo = r * stride + offs[i] - shards.byte_starts[r]
+            return flat[lo:lo + shards.nbytes[i]]
+
+        for i in shards.own(rank):
+            slot(rank, i)[...] = xp.ascontiguousarray(
+                arrays[i]).reshape(-1).view(xp.uint8)
+        _cuda.nccl_allgather_bytes(nccl, flat, stride, rank, group.stream)
+        for r in range(self.size):
+            if r != rank:
+                for i in shards.own(r):
+                    # Through the destination's bytes: a slot of the byte
+                    # buffer need not be aligned for the array's dtype.
+                    a = arrays[i]
+                    dst = a if a.flags.c_contiguous else xp.empty(a.shape,
+                                                                  a.dtype)
+                    dst.reshape(-1).view(xp.uint8)[...] = slot(r, i)
+                    if dst is not a:
+                        a[...] = dst

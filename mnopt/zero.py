@@ -1,0 +1,346 @@
+"""Sharded optimizer state (ZeRO stage 1): ``create_multi_node_optimizer(
+opt, comm, shard_state=True)``.
+
+Every parameter has one owner rank.  Each update:
+
+1. the mean gradients reach their owners only: one reduce-scatter of the
+   packed gradient buffer laid out by owner (``comm.reduce_scatter_mean``);
+2. each rank runs the wrapped optimizer's hooks and update rules on the
+   parameters it owns, so only the owner's update rule ever holds state
+   (Adam's m and v, momentum...);
+3. the updated parameters come back to every rank: one all-gather of the
+   flat parameter buffer (``comm.allgather_params``), bytes as the owner
+   has them, so the replicas stay identical.
+
+Ownership: whole parameters, balanced by bytes (the largest first, each to
+the rank with the fewest bytes so far; ties by name, then lowest rank),
+and sticky: a parameter keeps its owner (where its state lives) when
+parameters appear later.  docs/zero.md has the design and the numbers.
+"""
+
+import chainer
+import numpy
+from chainer.optimizer_hooks import GradientClipping
+
+from mnopt.arrays import named_grads
+from mnopt.optimizers import _AVERAGE, _BROADCAST, _LOADED, _RESUME
+from mnopt.optimizers import _MultiNodeOptimizer, _digest
+
+#: Serializer group holding a shard's metadata in snapshots.
+SHARD_KEY = 'mnopt_shard'
+
+
+def assign_owners(named_nbytes, n_ranks, previous=None):
+    """{name: rank} for ``[(name, nbytes), ...]``.
+
+    Names in ``previous`` (an earlier assignment) keep their rank: their
+    optimizer state lives there.  The others go, largest first (ties by
+    name), each to the rank owning the fewest bytes so far (ties: the
+    lowest rank): every rank's share is within the largest parameter of
+    the mean.  Deterministic: every rank computes the same."""
+    previous = previous or {}
+    load = [0] * n_ranks
+    owners = {}
+    for name, nbytes in named_nbytes:
+        if name in previous and previous[name] < n_ranks:
+            owners[name] = previous[name]
+            load[owners[name]] += nbytes
+    for name, nbytes in sorted(named_nbytes, key=lambda x: (-x[1], x[0])):
+        if name not in owners:
+            rank = min(range(n_ranks), key=lambda r: (load[r], r))
+            owners[name] = rank
+            load[rank] += nbytes
+    return owners
+
+
+def layout_by_owner(owners, n_ranks):
+    """(names laid out by owner: rank 0's, sorted, then rank 1's...,
+    arrays per rank)."""
+    order, per_rank = [], []
+    for r in range(n_ranks):
+        mine = sorted(n for n, o in owners.items() if o == r)
+        order += mine
+        per_rank.append(len(mine))
+    return order, per_rank
+
+
+def _optimizer_hooks(optimizer, timing):
+    """The optimizer's hooks of ``timing`` as (name, hook), in the order
+    Chainer calls them.
+
+    Chainer 7 keeps them in ``optimizer._hookable`` and has no public
+    accessor; they are only read here, never changed."""
+    hookable = optimizer._hookable
+    return list((hookable._pre_update_hooks if timing == 'pre'
+                 else hookable._post_update_hooks).items())
+
+
+def optimizer_problem(optimizer):
+    """Why ``optimizer`` cannot have its state sharded (a sentence), or
+    None: its update must be Chainer's per-parameter one."""
+    if not isinstance(optimizer, chainer.optimizer.GradientMethod) or \
+            type(optimizer).update is not \
+            chainer.optimizer.GradientMethod.update:
+        return ('shard_state needs an optimizer whose update is per '
+                'parameter (a chainer.GradientMethod that keeps its '
+                'update(), as SGD, MomentumSGD, Adam, AdaGrad, RMSprop do); '
+                '%s is not one' % type(optimizer).__name__)
+    if getattr(optimizer, '_loss_scaling_is_dynamic', False):
+        return ('shard_state does not support dynamic loss scaling: it '
+                'decides from every gradient whether to skip an update; '
+                'use a fixed loss_scaling(scale=...)')
+    if optimizer.target is None:
+        return None
+    for timing in ('pre', 'post'):
+        for name, hook in _optimizer_hooks(optimizer, timing):
+            if getattr(hook, 'call_for_each_param', False):
+                continue
+            if type(hook) is GradientClipping and timing == 'pre':
+                continue
+            return ('shard_state runs per-parameter hooks (WeightDecay, '
+                    'Lasso, GradientHardClipping...) and GradientClipping; '
+                    'hook %r (%s) looks at every parameter at once and '
+                    'would see only this rank\'s share'
+                    % (name, type(hook).__name__))
+    return None
+
+
+class ShardedStateOptimizer(_MultiNodeOptimizer):
+    """ChainerMN's multi-node optimizer semantics (the first update, and
+    any after the parameter set changed, broadcasts rank 0's parameters and
+    applies nothing), with the optimizer state sharded (see the module).
+
+    A snapshot of it holds this rank's share only (``mnopt_shard/size``,
+    ``/rank``, ``/names``, ``/owners`` say whose): every rank saves its own
+    and loads its own, on the same number of ranks (else an error on every
+    rank at the next update)."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill):
+        super(ShardedStateOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        object.__setattr__(self, 'owners', {})  # name -> rank
+        # After a load: (owners from the snapshot, problem or None).
+        object.__setattr__(self, '_loaded_share', None)
+
+    def setup(self, link):
+        super(ShardedStateOptimizer, self).setup(link)
+        object.__setattr__(self, 'owners', {})
+        return self
+
+    # ------------------------------------------------------------ plan
+    def _plan(self):
+        """(names laid out by owner, arrays per rank) for the parameters
+        with data; new parameters get owners (``assign_owners``)."""
+        params = [(n, p.array.nbytes) for n, p in
+                  sorted(self.target.namedparams()) if p.array is not None]
+        size = self.communicator.size
+        owners = assign_owners(params, size, self.owners)
+        object.__setattr__(self, 'owners', owners)
+        return layout_by_owner(owners, size)
+
+    def owned_names(self):
+        """The names of the parameters this rank updates."""
+        rank = self.communicator.rank
+        return sorted(n for n, r in self.owners.items() if r == rank)
+
+    def state_nbytes(self):
+        """Bytes of optimizer state this rank holds (every update rule's
+        state arrays)."""
+        total = 0
+        for param in self.target.params():
+            rule = getattr(param, 'update_rule', None)
+            state = None if rule is None else rule.state
+            for value in (state or {}).values():
+                total += getattr(value, 'nbytes', 0)
+        return total
+
+    # ------------------------------------------------------------ steps
+    def _next_step(self):
+        """As the unsharded optimizer's, plus: every rank's problems (an
+        unsupported hook, a snapshot of another sharding) are raised on
+        every rank, and a snapshot must be loaded on every rank or on
+        none."""
+        loaded = self._param_set is _LOADED
+        current = self._current_param_set()
+        changed = not loaded and current != self._param_set
+        object.__setattr__(self, '_param_set', current)
+        problem = optimizer_problem(self.actual_optimizer)
+        if loaded and problem is None and self._loaded_share is not None:
+            problem = self._loaded_share[1]
+        votes = self.communicator.allgather_obj((loaded, changed, problem))
+        bad = ['rank %d: %s' % (r, p) for r, (_, _, p) in enumerate(votes)
+               if p]
+        if bad:
+            raise ValueError('sharded optimizer: %s' % '; '.join(bad))
+        if any(v[0] for v in votes):
+            if not all(v[0] for v in votes):
+                raise RuntimeError(
+                    'a sharded optimizer\'s snapshot holds one rank\'s share '
+                    'of the state: every rank must load its own (ranks %s '
+                    'loaded one, ranks %s did not)'
+                    % ([r for r, v in enumerate(votes) if v[0]],
+                       [r for r, v in enumerate(votes) if not v[0]]))
+            return _RESUME
+        if any(v[1] != changed for v in votes):
+            raise RuntimeError(
+                'the parameter set changed on ranks %s but not on ranks %s; '
+                'every rank must add or initialise parameters at the same '
+                'update' % ([r for r, v in enumerate(votes) if v[1]],
+                            [r for r, v in enumerate(votes) if not v[1]]))
+        return _BROADCAST if changed else _AVERAGE
+
+    def _make_replicas_agree(self):
+        """After every rank loaded its share: the owners from the
+        snapshots (the same on every rank, checked); rank 0's parameters
+        where they differ.  True if they were the same everywhere."""
+        comm = self.communicator
+        owners = self._loaded_share[0] if self._loaded_share else {}
+        mine = (_digest(self._named_params()),
+                repr(sorted(owners.items())))
+        digests = comm.allgather_obj(mine)
+        if any(d[1] != digests[0][1] for d in digests):
+            raise RuntimeError(
+                'the loaded snapshots were written by different shardings '
+                '(their parameter owners differ): load every rank\'s share '
+                'of one snapshot')
+        object.__setattr__(self, 'owners', owners)
+        object.__setattr__(self, '_loaded_share', None)
+        same = all(d[0] == digests[0][0] for d in digests)
+        if not same:
+            comm.bcast_data(self.target)
+        return same
+
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is not None:
+            self._backward(lossfun, args, kwds)
+        step = self._next_step()
+        comm = self.communicator
+        if step is _BROADCAST:
+            comm.bcast_data(self.target)
+            self._plan()
+            return
+        if step is _RESUME and not self._make_replicas_agree():
+            self._plan()
+            return
+        order, per_rank = self._plan()
+        params = dict(self.target.namedparams())
+        # Every parameter with data takes part (zeros where it has no
+        # gradient): its owner must receive its mean.
+        grads = dict(named_grads(self.target, True))
+        self._blocked(comm.reduce_scatter_mean,
+                      [(n, grads[n]) for n in order], per_rank)
+        self._update_owned()
+        self._blocked(comm.allgather_params,
+                      [(n, params[n].array) for n in order], per_rank)
+
+    def _update_owned(self):
+        """Chainer's GradientMethod.update after the backward, on this
+        rank's parameters only."""
+        actual = self.actual_optimizer
+        rank = self.communicator.rank
+        owned = [p for n, p in self.target.namedparams()
+                 if self.owners.get(n) == rank]
+        actual.reallocate_cleared_grads()
+        self._call_hooks('pre', owned)
+        actual.t += 1
+        for param in owned:
+            param.update()
+        actual.reallocate_cleared_grads()
+        self._call_hooks('post', owned)
+
+    def _call_hooks(self, timing, owned):
+        actual = self.actual_optimizer
+        for _, hook in _optimizer_hooks(actual, timing):
+            if getattr(hook, 'call_for_each_param', False):
+                for param in owned:
+                    hook(param.update_rule, param)
+            else:   # GradientClipping (optimizer_problem refuses others)
+                self._clip_by_global_norm(hook.threshold, owned)
+            actual.reallocate_cleared_grads()
+
+    def _clip_by_global_norm(self, threshold, owned):
+        """GradientClipping with the norm of every mean gradient: each
+        parameter's squared norm comes from its owner (one small
+        allreduce, each entry from one rank: exact), and they are summed
+        in Chainer's order and dtype, so the rate is the unsharded one,
+        bit for bit.  The owners then scale their gradients."""
+        params = [(n, p) for n, p in self.target.namedparams()
+                  if p.array is not None]
+        rank = self.communicator.rank
+        squares = numpy.zeros(len(params), numpy.float64)
+        dtypes = []
+        for k, (name, param) in enumerate(params):
+            dtypes.append(param.grad.dtype if param.grad is not None
+                          else param.array.dtype)
+            if self.owners.get(name) == rank:
+                g = param.grad.ravel()
+                squares[k] = float(g.dot(g))
+        squares = numpy.asarray(
+            chainer.backend.CpuDevice().send(
+                self.communicator.allreduce(squares)))
+        # GradientClipping: sum(dots), each dot in its gradient's dtype.
+        sqnorm = sum(numpy.dtype(d).type(s) for d, s in zip(dtypes, squares))
+        rate = threshold / numpy.sqrt(sqnorm)
+        if rate >= 1:
+            return
+        for param in owned:
+            grad = param.grad
+            with chainer.using_device(param.device):
+                grad *= rate
+
+    # ------------------------------------------------------------ snapshots
+    def _serialize_state(self, serializer):
+        """This rank's share: the optimizer's ``t`` and ``epoch``, the
+        update rules of the parameters it owns, and whose share it is."""
+        actual = self.actual_optimizer
+        comm = self.communicator
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        actual.t = serializer('t', actual.t)
+        actual.epoch = serializer('epoch', actual.epoch)
+        meta = serializer[SHARD_KEY]
+        params = dict(self.target.namedparams())
+        if not loading:
+            names = sorted(self.owners)
+            meta('size', comm.size)
+            meta('rank', comm.rank)
+            meta('names', numpy.array(names, dtype=str))
+            meta('owners', numpy.array([self.owners[n] for n in names],
+                                       dtype=numpy.int64))
+            for name in self.owned_names():
+                rule = getattr(params[name], 'update_rule', None)
+                if rule is not None:
+                    rule.serialize(serializer[name])
+            return
+        try:
+            size = int(meta('size', None))
+            rank = int(meta('rank', None))
+            names = [str(n) for n in meta('names', None)]
+            owner_list = [int(o) for o in meta('owners', None)]
+        except KeyError:
+            object.__setattr__(self, '_loaded_share', ({}, (
+                'the snapshot holds no shard of a sharded optimizer (it '
+                'was written without shard_state=True)')))
+            return
+        problem = None
+        if size != comm.size or rank != comm.rank:
+            problem = ('the snapshot holds rank %d\'s share of an optimizer '
+                       'sharded over %d ranks; it loads on %d ranks, each '
+                       'rank its own share (this is rank %d of %d)'
+                       % (rank, size, size, comm.rank, comm.size))
+        owners = dict(zip(names, owner_list))
+        if problem is None:
+            for name in names:
+                if owners[name] == rank and name in params:
+                    rule = getattr(params[name], 'update_rule', None)
+                    if rule is not None:
+                        rule.serialize(serializer[name])
+        object.__setattr__(self, '_loaded_share', (owners, problem))
+
+
+def create(actual_optimizer, communicator, zero_fill):
+    """The sharded optimizer, or a ValueError saying why it cannot be."""
+    problem = communicator.sharding_problem() or \
+        optimizer_problem(actual_optimizer)
+    if problem is not None:
+        raise ValueError(problem)
+    return ShardedStateOptimizer(actual_optimizer, communicator, zero_fill)

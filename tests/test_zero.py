@@ -1,0 +1,527 @@
+"""Sharded optimizer state (mnopt/zero.py) and its collectives
+(mnopt/communicators/sharded.py).  Runs serially and under mpiexec -n 2
+and -n 3, as every test module."""
+
+import numpy
+import pytest
+from mpi4py import MPI
+
+import mnopt
+from mnopt import zero
+from mnopt._mpi import LayoutMismatchError
+
+from conftest import chainer, needs_chainer
+
+WORLD = MPI.COMM_WORLD
+
+
+def _per_rank(n_arrays, size):
+    """Arrays per rank for tests: as even as whole arrays go."""
+    return [n_arrays * (r + 1) // size - n_arrays * r // size
+            for r in range(size)]
+
+
+SHAPES = [(5, 3), (7,), (4, 4, 2), (1,), (0,), (33,), (6, 2)]
+
+
+def _exact_grads(size, rank, dtype=numpy.float32):
+    """size * (pattern + rank): divided by ``size`` while packed, every
+    value and every partial sum is exact, so the mean is
+    size * (pattern + (size - 1) / 2) whatever order the ranks are summed
+    in."""
+    out = []
+    for i, s in enumerate(SHAPES):
+        pattern = (numpy.arange(int(numpy.prod(s))).reshape(s) % 11
+                   * 0.125 - 0.5 + i)
+        out.append(((pattern + rank) * size).astype(dtype))
+    return out
+
+
+def _exact_mean(size, dtype=numpy.float32):
+    return [((g / size + (size - 1) / 2.0) * size).astype(dtype)
+            for g in _exact_grads(size, 0, dtype)]
+
+
+# ------------------------------------------------------------ ownership
+
+def test_assign_owners_balances_bytes_largest_first():
+    sizes = [('a', 400), ('b', 300), ('c', 200), ('d', 200), ('e', 100)]
+    owners = zero.assign_owners(sizes, 2)
+    # 400 -> 0; 300 -> 1; 200 (c) -> 1 (300 < 400); 200 (d) -> 0; 100 -> 1
+    assert owners == {'a': 0, 'b': 1, 'c': 1, 'd': 0, 'e': 1}
+    assert zero.layout_by_owner(owners, 2) == (['a', 'd', 'b', 'c', 'e'],
+                                               [2, 3])
+    owners3 = zero.assign_owners(sizes, 3)
+    assert owners3 == {'a': 0, 'b': 1, 'c': 2, 'd': 2, 'e': 1}
+    # More ranks than parameters: the others own nothing.
+    assert zero.layout_by_owner(zero.assign_owners(sizes[:1], 3), 3) == (
+        ['a'], [1, 0, 0])
+
+
+def test_assign_owners_keeps_earlier_owners():
+    first = zero.assign_owners([('a', 100), ('b', 100)], 2)
+    assert first == {'a': 0, 'b': 1}
+    later = zero.assign_owners([('a', 100), ('b', 100), ('0new', 500),
+                                ('c', 10)], 2, first)
+    # a and b stay; the new ones go where the fewest bytes are.
+    assert later == {'a': 0, 'b': 1, '0new': 0, 'c': 1}
+
+
+# ------------------------------------------------------------ collectives
+
+@pytest.mark.parametrize('wire', [None, 'float16', 'bfloat16', 'float64'])
+def test_reduce_scatter_mean_exact(comm_name, wire):
+    comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire)
+    try:
+        size, rank = comm.size, comm.rank
+        grads = _exact_grads(size, rank)
+        named = [('g%d' % i, g) for i, g in enumerate(grads)]
+        before = [g.copy() for g in grads]
+        per = _per_rank(len(named), size)
+        comm.reduce_scatter_mean(named, per)
+        first = sum(per[:rank])
+        mine = range(first, first + per[rank])
+        for i, (g, want, was) in enumerate(zip(grads, _exact_mean(size),
+                                               before)):
+            if i in mine or size == 1:
+                numpy.testing.assert_array_equal(g, want, err_msg=str(i))
+            else:   # another rank's share: left alone
+                numpy.testing.assert_array_equal(g, was, err_msg=str(i))
+    finally:
+        comm.finalize()
+
+
+def _ring_order_mean(arrays_of_rank, size, counts, wire_dtype):
+    """Chunk c summed as mnopt/ring.py does: x[c+1] + x[c+2] + ... + x[c]
+    (rank numbers mod N), in the wire dtype, after dividing by N."""
+    flat = [numpy.concatenate([a.reshape(-1) for a in arrays_of_rank(r)])
+            .astype(numpy.float32) for r in range(size)]
+    packed = [numpy.divide(f, size, dtype=numpy.float32).astype(wire_dtype)
+              for f in flat]
+    out = numpy.empty_like(packed[0])
+    lo = 0
+    for c, n in enumerate(counts):
+        acc = packed[(c + 1) % size][lo:lo + n].copy()
+        for k in range(2, size + 1):
+            acc = acc + packed[(c + k) % size][lo:lo + n]
+        out[lo:lo + n] = acc
+        lo += n
+    return out
+
+
+def test_flat_sums_each_share_in_the_rings_order():
+    """Random float32 gradients (sums that round): this rank's share is
+    the ring's fixed order, bit for bit, and the allreduce's mean where
+    that order is the same (N <= 2: one a + b; rank N-1's share)."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        size, rank = comm.size, comm.rank
+        shapes = [(300, 7), (1000,), (17, 3), (5,)]
+
+        def grads_of(r):
+            rng = numpy.random.RandomState(100 + r)
+            return [rng.randn(*s).astype(numpy.float32) for s in shapes]
+
+        named = [('g%d' % i, g) for i, g in enumerate(grads_of(rank))]
+        reference = [('g%d' % i, g) for i, g in enumerate(grads_of(rank))]
+        per = _per_rank(len(shapes), size)
+        comm.reduce_scatter_mean(named, per)
+        comm.mean_grads(reference)
+        sizes = [int(numpy.prod(s)) for s in shapes]
+        counts, k = [], 0
+        for n in per:
+            counts.append(sum(sizes[k:k + n]))
+            k += n
+        want = _ring_order_mean(grads_of, size, counts, numpy.float32)
+        first = sum(per[:rank])
+        lo = sum(counts[:rank])
+        for i in range(first, first + per[rank]):
+            got = named[i][1].reshape(-1)
+            numpy.testing.assert_array_equal(got, want[lo:lo + got.size])
+            if size <= 2 or rank == size - 1:
+                numpy.testing.assert_array_equal(named[i][1],
+                                                 reference[i][1])
+            lo += got.size
+    finally:
+        comm.finalize()
+
+
+def test_allgather_params_gives_every_rank_the_owners_bytes(comm_name):
+    comm = mnopt.create_communicator(comm_name)
+    try:
+        size, rank = comm.size, comm.rank
+        # Mixed dtypes and odd sizes: byte ranges that are not aligned.
+        dtypes = [numpy.float16, numpy.float32, numpy.float64,
+                  numpy.float16, numpy.float32, numpy.float32, numpy.float64]
+        per = _per_rank(len(SHAPES), size)
+        owner = [r for r in range(size) for _ in range(per[r])]
+
+        def value(i, r):
+            return (numpy.arange(int(numpy.prod(SHAPES[i])))
+                    .reshape(SHAPES[i]) * 0.5 + 100 * r + i).astype(dtypes[i])
+
+        arrays = [value(i, rank) for i in range(len(SHAPES))]
+        comm.allgather_params([('p%d' % i, a) for i, a in enumerate(arrays)],
+                              per)
+        for i, a in enumerate(arrays):
+            numpy.testing.assert_array_equal(a, value(i, owner[i]))
+            assert a.dtype == dtypes[i]
+    finally:
+        comm.finalize()
+
+
+def test_collectives_are_stall_watched():
+    comm = mnopt.create_communicator('flat')
+    try:
+        named = [('g0', numpy.ones(4, numpy.float32))]
+        per = [1] + [0] * (comm.size - 1)
+        comm.reduce_scatter_mean(named, per)
+        comm.allgather_params(named, per)
+        counts = comm._monitor._counts
+        assert counts.get('reduce_scatter_mean') == 1
+        assert counts.get('allgather_params') == 1
+    finally:
+        comm.finalize()
+
+
+def test_ranks_with_different_arrays_get_the_same_error(comm_name):
+    comm = mnopt.create_communicator(comm_name)
+    try:
+        shapes = [(4,), (3,)] if comm.rank != comm.size - 1 or \
+            comm.size == 1 else [(4,), (5,)]
+        named = [('g%d' % i, numpy.ones(s, numpy.float32))
+                 for i, s in enumerate(shapes)]
+        per = _per_rank(2, comm.size)
+        if comm.size == 1:
+            comm.reduce_scatter_mean(named, per)   # nothing to disagree on
+            return
+        with pytest.raises(LayoutMismatchError, match="'g1'"):
+            comm.reduce_scatter_mean(named, per)
+        with pytest.raises(LayoutMismatchError, match="'g1'"):
+            comm.allgather_params(named, per)
+        # The communicator still works after the error.
+        good = [('g%d' % i, numpy.ones(s, numpy.float32))
+                for i, s in enumerate([(4,), (3,)])]
+        comm.reduce_scatter_mean(good, per)
+    finally:
+        comm.finalize()
+
+
+def test_bad_arrays_per_rank_on_one_rank_is_an_error_everywhere():
+    comm = mnopt.create_communicator('flat')
+    try:
+        named = [('g0', numpy.ones(4, numpy.float32))]
+        per = [1] + [0] * (comm.size - 1)
+        if comm.rank == comm.size - 1:
+            per = per + [0]   # one count too many, on this rank only
+        with pytest.raises(ValueError, match='rank %d: arrays_per_rank'
+                           % (comm.size - 1)):
+            comm.reduce_scatter_mean(named, per)
+    finally:
+        comm.finalize()
+
+
+# ------------------------------------------------------------ the optimizer
+
+def _model(seed=0):
+    numpy.random.seed(seed)
+    model = chainer.Sequential(chainer.links.Linear(6, 5),
+                               chainer.links.Linear(5, 4),
+                               chainer.links.Linear(4, 3))
+    return model
+
+
+OPTIMIZERS = {
+    'SGD': lambda: chainer.optimizers.SGD(lr=0.05),
+    'MomentumSGD': lambda: chainer.optimizers.MomentumSGD(lr=0.05),
+    'Adam': lambda: chainer.optimizers.Adam(alpha=0.01),
+    'AdaGrad': lambda: chainer.optimizers.AdaGrad(lr=0.05),
+    'RMSprop': lambda: chainer.optimizers.RMSprop(lr=0.01),
+}
+HOOKS = {
+    'none': lambda: [],
+    'per-param': lambda: [chainer.optimizer_hooks.WeightDecay(1e-2),
+                          chainer.optimizer_hooks.Lasso(1e-3),
+                          chainer.optimizer_hooks.GradientHardClipping(
+                              -0.5, 0.5)],
+    'clipping': lambda: [chainer.optimizer_hooks.WeightDecay(1e-2),
+                         chainer.optimizer_hooks.GradientClipping(0.3)],
+}
+
+
+def _train(comm, make_opt, hooks, shard, steps, exact):
+    """Parameters after ``steps`` updates; ``exact``: gradients set so
+    their means are exact (any summation order gives the same bits),
+    else a real backward of rank-dependent data."""
+    model = _model()
+    opt = mnopt.create_multi_node_optimizer(make_opt(), comm,
+                                            shard_state=shard).setup(model)
+    for hook in hooks():
+        opt.add_hook(hook)
+    rng = numpy.random.RandomState(10 + comm.rank)
+    for step in range(steps + 1):   # the first update broadcasts
+        if exact:
+            for k, (name, param) in enumerate(sorted(model.namedparams())):
+                pattern = (numpy.arange(param.size) % 7 * 0.125 - 0.375
+                           + 0.25 * k + 0.5 * step).reshape(param.shape)
+                param.grad = ((pattern + comm.rank) * comm.size).astype(
+                    param.dtype)
+            opt.update()
+        else:
+            x = rng.rand(4, 6).astype(numpy.float32)
+            opt.update(lambda: chainer.functions.sum(model(x) ** 2))
+    return model, opt
+
+
+def _params(model):
+    return {n: p.array.copy() for n, p in model.namedparams()}
+
+
+@needs_chainer
+@pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
+@pytest.mark.parametrize('hooks', sorted(HOOKS))
+def test_sharded_updates_are_the_unsharded_bit_for_bit(comm_name, optimizer,
+                                                       hooks):
+    comm = mnopt.create_communicator(comm_name)
+    try:
+        plain, _ = _train(comm, OPTIMIZERS[optimizer], HOOKS[hooks], False,
+                          3, exact=True)
+        sharded, opt = _train(comm, OPTIMIZERS[optimizer], HOOKS[hooks],
+                              True, 3, exact=True)
+        a, b = _params(plain), _params(sharded)
+        for name in a:
+            numpy.testing.assert_array_equal(a[name], b[name], err_msg=name)
+        # Every rank holds the same parameters.
+        assert len(set(comm.allgather_obj(
+            repr(sorted((n, v.tobytes()) for n, v in b.items()))))) == 1
+        # Only the owner's update rule has state (SGD has none at all).
+        for name, param in sharded.namedparams():
+            if opt.owners[name] != comm.rank:
+                assert param.update_rule.state is None, name
+            elif optimizer != 'SGD':
+                assert param.update_rule.state, name
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+@pytest.mark.parametrize('optimizer', ['SGD', 'MomentumSGD', 'Adam'])
+def test_sharded_training_on_real_gradients(comm_name, optimizer):
+    """A real backward: gradients whose sums round.  Bit for bit where
+    the reduce-scatter sums each element in the allreduce's order: one
+    rank, two ranks (one a + b), and hierarchical (an MPI Reduce inside
+    the node, then at most two node leaders).  flat and naive at three
+    ranks sum some shares in another order than MPI's Allreduce (the
+    ring starts chunk c at rank c + 1): within rounding."""
+    comm = mnopt.create_communicator(comm_name)
+    try:
+        plain, _ = _train(comm, OPTIMIZERS[optimizer], HOOKS['clipping'],
+                          False, 4, exact=False)
+        sharded, _ = _train(comm, OPTIMIZERS[optimizer], HOOKS['clipping'],
+                            True, 4, exact=False)
+        a, b = _params(plain), _params(sharded)
+        worst = max(float(abs(a[n] - b[n]).max()) for n in a)
+        if comm.size <= 2 or comm_name == 'hierarchical':
+            assert worst == 0.0
+        else:
+            # Measured 0 to a few 1e-8 (values of order 1e-1): the
+            # rounding of a three-term sum, carried through 4 updates.
+            assert worst < 1e-6
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+def test_state_is_one_share_per_rank():
+    comm = mnopt.create_communicator('flat')
+    try:
+        _, plain = _train(comm, OPTIMIZERS['Adam'], HOOKS['none'], False, 1,
+                          exact=True)
+        _, sharded = _train(comm, OPTIMIZERS['Adam'], HOOKS['none'], True,
+                            1, exact=True)
+        total = sum(v.nbytes for p in plain.target.params()
+                    for v in p.update_rule.state.values())
+        shares = comm.allgather_obj(sharded.state_nbytes())
+        assert sum(shares) == total
+        # Adam: two arrays per parameter; within the largest one's state
+        # of an even share.
+        largest = max(2 * p.array.nbytes for p in sharded.target.params())
+        assert max(shares) <= total / comm.size + largest
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+def test_snapshot_resumes_bit_for_bit():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = _train(comm, OPTIMIZERS['Adam'], HOOKS['none'], True, 2,
+                            exact=False)
+        saved_model, saved_opt = {}, {}
+        chainer.serializers.DictionarySerializer(saved_model).save(model)
+        chainer.serializers.DictionarySerializer(saved_opt).save(opt)
+        # The serializer keeps references: copy before training on.
+        saved_model = {k: numpy.array(v) for k, v in saved_model.items()}
+        saved_opt = {k: numpy.array(v) for k, v in saved_opt.items()}
+        assert int(saved_opt['mnopt_shard/size']) == comm.size
+        assert int(saved_opt['mnopt_shard/rank']) == comm.rank
+        # Only this rank's share of the state is in the snapshot.
+        mine = set(opt.owned_names())
+        for name, _ in model.namedparams():
+            key = name.lstrip('/') + '/m'
+            assert (key in saved_opt) == (name in mine), key
+
+        def more(model, opt):
+            rng = numpy.random.RandomState(50 + comm.rank)
+            for _ in range(3):
+                x = rng.rand(4, 6).astype(numpy.float32)
+                opt.update(lambda: chainer.functions.sum(model(x) ** 2))
+            return _params(model)
+
+        want = more(model, opt)
+        model2 = _model(seed=1)
+        opt2 = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model2)
+        chainer.serializers.NpzDeserializer(saved_model).load(model2)
+        chainer.serializers.NpzDeserializer(saved_opt).load(opt2)
+        got = more(model2, opt2)
+        for name in want:
+            numpy.testing.assert_array_equal(got[name], want[name], name)
+        assert opt2.owners == opt.owners
+    finally:
+        comm.finalize()
+
+
+def _saved_share(comm):
+    model, opt = _train(comm, OPTIMIZERS['Adam'], HOOKS['none'], True, 1,
+                        exact=True)
+    saved = {}
+    chainer.serializers.DictionarySerializer(saved).save(opt)
+    return model, saved
+
+
+@needs_chainer
+def test_snapshot_of_another_number_of_ranks_is_an_error_everywhere():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, saved = _saved_share(comm)
+        if comm.rank == 0:   # rank 0's file says 'written on N+1 ranks'
+            saved['mnopt_shard/size'] = numpy.array(comm.size + 1)
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model)
+        chainer.serializers.NpzDeserializer(saved).load(opt)
+        with pytest.raises(ValueError, match='rank 0: the snapshot holds '
+                           'rank 0\'s share of an optimizer sharded over %d '
+                           'ranks' % (comm.size + 1)):
+            opt.update()
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+def test_snapshot_loaded_on_some_ranks_only_is_an_error_everywhere():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, saved = _saved_share(comm)
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model)
+        if comm.rank == 0:
+            chainer.serializers.NpzDeserializer(saved).load(opt)
+        if comm.size == 1:
+            opt.update()   # one rank: it loaded its own share
+            return
+        with pytest.raises(RuntimeError, match='every rank must load its '
+                           'own'):
+            opt.update()
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+def test_unsharded_snapshot_is_an_error_everywhere():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, plain = _train(comm, OPTIMIZERS['Adam'], HOOKS['none'], False,
+                              1, exact=True)
+        saved = {}
+        chainer.serializers.DictionarySerializer(saved).save(plain)
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model)
+        chainer.serializers.NpzDeserializer(saved).load(opt)
+        with pytest.raises(ValueError, match='written without shard_state'):
+            opt.update()
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+def test_ranks_with_different_parameter_sets_get_the_same_error():
+    comm = mnopt.create_communicator('flat')
+    try:
+        if comm.size == 1:
+            pytest.skip('needs two ranks')
+        model = _model()
+        if comm.rank == comm.size - 1:
+            with model.init_scope():
+                model.extra = chainer.Parameter(numpy.zeros(3, 'f'))
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model)
+        with pytest.raises(LayoutMismatchError):
+            opt.update()   # the broadcast finds the sets differ
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+@pytest.mark.parametrize('kind, options, message', [
+    ('reduction_server', {}, 'servers already hold the shards'),
+    ('flat', {'compression': 'sign'}, "compression='sign'"),
+])
+def test_communicators_without_a_sharded_path_refuse(kind, options,
+                                                     message):
+    comm = mnopt.create_communicator(kind, **options)
+    try:
+        with pytest.raises(ValueError, match=message):
+            mnopt.create_multi_node_optimizer(OPTIMIZERS['Adam'](), comm,
+                                              shard_state=True)
+    finally:
+        comm.finalize()
+
+
+@needs_chainer
+def test_what_shard_state_does_not_combine_with(naive_comm):
+    with pytest.raises(ValueError, match='double_buffering'):
+        mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), naive_comm, double_buffering=True,
+            shard_state=True)
+
+    class WholeUpdate(chainer.optimizers.SGD):
+        def update(self, lossfun=None, *args, **kwds):
+            pass
+
+    with pytest.raises(ValueError, match='per parameter'):
+        mnopt.create_multi_node_optimizer(WholeUpdate(), naive_comm,
+                                          shard_state=True)
+
+
+@needs_chainer
+def test_a_hook_that_needs_every_gradient_is_an_error_everywhere(
+        naive_comm):
+    def global_hook(optimizer):
+        pass
+
+    model = _model()
+    opt = mnopt.create_multi_node_optimizer(
+        OPTIMIZERS['SGD'](), naive_comm, shard_state=True).setup(model)
+    opt.add_hook(global_hook, name='global_hook')
+    with pytest.raises(ValueError, match="rank 0: .*'global_hook'"):
+        opt.update()
+
+
+def test_pure_nccl_calls_exist():
+    """No GPU here: the NCCL methods the sharded path calls exist in the
+    installed CuPy (the core stack has it).  Unverified on a GPU."""
+    nccl = pytest.importorskip('cupy.cuda.nccl')
+    for method in ('reduceScatter', 'allGather'):
+        assert hasattr(nccl.NcclCommunicator, method)
+    assert nccl.NCCL_UINT8 == 1
