@@ -1,0 +1,128 @@
+"""Sharded optimizer state (shard_state=True) vs the unsharded multi-node
+optimizer, side by side in one run: the optimizer's state bytes per rank
+(Adam by default: --optimizer) and the time of one update (averaging,
+update rules, and for the sharded one the parameter all-gather), and how
+far the two modes' parameters end apart.
+
+    mpiexec -n 2 python -m mpi4py benchmarks/zero.py --json out.json
+
+Each of ``--runs`` rounds times ``--steps`` updates of each mode (the
+order alternating round by round) after two warm-up updates (the
+broadcast, then the one that allocates the state); a round's
+figure is its median update.  The gradients are fixed (set before each
+update, no backward), so the modes average, update and gather the same
+bytes.  Rank 0 prints min/median/max over the rounds.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy
+
+import mnopt  # before Chainer: NumPy 2 names for it
+from mnopt.benchmark import spread
+import chainer  # NOQA
+import chainer.links as L  # NOQA
+
+MODES = ('unsharded', 'sharded')
+OPTIMIZERS = {'Adam': lambda: chainer.optimizers.Adam(alpha=1e-4),
+              'MomentumSGD': lambda: chainer.optimizers.MomentumSGD(lr=1e-4),
+              'SGD': lambda: chainer.optimizers.SGD(lr=1e-4)}
+
+
+def make_model(width, layers):
+    numpy.random.seed(0)
+    return chainer.Sequential(*[L.Linear(width, width)
+                                for _ in range(layers)])
+
+
+def state_nbytes(model):
+    return sum(getattr(v, 'nbytes', 0) for p in model.params()
+               for v in (p.update_rule.state or {}).values())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--communicator', default='flat')
+    parser.add_argument('--width', type=int, default=1024)
+    parser.add_argument('--layers', type=int, default=6)
+    parser.add_argument('--steps', type=int, default=10)
+    parser.add_argument('--runs', type=int, default=5)
+    parser.add_argument('--optimizer', default='Adam',
+                        choices=sorted(OPTIMIZERS))
+    parser.add_argument('--json', help='also write the result here')
+    args = parser.parse_args()
+    comm = mnopt.create_communicator(args.communicator)
+    models, opts, grads = {}, {}, {}
+    for mode in MODES:
+        model = make_model(args.width, args.layers)
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS[args.optimizer](), comm,
+            shard_state=(mode == 'sharded')).setup(model)
+        rng = numpy.random.RandomState(comm.rank)
+        grads[mode] = {n: rng.standard_normal(p.shape).astype(p.dtype)
+                       for n, p in model.namedparams()}
+        models[mode], opts[mode] = model, opt
+
+    def step(mode):
+        for name, param in models[mode].namedparams():
+            param.grad = grads[mode][name].copy()
+        opts[mode].update()
+
+    for mode in MODES:
+        step(mode)   # broadcast
+        step(mode)   # first update: state allocated
+    times = {m: [] for m in MODES}
+    for run in range(args.runs):
+        order = MODES if run % 2 == 0 else MODES[::-1]
+        for mode in order:
+            per_step = []
+            for _ in range(args.steps):
+                comm.mpi_comm.Barrier()
+                start = time.perf_counter()
+                step(mode)
+                per_step.append(time.perf_counter() - start)
+            # The slowest rank sets the pace.
+            worst = comm.mpi_comm.allreduce(statistics.median(per_step),
+                                            op=mnopt_max())
+            times[mode].append(worst)
+    state = {m: comm.allgather_obj(state_nbytes(models[m])) for m in MODES}
+    params = sum(p.array.nbytes for p in models['sharded'].params())
+    # Both modes applied the same gradients the same number of times.
+    diff = max(float(abs(a.array - b.array).max()) for a, b in zip(
+        models['sharded'].params(), models['unsharded'].params()))
+    diff = comm.mpi_comm.allreduce(diff, op=mnopt_max())
+    differing = comm.mpi_comm.allreduce(sum(
+        int((a.array != b.array).sum()) for a, b in zip(
+            models['sharded'].params(), models['unsharded'].params())),
+        op=mnopt_max())
+    result = {
+        'ranks': comm.size, 'communicator': args.communicator,
+        'optimizer': args.optimizer,
+        'model': '%d x Linear(%d, %d), %d parameter bytes' % (
+            args.layers, args.width, args.width, params),
+        'state_bytes_per_rank': state,
+        'update_s': {m: spread(times[m]) for m in MODES},
+        'runs': args.runs, 'steps_per_run': args.steps,
+        'updates': 2 + args.runs * args.steps,
+        'max_parameter_difference': diff,
+        'differing_elements': differing,
+        'elements': params // 4,
+    }
+    if comm.rank == 0:
+        print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(result, f, indent=1)
+    comm.finalize()
+
+
+def mnopt_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+if __name__ == '__main__':
+    main()
