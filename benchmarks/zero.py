@@ -89,6 +89,7 @@ def main():
                                             op=mnopt_max())
             times[mode].append(worst)
     state = {m: comm.allgather_obj(state_nbytes(models[m])) for m in MODES}
+    scratch = comm.allgather_obj(comm.shard_buffer_nbytes())
     params = sum(p.array.nbytes for p in models['sharded'].params())
     # Both modes applied the same gradients the same number of times.
     diff = max(float(abs(a.array - b.array).max()) for a, b in zip(
@@ -104,6 +105,9 @@ def main():
         'model': '%d x Linear(%d, %d), %d parameter bytes' % (
             args.layers, args.width, args.width, params),
         'state_bytes_per_rank': state,
+        # What the sharded collectives keep besides (the unsharded flat
+        # averaging packs only arrays under 64 KiB or needing a cast).
+        'sharded_buffer_bytes_per_rank': scratch,
         'update_s': {m: spread(times[m]) for m in MODES},
         'runs': args.runs, 'steps_per_run': args.steps,
         'updates': 2 + args.runs * args.steps,

@@ -7,7 +7,9 @@ Every parameter has one owner rank.  Each update:
    packed gradient buffer laid out by owner (``comm.reduce_scatter_mean``);
 2. each rank runs the wrapped optimizer's hooks and update rules on the
    parameters it owns, so only the owner's update rule ever holds state
-   (Adam's m and v, momentum...);
+   (Adam's m and v, momentum...); the other parameters' gradients are
+   dropped (None) once packed: they are not means, and their memory is
+   free until the next backward;
 3. the updated parameters come back to every rank: one all-gather of the
    flat parameter buffer (``comm.allgather_params``), bytes as the owner
    has them, so the replicas stay identical.
@@ -103,6 +105,16 @@ def optimizer_problem(optimizer):
                     'would see only this rank\'s share'
                     % (name, type(hook).__name__))
     return None
+
+
+def _reallocate_cleared_grads(params):
+    """GradientMethod.reallocate_cleared_grads on ``params`` only (the
+    owned ones: the others' gradients stay dropped): zeros where a hook
+    cleared a gradient."""
+    for param in params:
+        if param.array is not None and param.grad is None:
+            with chainer.using_device(param.device):
+                param.grad = param.device.xp.zeros_like(param.array)
 
 
 class ShardedStateOptimizer(_MultiNodeOptimizer):
@@ -229,6 +241,13 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
         grads = dict(named_grads(self.target, True))
         self._blocked(comm.reduce_scatter_mean,
                       [(n, grads[n]) for n in order], per_rank)
+        del grads
+        # The other ranks' gradients were packed and are not means: drop
+        # them (their memory is free until the next backward, and nobody
+        # reads a gradient that is not the mean).
+        for name in order:
+            if self.owners[name] != comm.rank:
+                params[name].cleargrad()
         self._update_owned()
         self._blocked(comm.allgather_params,
                       [(n, params[n].array) for n in order], per_rank)
@@ -240,12 +259,12 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
         rank = self.communicator.rank
         owned = [p for n, p in self.target.namedparams()
                  if self.owners.get(n) == rank]
-        actual.reallocate_cleared_grads()
+        _reallocate_cleared_grads(owned)
         self._call_hooks('pre', owned)
         actual.t += 1
         for param in owned:
             param.update()
-        actual.reallocate_cleared_grads()
+        _reallocate_cleared_grads(owned)
         self._call_hooks('post', owned)
 
     def _call_hooks(self, timing, owned):
@@ -256,7 +275,7 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
                     hook(param.update_rule, param)
             else:   # GradientClipping (optimizer_problem refuses others)
                 self._clip_by_global_norm(hook.threshold, owned)
-            actual.reallocate_cleared_grads()
+            _reallocate_cleared_grads(owned)
 
     def _clip_by_global_norm(self, threshold, owned):
         """GradientClipping with the norm of every mean gradient: each

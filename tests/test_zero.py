@@ -298,12 +298,16 @@ def test_sharded_updates_are_the_unsharded_bit_for_bit(comm_name, optimizer,
         # Every rank holds the same parameters.
         assert len(set(comm.allgather_obj(
             repr(sorted((n, v.tobytes()) for n, v in b.items()))))) == 1
-        # Only the owner's update rule has state (SGD has none at all).
+        # Only the owner's update rule has state (SGD has none at all),
+        # and only the owner keeps the (mean) gradient.
         for name, param in sharded.namedparams():
             if opt.owners[name] != comm.rank:
                 assert param.update_rule.state is None, name
-            elif optimizer != 'SGD':
-                assert param.update_rule.state, name
+                assert param.grad is None, name
+            else:
+                assert param.grad is not None, name
+                if optimizer != 'SGD':
+                    assert param.update_rule.state, name
     finally:
         comm.finalize()
 

@@ -83,8 +83,6 @@ class ShardLayout(object):
         self.digest = int.from_bytes(h.digest(), 'little') >> 1
         self.grad_buffer = None   # GradBuffer, made at first use
         self.own_codec = None     # GPU: unpacks this rank's share
-        self.host = None          # host staging of the wire buffer
-        self.param_bytes = None   # flat parameter buffer (host)
         self.device = {}          # pure_nccl's device buffers
 
     def own(self, rank):
@@ -177,6 +175,37 @@ class ShardedCollectives(object):
                     'docs/limits.md)' % (self.name,))
         return None
 
+    def shard_buffer_nbytes(self):
+        """Bytes of the buffers the sharded collectives keep on the
+        synchronous path: the host scratch, and the packed gradients where
+        they do not live in it (GPU, pure_nccl's device buffers)."""
+        group = self._sync_group
+        total = getattr(getattr(group, 'shard_scratch', None), 'nbytes', 0)
+        for shards in getattr(group, 'shard_layouts', {}).values():
+            buffer = shards.grad_buffer
+            if buffer is not None and buffer.xp is not numpy:
+                total += buffer.wire.nbytes
+            total += sum(a.nbytes for a in shards.device.values()
+                         if hasattr(a, 'nbytes'))
+        return total
+
+    # ------------------------------------------------------------ scratch
+    def _shard_scratch(self, group, nbytes, xp):
+        """``nbytes`` of the group's host byte buffer.  The two operations
+        run one after the other on the group, so they share it: the packed
+        gradients (numpy gradients are packed straight into it; GPU ones
+        are staged through it), then the parameters' bytes.  One buffer of
+        the larger size instead of two (pinned where a GPU copies to or
+        from it)."""
+        scratch = getattr(group, 'shard_scratch', None)
+        if scratch is None or scratch.size < nbytes or (
+                xp is not numpy and not grad_buffer.is_pinned_host(scratch)):
+            group.shard_scratch = None   # the old one can go first
+            scratch = group.shard_scratch = \
+                numpy.empty(nbytes, numpy.uint8) if xp is numpy else \
+                grad_buffer.pinned_host_empty(nbytes, numpy.uint8)
+        return scratch[:nbytes]
+
     # ------------------------------------------------------------ layout
     def _shards(self, group, named, arrays_per_rank, wire):
         """The ShardLayout of ``named`` (kept on the group while the set
@@ -249,14 +278,15 @@ class ShardedCollectives(object):
             # in place (the shares must be ranges of one buffer).
             buffer = shards.grad_buffer = grad_buffer.GradBuffer(
                 shards.layout, xp, bucket_bytes=1 << 62)
-        buffer.pack(arrays, self._pack_divisor())
+        dtype = buffer.dtype
+        host = self._shard_scratch(group, buffer.layout.total
+                                   * dtype.itemsize, xp).view(dtype)
         if xp is numpy:
-            host = buffer.wire
+            buffer.swap_host(host)   # packed straight into the scratch
+            buffer.pack(arrays, self._pack_divisor())
         else:
-            if shards.host is None:
-                shards.host = buffer.new_host_buffer()
-            buffer.wire.get(out=shards.host)
-            host = shards.host
+            buffer.pack(arrays, self._pack_divisor())
+            buffer.wire.get(out=host)
         mine = self._reduce_scatter_host(group, shards, host)
         rank = self.rank
         lo = shards.starts[rank]
@@ -319,12 +349,7 @@ class ShardedCollectives(object):
 
     def _allgather_params(self, group, shards, arrays, xp):
         """Through a host byte buffer.  ``pure_nccl`` overrides it."""
-        if shards.param_bytes is None:
-            total = shards.byte_offsets[-1]
-            shards.param_bytes = numpy.empty(total, numpy.uint8) \
-                if xp is numpy else grad_buffer.pinned_host_empty(
-                    total, numpy.uint8)
-        flat = shards.param_bytes
+        flat = self._shard_scratch(group, shards.byte_offsets[-1], xp)
         offs = shards.byte_offsets
         rank = self.rank
         for i in shards.own(rank):
