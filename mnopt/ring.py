@@ -113,7 +113,7 @@ def allreduce_sum_parts(comm, parts, wire, check=True):
     if n > 1 and total:
         counts = [total * (c + 1) // n - total * c // n for c in range(n)]
         _ring(comm, [p for p in parts if p.size], wire, counts, 0,
-              2 * (n - 1))
+              2 * (n - 1), chunk_each_part=True)
 
 
 # ------------------------------------------------------------------ checks
@@ -243,16 +243,36 @@ def _chunk_segments(parts, counts, seg_elems):
     return chunks
 
 
-def _ring(comm, parts, wire, counts, first, last):
+def _chunk_each_part(parts, n, seg_elems):
+    """Per chunk, its segments: chunk c is the c-th of n pieces of every
+    part (split as ``counts`` split a whole buffer).  Which rank an element
+    is summed from first then depends on its place in its own part, not on
+    the parts before it: an allreduce of several parts gives each the bits
+    an allreduce of that part alone gives (the overlapped optimizer
+    averages bucket by bucket what the synchronous one averages at once)."""
+    chunks = [[] for _ in range(n)]
+    for part in parts:
+        size = part.size
+        for c in range(n):
+            lo, hi = size * c // n, size * (c + 1) // n
+            for start in range(lo, hi, seg_elems):
+                chunks[c].append(part[start:min(hi, start + seg_elems)])
+    return chunks
+
+
+def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False):
     """Run ring steps ``first`` .. ``last``-1 over ``parts`` (see the
     module's docstring: steps below N-1 sum, the others copy).  ``wire``
-    None: raw bytes (copy steps only)."""
+    None: raw bytes (copy steps only).  ``chunk_each_part``: chunk c is
+    the c-th piece of every part (``_chunk_each_part``), not of their
+    concatenation."""
     n, rank = comm.size, comm.rank
     right, left = (rank + 1) % n, (rank - 1) % n
     mpi_type = MPI.BYTE if wire is None else _mpi._MPI_TYPES[wire]
     add = None if wire is None else _adder(wire)
-    chunks = _chunk_segments(parts, counts,
-                             _segment_elems(counts, parts[0].itemsize))
+    seg_elems = _segment_elems(counts, parts[0].itemsize)
+    chunks = (_chunk_each_part(parts, n, seg_elems) if chunk_each_part
+              else _chunk_segments(parts, counts, seg_elems))
     # Message lists in the order they are posted (step by step, segment by
     # segment); the left neighbour posts its sends in this same order, and
     # MPI keeps messages between two ranks on one tag in order.

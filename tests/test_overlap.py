@@ -189,3 +189,31 @@ def test_sign_compression_overlapped_keeps_ranks_identical(comm_name):
     for other in everyone[1:]:
         assert_same(everyone[0], other)
     assert all(numpy.isfinite(a).all() for a in params.values())
+
+
+@pytest.mark.parametrize('wire', ['float16', 'bfloat16', 'float32'])
+def test_a_ring_over_several_parts_gives_each_its_own_bits(wire):
+    # The synchronous optimizer sums every bucket of its buffer in one
+    # ring; the overlapped one sums bucket by bucket: an element must be
+    # summed in the same order either way, whatever comes before its part.
+    from mnopt import grad_buffer, ring
+    dtype = grad_buffer.storage_dtype(wire)
+    rng = numpy.random.RandomState(7 + WORLD.rank)
+    sizes = [1, 7, 1000, 33, 4097]
+    values = [rng.standard_normal(n).astype(numpy.float32) for n in sizes]
+    parts = values if wire == 'float32' else [_to_wire(v, wire)
+                                              for v in values]
+    together = [p.copy() for p in parts]
+    ring.allreduce_sum_parts(WORLD, together, wire)
+    for part, summed in zip(parts, together):
+        alone = part.copy()
+        ring.allreduce_sum(WORLD, alone, wire)
+        assert alone.dtype == dtype
+        numpy.testing.assert_array_equal(summed, alone)
+
+
+def _to_wire(values, wire):
+    from mnopt import grad_buffer
+    if wire == 'float16':
+        return values.astype(numpy.float16)
+    return grad_buffer.float32_to_bfloat16_bits(values)
