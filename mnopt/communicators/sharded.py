@@ -324,7 +324,8 @@ class ShardedCollectives(object):
                                       shards.counts, op=op)
             return mine
         if self.name == 'hierarchical':
-            return _hierarchical_reduce_scatter(group, shards, host, wire)
+            return _hierarchical_reduce_scatter(group, shards, host, wire,
+                                                self.bucket_bytes)
         # Checked by _agree already: no second exchange.
         return ring.reduce_scatter_sum(group.comm, host, wire,
                                        shards.counts, check=False)
@@ -379,7 +380,7 @@ class ShardedCollectives(object):
             group.comm.Allgatherv(MPI.IN_PLACE, [flat, (
                 counts, shards.byte_starts), MPI.BYTE])
         elif self.name == 'hierarchical':
-            _hierarchical_allgather(group, shards, flat)
+            _hierarchical_allgather(group, shards, flat, self.bucket_bytes)
         else:
             ring.allgather_into(group.comm, flat, counts, check=False)
 
@@ -408,14 +409,23 @@ def _nodes(group):
     return group.shard_nodes
 
 
-def _hierarchical_reduce_scatter(group, shards, host, wire):
+def _pieces(array, nbytes):
+    """``array`` cut into pieces of about ``nbytes``: MPI's shared-memory
+    Reduce and Bcast are faster on bucket-sized pieces than on one large
+    buffer (as the unsharded averaging's buckets)."""
+    step = max(1, nbytes // array.itemsize)
+    return [array[s:s + step] for s in range(0, array.size, step)]
+
+
+def _hierarchical_reduce_scatter(group, shards, host, wire, bucket_bytes):
     """Reduce inside the node to its leader; the leaders reduce-scatter
     the nodes' ranges on the ring (only one copy per node crosses the
     links between nodes); each leader scatters its node's range to the
     node's ranks."""
     node, bounds = _nodes(group)
     ranks = range(bounds[node], bounds[node + 1])
-    _mpi.reduce_sum(group.intra, host, wire, root=0)
+    for piece in _pieces(host, bucket_bytes):
+        _mpi.reduce_sum(group.intra, piece, wire, root=0)
     mpi_type, _ = _mpi.wire_sum(wire)
     node_counts = [sum(shards.counts[bounds[k]:bounds[k + 1]])
                    for k in range(len(bounds) - 1)]
@@ -434,7 +444,7 @@ def _hierarchical_reduce_scatter(group, shards, host, wire):
     return mine
 
 
-def _hierarchical_allgather(group, shards, flat):
+def _hierarchical_allgather(group, shards, flat, bucket_bytes):
     """Gather each node's shares at its leader, all-gather the nodes'
     ranges among the leaders on the ring, broadcast inside the node."""
     node, bounds = _nodes(group)
@@ -454,4 +464,5 @@ def _hierarchical_allgather(group, shards, flat):
         ring.allgather_into(group.inter, flat, node_counts, check=False)
     else:
         group.intra.Gatherv([mine, MPI.BYTE], None, root=0)
-    _mpi.bcast_bytes(group.intra, flat, root=0)
+    for piece in _pieces(flat, bucket_bytes):
+        _mpi.bcast_bytes(group.intra, piece, root=0)
