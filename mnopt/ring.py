@@ -100,9 +100,10 @@ def allreduce_sum(comm, array, wire, check=True):
 
 def allreduce_sum_parts(comm, parts, wire, check=True):
     """Sum each array of ``parts`` in place across ``comm``, in one ring:
-    the parts are chunked and pipelined as if they were one buffer (their
-    concatenation), so many small pieces cost one ring's latency, not one
-    each.  Segments never straddle two parts."""
+    the parts are pipelined together, so many small pieces cost one ring's
+    latency, not one each, but each is chunked on its own
+    (``_chunk_each_part``): every part gets the bits ``allreduce_sum`` of
+    it alone gives."""
     bad = [p for p in parts if not _fits(p, wire)]
     total = sum(p.size for p in parts if _fits(p, wire))
     if check:
