@@ -533,3 +533,57 @@ def test_pure_nccl_calls_exist():
     for method in ('reduceScatter', 'allGather'):
         assert hasattr(nccl.NcclCommunicator, method)
     assert nccl.NCCL_UINT8 == 1
+
+
+@needs_chainer
+def test_trainer_resumes_from_per_rank_snapshots_bit_for_bit():
+    """The documented way: multi_node_snapshot with every rank a replica
+    set of its own (each writes FILENAME.RANK with its share) and
+    autoload; the resumed run ends with the uninterrupted run's
+    parameters, bit for bit."""
+    import shutil
+    import tempfile
+    comm = mnopt.create_communicator('flat')
+    out = comm.bcast_obj(tempfile.mkdtemp(prefix='mnopt-zero-')
+                         if comm.rank == 0 else None)
+    E = chainer.training.extensions
+
+    def trainer(iterations, out_dir, autoload=False):
+        model = chainer.links.Classifier(_model())
+        rng = numpy.random.RandomState(comm.rank)
+        x = rng.standard_normal((16, 6)).astype(numpy.float32)
+        t = (x[:, 0] > 0).astype(numpy.int32)
+        it = chainer.iterators.SerialIterator(
+            chainer.datasets.TupleDataset(x, t), 4, shuffle=False)
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model)
+        tr = chainer.training.Trainer(
+            chainer.training.StandardUpdater(it, opt),
+            (iterations, 'iteration'), out=out_dir)
+        ext = mnopt.extensions.multi_node_snapshot(
+            comm, E.snapshot(autoload=autoload), list(range(comm.size)))
+        tr.extend(ext, trigger=(3, 'iteration'))
+        return tr, ext, model
+
+    try:
+        first, _, _ = trainer(6, out)
+        first.run()
+        comm.allgather_obj(None)
+        import os
+        names = os.listdir(out)
+        assert all('snapshot_iter_6.%d' % r in names
+                   for r in range(comm.size))
+        resumed, ext, model = trainer(10, out, autoload=True)
+        ext.initialize(resumed)
+        assert resumed.updater.iteration == 6
+        resumed.run()
+        whole, _, reference = trainer(10, out + '/whole')
+        whole.run()
+        for (name, a), (_, b) in zip(sorted(model.namedparams()),
+                                     sorted(reference.namedparams())):
+            numpy.testing.assert_array_equal(a.array, b.array, name)
+    finally:
+        comm.allgather_obj(None)
+        if comm.rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
+        comm.finalize()
