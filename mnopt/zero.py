@@ -125,7 +125,8 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
     A snapshot of it holds this rank's share only (``mnopt_shard/size``,
     ``/rank``, ``/names``, ``/owners`` say whose): every rank saves its own
     and loads its own, on the same number of ranks (else an error on every
-    rank at the next update)."""
+    rank at the next update).  A snapshot of an unsharded optimizer loads
+    on any number of ranks, each rank keeping its share of it."""
 
     def __init__(self, actual_optimizer, communicator, zero_fill):
         super(ShardedStateOptimizer, self).__init__(
@@ -336,9 +337,7 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
             names = [str(n) for n in meta('names', None)]
             owner_list = [int(o) for o in meta('owners', None)]
         except KeyError:
-            object.__setattr__(self, '_loaded_share', ({}, (
-                'the snapshot holds no shard of a sharded optimizer (it '
-                'was written without shard_state=True)')))
+            self._load_unsharded(serializer, params)
             return
         problem = None
         if size != comm.size or rank != comm.rank:
@@ -354,6 +353,27 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
                     if rule is not None:
                         rule.serialize(serializer[name])
         object.__setattr__(self, '_loaded_share', (owners, problem))
+
+    def _load_unsharded(self, serializer, params):
+        """A snapshot of an unsharded optimizer (every rank loads the same
+        one, on any number of ranks): the owners are assigned now, and
+        each rank loads the update rules of its share only."""
+        missing = sorted(n for n, p in params.items() if p.array is None)
+        if missing:
+            object.__setattr__(self, '_loaded_share', ({}, (
+                'loading an unsharded snapshot needs every parameter '
+                'initialised (it decides who owns what); %s has no data '
+                'yet' % missing[0])))
+            return
+        owners = assign_owners(
+            [(n, p.array.nbytes) for n, p in sorted(params.items())],
+            self.communicator.size, self.owners)
+        rank = self.communicator.rank
+        for name in sorted(owners):
+            rule = getattr(params[name], 'update_rule', None)
+            if owners[name] == rank and rule is not None:
+                rule.serialize(serializer[name])
+        object.__setattr__(self, '_loaded_share', (owners, None))
 
 
 def create(actual_optimizer, communicator, zero_fill):

@@ -446,18 +446,45 @@ def test_snapshot_loaded_on_some_ranks_only_is_an_error_everywhere():
 
 
 @needs_chainer
-def test_unsharded_snapshot_is_an_error_everywhere():
-    comm = mnopt.create_communicator('flat')
+def test_an_unsharded_snapshot_loads_as_shares(comm_name):
+    """Every rank loads the unsharded optimizer's snapshot and keeps its
+    share: the run goes on as the unsharded one, bit for bit, and only the
+    owners hold state."""
+    comm = mnopt.create_communicator(comm_name)
     try:
         model, plain = _train(comm, OPTIMIZERS['Adam'], HOOKS['none'], False,
-                              1, exact=True)
+                              2, exact=True)
         saved = {}
         chainer.serializers.DictionarySerializer(saved).save(plain)
-        opt = mnopt.create_multi_node_optimizer(
-            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model)
-        chainer.serializers.NpzDeserializer(saved).load(opt)
-        with pytest.raises(ValueError, match='written without shard_state'):
-            opt.update()
+        saved = {k: numpy.array(v) for k, v in saved.items()}
+        start = _params(model)
+
+        def go_on(shard):
+            model = _model()
+            for name, param in model.namedparams():
+                param.array[...] = start[name]
+            opt = mnopt.create_multi_node_optimizer(
+                OPTIMIZERS['Adam'](), comm, shard_state=shard).setup(model)
+            # A copy: the loaded state arrays are the dict's own.
+            chainer.serializers.NpzDeserializer(
+                {k: numpy.array(v) for k, v in saved.items()}).load(opt)
+            for step in range(3):
+                for k, (name, param) in enumerate(
+                        sorted(model.namedparams())):
+                    param.grad = ((numpy.arange(param.size) % 5 * 0.25
+                                   + k - step + comm.rank) * comm.size
+                                  ).reshape(param.shape).astype(param.dtype)
+                opt.update()
+            return model, opt
+
+        plain_model, _ = go_on(False)
+        sharded_model, opt = go_on(True)
+        a, b = _params(plain_model), _params(sharded_model)
+        for name in a:
+            numpy.testing.assert_array_equal(a[name], b[name], name)
+        for name, param in sharded_model.namedparams():
+            assert (param.update_rule.state is not None) == (
+                opt.owners[name] == comm.rank), name
     finally:
         comm.finalize()
 
@@ -509,6 +536,12 @@ def test_what_shard_state_does_not_combine_with(naive_comm):
 
     with pytest.raises(ValueError, match='per parameter'):
         mnopt.create_multi_node_optimizer(WholeUpdate(), naive_comm,
+                                          shard_state=True)
+
+    dynamic = OPTIMIZERS['Adam']()
+    dynamic.loss_scaling()
+    with pytest.raises(ValueError, match='dynamic loss scaling'):
+        mnopt.create_multi_node_optimizer(dynamic, naive_comm,
                                           shard_state=True)
 
 
