@@ -174,6 +174,37 @@ def test_allgather_params_gives_every_rank_the_owners_bytes(comm_name):
         comm.finalize()
 
 
+@pytest.mark.parametrize('wire', ['float16', 'bfloat16'])
+def test_an_overflowing_share_is_an_error_on_every_rank(comm_name, wire):
+    """on_overflow='error': a mean beyond the wire's range in any rank's
+    share raises on every rank (each rank unpacks only its share); NaN
+    already in a gradient is not an overflow."""
+    from mnopt.overflow import GradientOverflowError
+    comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire,
+                                     on_overflow='error')
+    try:
+        # Each rank's big / N fits the wire; their sum does not (beyond
+        # bfloat16's range, float32's, only float64 gradients go).
+        big, dtype = (7e4, numpy.float32) if wire == 'float16' else \
+            (5e38, numpy.float64)
+        per = _per_rank(2, comm.size)
+        nan = [('a', numpy.full(3, numpy.nan, dtype)),
+               ('b', numpy.ones(3, dtype))]
+        comm.reduce_scatter_mean(nan, per)   # passes through: no error
+        named = [('a', numpy.ones(3, dtype)), ('b', numpy.full(3, big, dtype))]
+        if comm.size == 1:
+            comm.reduce_scatter_mean(named, per)   # nothing moves
+            numpy.testing.assert_array_equal(named[1][1], dtype(big))
+            return
+        # (float64 beyond float32's range overflows as it is packed into
+        # bfloat16: numpy warns about that cast.)
+        with pytest.raises(GradientOverflowError, match="'b'"), \
+                numpy.errstate(over='ignore'):
+            comm.reduce_scatter_mean(named, per)
+    finally:
+        comm.finalize()
+
+
 def test_collectives_are_stall_watched():
     comm = mnopt.create_communicator('flat')
     try:

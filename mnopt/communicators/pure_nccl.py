@@ -68,7 +68,7 @@ class PureNcclCommunicator(CommunicatorBase):
                 % (group.nccl.device_id(), device))
         return group.nccl
 
-    def _reduce_scatter_mean(self, group, shards, arrays, xp):
+    def _reduce_scatter_mean(self, group, shards, arrays, xp, counted):
         if xp is not _cuda.cupy():
             raise TypeError(
                 "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
@@ -89,11 +89,19 @@ class PureNcclCommunicator(CommunicatorBase):
             bufs['unpack'] = _cuda.Codec(
                 layout.wire, [layout.sizes[i] for i in own],
                 [offs[i] - shards.starts[rank] for i in own])
+        bufs['pack'].reset()
+        bufs['unpack'].reset()
         bufs['pack'].pack(arrays, bufs['wire'], self._pack_divisor())
         _cuda.nccl_reduce_scatter_sum(nccl, bufs['wire'], bufs['mine'],
                                       bufs['stride'], layout.wire,
                                       group.stream)
         bufs['unpack'].unpack(bufs['mine'], [arrays[i] for i in own])
+        if not counted:
+            return None
+        out = [0] * len(layout.sizes)
+        for i, c in zip(own, bufs['unpack'].take_counts()[1]):
+            out[i] = c or 0
+        return bufs['pack'].take_counts()[0], out
 
     def _allgather_params(self, group, shards, arrays, xp):
         if xp is not _cuda.cupy():

@@ -155,6 +155,30 @@ def _own_bytes(array):
     return numpy.ascontiguousarray(array).reshape(-1).view(numpy.uint8)
 
 
+def _spread(shards, own, counts):
+    """Per-array counts of the whole layout from those of the arrays
+    ``own`` (0 elsewhere)."""
+    out = [0] * len(shards.layout.sizes)
+    for i, c in zip(own, counts):
+        out[i] = c or 0
+    return out
+
+
+class _EveryRanksCounts(object):
+    """What overflow.Reporter reads of a GradBuffer (``layout``,
+    ``take_counts``, ``nonfinite_in``/``nonfinite_out``), holding every
+    rank's flags: whether any rank's gradients, and any share's means,
+    had non-finite values in each array."""
+
+    def __init__(self, layout, nonfinite_in, nonfinite_out):
+        self.layout = layout
+        self.nonfinite_in = [int(c) for c in nonfinite_in]
+        self.nonfinite_out = [int(c) for c in nonfinite_out]
+
+    def take_counts(self):
+        pass
+
+
 class ShardedCollectives(object):
     """Needs what CommunicatorBase has: ``rank``, ``size``, ``name``,
     ``compression``, ``allreduce_grad_dtype``, ``_sync_group``,
@@ -266,18 +290,44 @@ class ShardedCollectives(object):
                                   self.allreduce_grad_dtype)
             if self.size == 1 and self.skip_single_rank:
                 return  # the mean of one gradient is itself
-            self._reduce_scatter_mean(group, shards, [a for _, a in named],
-                                      xp)
+            step, self.steps = self.steps, self.steps + 1
+            counted = shards.layout.wire in ('float16', 'bfloat16') and \
+                self._overflow.on_overflow != 'ignore'
+            nonfinite = self._reduce_scatter_mean(
+                group, shards, [a for _, a in named], xp, counted)
+            if counted:
+                self._check_shard_overflow(group, shards, nonfinite, step)
 
-    def _reduce_scatter_mean(self, group, shards, arrays, xp):
+    def _check_shard_overflow(self, group, shards, nonfinite, step):
+        """``on_overflow`` for the sharded averaging.  Each rank counted
+        the non-finite gradients it packed (every array) and the
+        non-finite means it unpacked (its share): one Allreduce (MAX) of a
+        byte per array and direction gives every rank the same view, which
+        the communicator's overflow reporter then judges as it judges an
+        allreduce's (the same suspects on every rank, so its exchange
+        cannot hang)."""
+        nonfinite_in, nonfinite_out = nonfinite
+        n = len(shards.layout.sizes)
+        flags = numpy.zeros(2 * n, numpy.int8)
+        flags[:n] = [bool(c) for c in nonfinite_in]
+        flags[n:] = [bool(c) for c in nonfinite_out]
+        group.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        self._overflow.check(_EveryRanksCounts(shards.layout, flags[:n],
+                                               flags[n:]), group.comm, step)
+
+    def _reduce_scatter_mean(self, group, shards, arrays, xp, counted):
         """Pack, reduce-scatter through host memory, unpack this rank's
-        share.  ``pure_nccl`` overrides it."""
+        share; return (non-finite gradient values per array, non-finite
+        means per array of this rank's share, 0 elsewhere) when
+        ``counted`` (16-bit wires), else None.  ``pure_nccl`` overrides
+        it."""
         buffer = shards.grad_buffer
         if buffer is None:
             # One contiguous packed buffer: no bucket cuts, nothing reduced
             # in place (the shares must be ranges of one buffer).
             buffer = shards.grad_buffer = grad_buffer.GradBuffer(
                 shards.layout, xp, bucket_bytes=1 << 62)
+        buffer.reset_counts()
         dtype = buffer.dtype
         host = self._shard_scratch(group, buffer.layout.total
                                    * dtype.itemsize, xp).view(dtype)
@@ -300,7 +350,9 @@ class ShardedCollectives(object):
             buffer.unpack_range(work, mine, lo, lo + shards.counts[rank])
             for i, a in stand_in.items():
                 arrays[i][...] = a
-            return
+            if counted:
+                return buffer.nonfinite_in, buffer.nonfinite_out
+            return None
         from mnopt import _cuda
         own = list(shards.own(rank))
         if shards.own_codec is None:
@@ -308,9 +360,15 @@ class ShardedCollectives(object):
             shards.own_codec = _cuda.Codec(
                 shards.layout.wire, [shards.layout.sizes[i] for i in own],
                 [offs[i] - lo for i in own])
+        shards.own_codec.reset()
         device_chunk = buffer.wire[lo:lo + shards.counts[rank]]
         device_chunk.set(mine)
         shards.own_codec.unpack(device_chunk, [arrays[i] for i in own])
+        if not counted:
+            return None
+        buffer.take_counts()
+        return buffer.nonfinite_in, _spread(
+            shards, own, shards.own_codec.take_counts()[1])
 
     def _reduce_scatter_host(self, group, shards, host):
         """Sum the host wire buffer ``host`` over the ranks, share by
