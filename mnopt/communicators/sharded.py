@@ -255,7 +255,10 @@ class ShardedCollectives(object):
                 except TypeError as e:
                     problem = str(e)
                 else:
-                    if len(kept) >= 64:
+                    # Each holds buffers as large as the arrays (on a
+                    # GPU, device memory): a few, not one per set ever
+                    # seen (a model that grows leaves its old sets).
+                    if len(kept) >= 4:
                         kept.clear()
                     shards = kept[key] = ShardLayout(
                         layout, arrays_per_rank,
