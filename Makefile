@@ -129,7 +129,7 @@ test-%: .venv/%/.installed
 	          numpy.__version__, "|", *MPI.Get_library_version().split()[:3])'
 	start=$$(date +%s); \
 	launch="$(or $(LAUNCH_$*),.venv/$*/bin/mpiexec)"; \
-	pytest=".venv/$*/bin/python -m pytest -q --color=no"; \
+	pytest=".venv/$*/bin/python -m pytest -q --color=no --durations=15"; \
 	under_mpi=".venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no"; \
 	if [ "$*" = "$(firstword $(STACKS))" ] || [ "$(TESTS_ALL)" = 1 ]; then \
 	    only=""; \

@@ -96,7 +96,8 @@ def parse_args(argv=None):
                         'bucket (exact: no staleness)')
     p.add_argument('--mnbn', action='store_true',
                    help='batch normalization over every rank\'s batch '
-                        '(MultiNodeBatchNormalization; for resnet50)')
+                        '(MultiNodeBatchNormalization; for the models with '
+                        'batch normalization: smallcnn, resnet50)')
     p.add_argument('--batchsize', '-B', type=int, default=32,
                    help='per rank')
     p.add_argument('--val-batchsize', type=int, default=50)
