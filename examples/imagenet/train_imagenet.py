@@ -102,7 +102,7 @@ def parse_args(argv=None):
                    help='per rank')
     p.add_argument('--val-batchsize', type=int, default=50)
     p.add_argument('--epoch', '-E', type=int, default=None,
-                   help='default: 10 (the embedded set too)')
+                   help='default: 10, or 8 for the embedded set')
     p.add_argument('--iteration', type=int, default=None,
                    help='stop after this many iterations (overrides --epoch)')
     p.add_argument('--lr', type=float, default=None,
@@ -155,6 +155,7 @@ def load_datasets(args, comm):
         args.n_classes = args.n_classes or len(embedded_data.CLASSES)
         args.insize = args.insize or 48
         args.arch = args.arch or 'smallcnn'
+        args.epoch = args.epoch or 8
         args.lr = args.lr or 0.05
         args.lr_schedule = args.lr_schedule or 'linear'
     args.epoch = args.epoch or 10
