@@ -17,6 +17,10 @@ def main(paths):
         run['path'] = path
         runs.append(run)
     runs.sort(key=lambda r: (r['rate_mbit'], r['n_ranks'], r['path']))
+    # Runs on one machine without netsim (mpiexec alone, shared memory)
+    # pass a huge rate: their bound is 0 and means nothing.
+    shm = [r for r in runs if r['rate_mbit'] >= 1e6]
+    runs = [r for r in runs if r['rate_mbit'] < 1e6]
     print('# mnopt\'s pipelined ring vs MPI Allreduce (simulated cluster)\n')
     print('One rank per node, every link shaped to the rate in each '
           'direction (`python -m mnopt.netsim`); ResNet-50\'s 162 '
@@ -62,8 +66,33 @@ def main(paths):
                           r['mpi_over_ring'], 1e3 * r['bound_s'],
                           100 * ring['cpu_idle']['median'],
                           100 * mpi['cpu_idle']['median']))
+    if shm:
+        print('\n## One shared-memory node (mpiexec alone, no netsim)\n')
+        print('| ranks | case | min ms | median ms | max ms | file |')
+        print('|---|---|---|---|---|---|')
+        for run in shm:
+            for c in run['cases']:
+                t = c['time_s']
+                print('| %d | %s | %.1f | %.1f | %.1f | %s |' % (
+                    run['n_ranks'], c['case'], 1e3 * t['min'],
+                    1e3 * t['median'], 1e3 * t['max'],
+                    run['path'].split('/')[-1]))
+            for r in run['sizes']:
+                for k in ('ring', 'mpi'):
+                    t = r[k]['time_s']
+                    print('| %d | one %d-byte buffer, %s | %.2f | %.2f | '
+                          '%.2f | %s |' % (
+                              run['n_ranks'], r['bytes'],
+                              'ring' if k == 'ring' else 'MPI Allreduce',
+                              1e3 * t['min'], 1e3 * t['median'],
+                              1e3 * t['max'], run['path'].split('/')[-1]))
     print('\nCommands: each JSON records its argv; the runs were\n')
     print('```sh')
+    for run in shm:
+        print('.venv/numpy2/bin/mpiexec -n %d .venv/numpy2/bin/python -m '
+              'mpi4py %s' % (run['n_ranks'], ' '.join(
+                  a if not a.endswith('ring_bench.py')
+                  else 'benchmarks/ring_bench.py' for a in run['argv'])))
     for run in runs:
         print('python -m mnopt.netsim run --nodes %d --rate %gmbit -- '
               '.venv/numpy2/bin/python -m mpi4py %s'

@@ -79,10 +79,16 @@ def allreduce_algorithm():
 
 
 #: auto: float32/float64 sums of at least this many bytes (in one call)
-#: go round mnopt's ring when the ranks span several nodes.
+#: go round mnopt's ring when the ranks span several nodes.  Measured on
+#: the simulated cluster (docs/results/netsim/ring.md, 250 Mbit/s, one
+#: buffer): at 64 KiB MPI's Allreduce takes 1/3 of the ring's time at 8
+#: and 16 nodes; from 256 KiB to 1 MiB they are even (0.97-1.12); at 4
+#: MiB and up the ring is 1.4-2x faster at 4 to 16 nodes, even at 2.  On
+#: ResNet-50's 102 MB the ring is even at 2 and 4 nodes and 1.10x/1.32x
+#: faster at 8/16, and leaves the CPU 50-90% idle where MPICH's busy
+#: polling leaves none (so it is used from 2 nodes on).  Inside one
+#: shared-memory node MPICH is faster below 16 MiB (2-8x at 64 KiB).
 RING_MIN_BYTES = 1 << 20
-#: auto: ... and at least this many ranks.
-RING_MIN_RANKS = 3
 
 
 def uses_ring(comm, wire, nbytes, algorithm=None):
@@ -92,16 +98,15 @@ def uses_ring(comm, wire, nbytes, algorithm=None):
     The 16-bit wires need a user op, for which MPICH falls back to a
     reduce + broadcast that moves the whole buffer log2(N) times each way
     (at 1 Gbit/s, 4 nodes, FP16 was slower than FP32): always the ring.
-    float32/float64 (auto): the ring for large sums across nodes, MPI's
-    Allreduce for small ones (its latency is lower) and inside one
-    shared-memory node (it sums through shared memory)."""
+    float32/float64 (auto): the ring for sums of RING_MIN_BYTES and more
+    across nodes, MPI's Allreduce for smaller ones (its latency is lower)
+    and inside one shared-memory node (it sums through shared memory)."""
     algorithm = algorithm or allreduce_algorithm()
     if comm.size == 1 or algorithm == 'mpi':
         return False
     if algorithm == 'ring' or wire in _SUM_FUNCS:
         return True
-    return (nbytes >= RING_MIN_BYTES and comm.size >= RING_MIN_RANKS
-            and nodes_of(comm) > 1)
+    return nbytes >= RING_MIN_BYTES and nodes_of(comm) > 1
 
 
 _nodes_keyval = None
