@@ -85,9 +85,9 @@ def allreduce_algorithm():
 #: and 16 nodes; from 256 KiB to 1 MiB they are even (0.97-1.12); at 4
 #: MiB and up the ring is 1.4-2x faster at 4 to 16 nodes, even at 2.  On
 #: ResNet-50's 102 MB the ring is even at 2 and 4 nodes and 1.10x/1.32x
-#: faster at 8/16, and leaves the CPU 50-90% idle where MPICH's busy
-#: polling leaves none (so it is used from 2 nodes on).  Inside one
-#: shared-memory node MPICH is faster below 16 MiB (2-8x at 64 KiB).
+#: faster at 8/16, and leaves the CPU 47-92% idle (2-8 nodes) where
+#: MPICH's busy polling leaves none (so it is used from 2 nodes on).  Inside one
+#: shared-memory node MPICH is faster below 16 MiB (3-8x at 64 KiB).
 RING_MIN_BYTES = 1 << 20
 
 
