@@ -196,8 +196,9 @@ print('rank %d done' % comm.rank)
 '''
 
 
+# Not every_stack: under Open MPI 4.1 the ranks end as they should, but
+# about 1 run in 8 its mpiexec then never exits (docs/limits.md).
 @pytest.mark.spawn
-@pytest.mark.every_stack  # what the launcher does when a rank exits
 @pytest.mark.parametrize('name', ['flat', 'reduction_server'])
 @pytest.mark.parametrize('code', [1, 0])
 def test_a_rank_that_exits_while_others_wait_ends_the_job(name, code):
