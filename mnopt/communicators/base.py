@@ -244,6 +244,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         overflow.normalize(on_overflow)
         _env.flag('MNOPT_SINGLE_RANK_AVERAGING', False)
         _env.whole_number('MNOPT_RANKS_PER_NODE', None, 1)
+        _mpi.allreduce_algorithm()
         _sched.slice_us()
 
     def __init__(self, mpi_comm, allreduce_grad_dtype=None,
@@ -281,6 +282,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         self.vote_stats = {}
         self.bucket_bytes = int(bucket_bytes)
         self.batched_copy = True  # ChainerMN's setting (set_config)
+        #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
+        self.allreduce_algorithm = _mpi.allreduce_algorithm()
         #: The MPI communicators and thread this communicator holds: freed
         #: by finalize(), or when the communicator is garbage-collected
         #: (MPI has a few thousand communicators per process).

@@ -12,16 +12,6 @@ class FlatCommunicator(CommunicatorBase):
 
     name = 'flat'
 
-    @classmethod
-    def check_arguments(cls, **kwargs):
-        _mpi.allreduce_algorithm()
-        super(FlatCommunicator, cls).check_arguments(**kwargs)
-
-    def __init__(self, mpi_comm, **kwargs):
-        super(FlatCommunicator, self).__init__(mpi_comm, **kwargs)
-        #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
-        self.allreduce_algorithm = _mpi.allreduce_algorithm()
-
     def _sum(self, buffer, group):
         _mpi.allreduce_sum_parts(group.comm, list(buffer.host_parts()),
                                  buffer.layout.wire, self.allreduce_algorithm)

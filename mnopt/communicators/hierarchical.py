@@ -15,16 +15,6 @@ class HierarchicalCommunicator(CommunicatorBase):
 
     name = 'hierarchical'
 
-    @classmethod
-    def check_arguments(cls, **kwargs):
-        _mpi.allreduce_algorithm()
-        super(HierarchicalCommunicator, cls).check_arguments(**kwargs)
-
-    def __init__(self, mpi_comm, **kwargs):
-        super(HierarchicalCommunicator, self).__init__(mpi_comm, **kwargs)
-        #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
-        self.allreduce_algorithm = _mpi.allreduce_algorithm()
-
     def _make_group(self, comm):
         group = _Group(comm)
         group.intra, group.inter, _, _ = node_split(comm)
