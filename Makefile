@@ -97,7 +97,7 @@ gpu-wheels:
 	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	    --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
 	    --platform manylinux1_x86_64 -d .whl mpich==5.0.2 mpi4py==4.1.2 \
-	    setuptools==69.5.1
+	    setuptools==69.5.1 threadpoolctl==3.8.0
 	PIP_CONSTRAINT=$(CURDIR)/constraints/numpy2.txt $(PYTHON) -m pip wheel \
 	    -q --no-deps -w .whl chainer==7.8.1
 

@@ -78,6 +78,9 @@ setup(
     install_requires=[
         'numpy>=1.20',
         'mpi4py>=3.1',
+        # Each rank's share of a node's cores for NumPy's BLAS threads
+        # (mnopt/cores.py); without it mnopt changes nothing.
+        'threadpoolctl>=3',
     ],
     extras_require={
         # MPI itself as a wheel, so no system MPI is needed.

@@ -109,6 +109,16 @@ def uses_ring(comm, wire, nbytes, algorithm=None):
     return nbytes >= RING_MIN_BYTES and nodes_of(comm) > 1
 
 
+def ranks_on_node(comm):
+    """How many of ``comm``'s ranks share this rank's shared-memory node
+    (collective)."""
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    try:
+        return shared.size
+    finally:
+        shared.Free()
+
+
 _nodes_keyval = None
 
 

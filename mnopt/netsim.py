@@ -231,6 +231,17 @@ def hydra_mpiexec():
     return mpiexec
 
 
+def blas_threads_env(processes):
+    """The simulated nodes share this machine's cores, which MPI cannot
+    see (each node has its own hostname): each process gets its share of
+    BLAS threads (mnopt/cores.py), unless the user set them."""
+    from mnopt import cores
+    if any(os.environ.get(name) for name in
+           cores.USER_SETTINGS + ('MNOPT_BLAS_THREADS',)):
+        return []
+    return [('MNOPT_BLAS_THREADS', str(cores.share(processes)))]
+
+
 def mpiexec_command(nodes, ranks_per_node, command, launcher, extra_env=(),
                     servers=0, server_args=()):
     """The argv that runs ``command`` on ``nodes`` x ``ranks_per_node``
@@ -238,7 +249,8 @@ def mpiexec_command(nodes, ranks_per_node, command, launcher, extra_env=(),
     the next ``servers`` nodes; it must itself run inside node 0 (see
     ``exec_in_cluster``)."""
     mpiexec = hydra_mpiexec()
-    env = [('UCX_TLS', 'tcp')] + list(extra_env)
+    env = [('UCX_TLS', 'tcp')] + blas_threads_env(
+        nodes * ranks_per_node + servers) + list(extra_env)
     hosts = ['%s:%d' % (node_address(k), ranks_per_node) for k in range(nodes)]
     hosts += ['%s:1' % node_address(nodes + k) for k in range(servers)]
     argv = [mpiexec, '-launcher', 'ssh', '-launcher-exec', launcher,

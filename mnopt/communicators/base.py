@@ -19,6 +19,7 @@ from mpi4py import MPI
 from mnopt import _env
 from mnopt import _mpi
 from mnopt import _sched
+from mnopt import cores
 from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
@@ -293,6 +294,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         CommunicatorBase._created += 1
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
+        cores.limit_blas_threads(_mpi.ranks_on_node(mpi_comm))
 
     # ChainerMN's array and object collectives: chainermn_collectives.py.
         if self._owns_monitor():
