@@ -8,7 +8,10 @@ averaging.  Run it across simulated nodes (root):
 Per round, each mode runs ``--steps`` steps (order rotating); the same
 round also times forward, backward and one averaging of the gradients on
 their own.  hidden = (t_sync - t_mode) / min(t_backward, t_average): the
-share of the averaging a mode hides (issue 15's definition).
+share of the averaging a mode hides (issue 15's definition).  Beside
+each mode's steps, rank 0 records the machine's CPU idle share over the
+same interval (/proc/stat, every core: simulated nodes share them), which
+says whether the cores or the links set the pace.
 """
 
 import argparse
@@ -27,6 +30,13 @@ import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
 
 MODES = ('sync', 'overlap', 'double buffering')
+
+
+def cpu_times():
+    """(idle, total) jiffies of all cores."""
+    with open('/proc/stat') as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])
 
 
 class MLP(chainer.ChainList):
@@ -117,12 +127,14 @@ def main(argv=None):
 
     times = {m: [] for m in MODES}
     blocked = {m: [] for m in MODES}   # waiting for averagings, per step
+    idle = {m: [] for m in MODES}      # the machine's CPU idle share
     parts = {'forward': [], 'backward': [], 'average': []}
     for r in range(args.rounds):
         order = MODES[r % 3:] + MODES[:r % 3]
         for mode in order:
             model, opt = runs[mode]
             comm.mpi_comm.Barrier()
+            i0, j0 = cpu_times()
             start = time.perf_counter()
             waited = opt.communication_time
             for _ in range(args.steps):
@@ -131,6 +143,8 @@ def main(argv=None):
                 opt.wait()
             comm.mpi_comm.Barrier()
             times[mode].append((time.perf_counter() - start) / args.steps)
+            i1, j1 = cpu_times()
+            idle[mode].append((i1 - i0) / max(1, j1 - j0))
             blocked[mode].append((opt.communication_time - waited)
                                  / args.steps)
         # The parts, on their own (no averaging in flight).
@@ -160,7 +174,8 @@ def main(argv=None):
               'thread_slice_us': _sched.slice_us(),
               'step_s': {m: spread(v) for m, v in times.items()},
               'blocked_s': {m: spread(v) for m, v in blocked.items()},
-              'parts_s': {k: spread(v) for k, v in parts.items()}}
+              'parts_s': {k: spread(v) for k, v in parts.items()},
+              'cpu_idle': {m: spread(v) for m, v in idle.items()}}
     hidden = {}
     for mode in MODES[1:]:
         per_round = [(s - o) / min(b, a) for s, o, b, a in zip(
