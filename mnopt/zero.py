@@ -124,9 +124,11 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
 
     A snapshot of it holds this rank's share only (``mnopt_shard/size``,
     ``/rank``, ``/names``, ``/owners`` say whose): every rank saves its own
-    and loads its own, on the same number of ranks (else an error on every
-    rank at the next update).  A snapshot of an unsharded optimizer loads
-    on any number of ranks, each rank keeping its share of it."""
+    and loads its own, on the same number of ranks; on another number,
+    every rank re-shards from all the shares (``load_shards``), else the
+    next update is an error on every rank.  A snapshot of an unsharded
+    optimizer loads on any number of ranks, each rank keeping its share of
+    it."""
 
     def __init__(self, actual_optimizer, communicator, zero_fill):
         super(ShardedStateOptimizer, self).__init__(
@@ -134,6 +136,10 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
         object.__setattr__(self, 'owners', {})  # name -> rank
         # After a load: (owners from the snapshot, problem or None).
         object.__setattr__(self, '_loaded_share', None)
+        # After a load of a sharded snapshot: (its size, its rank), and the
+        # key prefix the optimizer was loaded under (load_shards' default).
+        object.__setattr__(self, '_loaded_shape', None)
+        object.__setattr__(self, '_loaded_path', None)
 
     def setup(self, link):
         super(ShardedStateOptimizer, self).setup(link)
@@ -337,14 +343,20 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
             names = [str(n) for n in meta('names', None)]
             owner_list = [int(o) for o in meta('owners', None)]
         except KeyError:
+            object.__setattr__(self, '_loaded_shape', None)
             self._load_unsharded(serializer, params)
             return
+        object.__setattr__(self, '_loaded_path', getattr(serializer, 'path',
+                                                         None))
         problem = None
         if size != comm.size or rank != comm.rank:
             problem = ('the snapshot holds rank %d\'s share of an optimizer '
-                       'sharded over %d ranks; it loads on %d ranks, each '
-                       'rank its own share (this is rank %d of %d)'
-                       % (rank, size, size, comm.rank, comm.size))
+                       'sharded over %d ranks, and this is rank %d of %d: '
+                       'each rank loads its own share on as many ranks, or '
+                       'every rank re-shards from all %d shares '
+                       '(mnopt.zero.load_shards; multi_node_snapshot\'s '
+                       'autoload and the ImageNet example\'s --resume do)'
+                       % (rank, size, comm.rank, comm.size, size))
         owners = dict(zip(names, owner_list))
         if problem is None:
             for name in names:
@@ -353,6 +365,124 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
                     if rule is not None:
                         rule.serialize(serializer[name])
         object.__setattr__(self, '_loaded_share', (owners, problem))
+        object.__setattr__(self, '_loaded_shape', (size, rank))
+
+    def needs_shards(self):
+        """The number of ranks whose shares the last loaded snapshot was
+        written by, where this rank cannot resume from the share it loaded
+        (another rank's, or another number of ranks): every share must then
+        be given to ``load_shards``.  None otherwise."""
+        shape = self._loaded_shape
+        if self._loaded_share is None or shape is None or \
+                self._loaded_share[1] is None:
+            return None
+        return shape[0]
+
+    def load_shards(self, shares, path=None):
+        """Re-shard a sharded snapshot: ``shares`` are every rank's files
+        of it (paths of .npz files, or mappings as ``numpy.load`` gives),
+        rank 0's first; ``path`` the key prefix of the optimizer in them
+        (default: the one it was last loaded under, e.g.
+        ``updater/optimizer:main/``).  On as many ranks as wrote it, this
+        rank loads its own share; on another number, the owners are
+        assigned anew for this number of ranks (as a fresh run's) and this
+        rank loads, for each parameter it now owns, that parameter's
+        update rule (``t`` and state: Adam's m and v...) from the share of
+        the rank that owned it.  The per-parameter state is moved whole,
+        never recomputed, so it is the saved state bit for bit.
+
+        Every parameter must be initialised.  No communication: each rank
+        reads only the files of its parameters' previous owners, so every
+        rank must see them (a shared directory).  Returns None, or what is
+        wrong (a share missing, of another snapshot...), which the next
+        update also raises on every rank."""
+        problem = None
+        try:
+            problem = self._load_shards(shares, path)
+        except Exception as e:   # a file missing or damaged
+            problem = '%s: %s' % (type(e).__name__, e)
+        if problem is not None:
+            object.__setattr__(self, '_loaded_share',
+                               ({}, 'cannot re-shard: %s' % problem))
+        object.__setattr__(self, '_param_set', _LOADED)
+        return problem
+
+    def _load_shards(self, shares, path):
+        from chainer.serializers import NpzDeserializer
+        path = self._loaded_path if path is None else path
+        if path is None:
+            raise ValueError('load_shards needs path= (the key prefix of the '
+                             'optimizer in the files): no snapshot of it '
+                             'was loaded yet')
+        comm = self.communicator
+        opened, metas = {}, {}
+
+        def share(r):
+            if r not in opened:
+                f = shares[r]
+                opened[r] = numpy.load(f) if isinstance(f, (str, bytes)) or \
+                    hasattr(f, '__fspath__') else f
+            return opened[r]
+
+        def meta(r):
+            if r not in metas:
+                f, key = share(r), path + SHARD_KEY + '/'
+                if key + 'size' not in f:
+                    raise ValueError('share %d holds no sharded optimizer '
+                                     'state under %r' % (r, path))
+                metas[r] = (int(f[key + 'size']), int(f[key + 'rank']),
+                            [str(n) for n in f[key + 'names']],
+                            [int(o) for o in f[key + 'owners']])
+            return metas[r]
+
+        try:
+            size = len(shares)
+            for r in range(size):
+                s, rank, names, owner_list = meta(r)
+                if (s, rank) != (size, r):
+                    return ('share %d holds rank %d\'s share of %d ranks, '
+                            'not rank %d\'s of %d' % (r, rank, s, r, size))
+                if (names, owner_list) != meta(0)[2:]:
+                    return ('shares 0 and %d were written by different '
+                            'shardings (their owners differ)' % r)
+            names, owner_list = meta(0)[2:]
+            params = dict(self.target.namedparams())
+            have = sorted(n for n, p in params.items() if p.array is not None)
+            if have != sorted(names):
+                return ('the snapshot\'s parameters are not the model\'s '
+                        '(only in the snapshot: %s; only in the model or '
+                        'without data: %s)'
+                        % (sorted(set(names) - set(have))[:3],
+                           sorted(set(params) - set(names))[:3]))
+            saved = dict(zip(names, owner_list))
+            if size == comm.size:
+                owners = saved
+            else:
+                owners = assign_owners(
+                    [(n, params[n].array.nbytes) for n in have], comm.size)
+            actual = self.actual_optimizer
+            first = NpzDeserializer(share(0), path=path)
+            actual.t = first('t', actual.t)
+            actual.epoch = first('epoch', actual.epoch)
+            for name in sorted(params):
+                rule = getattr(params[name], 'update_rule', None)
+                if rule is None:
+                    continue
+                if owners.get(name) != comm.rank:
+                    # Only owners hold state (a rule that held some under
+                    # another ownership would be stale).  Chainer has no
+                    # public reset: _state is UpdateRule's own attribute.
+                    rule._state = None
+                    continue
+                rule.serialize(NpzDeserializer(
+                    share(saved[name]), path=path)[name])
+        finally:
+            for r, f in opened.items():
+                if f is not shares[r] and hasattr(f, 'close'):
+                    f.close()
+        object.__setattr__(self, '_loaded_share', (owners, None))
+        object.__setattr__(self, '_loaded_shape', (comm.size, comm.rank))
+        return None
 
     def _load_unsharded(self, serializer, params):
         """A snapshot of an unsharded optimizer (every rank loads the same
@@ -374,6 +504,37 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
             if owners[name] == rank and rule is not None:
                 rule.serialize(serializer[name])
         object.__setattr__(self, '_loaded_share', (owners, None))
+
+
+def sharded_optimizers(target):
+    """The sharded optimizers in ``target``: a trainer, an updater, or an
+    optimizer itself."""
+    if isinstance(target, ShardedStateOptimizer):
+        return [target]
+    updater = getattr(target, 'updater', target)
+    optimizers = getattr(updater, 'get_all_optimizers', None)
+    if optimizers is None:
+        return []
+    return [o for _, o in sorted(optimizers().items())
+            if isinstance(o, ShardedStateOptimizer)]
+
+
+def load_shards_of(target, share_file):
+    """After every rank loaded ``target`` (a trainer, updater or optimizer)
+    from a snapshot file of its own: each sharded optimizer in it that
+    cannot resume from the share it loaded (another number of ranks wrote
+    the snapshot) re-shards from every rank's file, ``share_file(r)`` for
+    rank r of the ranks that wrote it (``load_shards``).  Returns the
+    problems, [] if none (the next update raises them on every rank)."""
+    problems = []
+    for optimizer in sharded_optimizers(target):
+        size = optimizer.needs_shards()
+        if size is not None:
+            problem = optimizer.load_shards(
+                [share_file(r) for r in range(size)])
+            if problem is not None:
+                problems.append(problem)
+    return problems
 
 
 def create(actual_optimizer, communicator, zero_fill):

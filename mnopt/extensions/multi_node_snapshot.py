@@ -19,6 +19,14 @@ skipped is named in a warning.  A set loads its writer's file.  The first
 set's file stands in for it only where that file says fewer sets wrote the
 snapshot (resuming on more ranks: with one replica set, on any); a set's
 missing file is otherwise an incomplete snapshot, never loaded.
+
+A sharded optimizer (``shard_state=True``) makes no two ranks replicas:
+with the default replica sets every rank writes its own file (its share of
+the optimizer state; explicit sets that group ranks are an error), and a
+snapshot of another number of ranks is loadable only where every rank's
+file is whole: after the load each rank re-shards, reading the state of
+the parameters it now owns from their previous owners' files
+(``mnopt.zero.load_shards``; docs/zero.md).
 """
 
 import os
@@ -147,6 +155,17 @@ def sets_that_wrote(path):
         return int(f[N_SETS_KEY]) if N_SETS_KEY in f.files else None
 
 
+def _shard_size(path):
+    """The number of ranks a sharded optimizer's snapshot file ``path``
+    (a whole file) was written by, or None where it holds no sharded
+    optimizer (mnopt.zero's ``mnopt_shard/size``)."""
+    with numpy.load(path) as f:
+        for key in f.files:
+            if key == 'mnopt_shard/size' or key.endswith('/mnopt_shard/size'):
+                return int(f[key])
+    return None
+
+
 class _RecordingSets(object):
     """A snapshot writer that adds the number of replica sets to what it
     writes (so that autoload tells a resize from a set's missing file),
@@ -173,6 +192,9 @@ class _MultiNodeSnapshot(extension.Extension):
     def __init__(self, comm, snapshot, replica_sets):
         self.comm = comm
         self.snapshot = snapshot
+        # Given explicitly (not None or []): kept, a sharded optimizer's
+        # ranks grouped in one set are an error (see initialize).
+        self._sets_given = bool(replica_sets)
         sets = parse_replica_sets(
             [] if replica_sets is None else replica_sets, comm.size)
         self.sets = [sorted(s) for s in sets]
@@ -203,6 +225,7 @@ class _MultiNodeSnapshot(extension.Extension):
         self.trigger = snapshot.trigger
         self.priority = snapshot.priority
         self.loaded = None  #: the snapshot autoload loaded, if any
+        self.sharded = False  #: set at initialize: a sharded optimizer
 
     @property
     def is_master(self):
@@ -213,7 +236,40 @@ class _MultiNodeSnapshot(extension.Extension):
     def is_writer(self):
         return self.is_master
 
+    def _target(self, trainer):
+        # Chainer's snapshot keeps what it saves (None: the trainer) in
+        # _target, as every Chainer 7 release does.
+        return getattr(self.snapshot, '_target', None) or trainer
+
+    def _sharded(self, trainer):
+        """Whether the snapshot holds a sharded optimizer (each rank a
+        share of the state: no two ranks are replicas), agreed by every
+        rank; with the default replica sets every rank then writes its
+        own file."""
+        from mnopt import zero
+        sharded = bool(zero.sharded_optimizers(self._target(trainer)))
+        everyone = self.comm.allgather_obj(sharded)
+        if any(s != sharded for s in everyone):
+            raise ValueError('multi_node_snapshot: the optimizer is sharded '
+                             '(shard_state=True) on ranks %s only'
+                             % [r for r, s in enumerate(everyone) if s])
+        if not sharded or all(len(s) == 1 for s in self.sets):
+            return sharded
+        if self._sets_given:
+            raise ValueError(
+                'multi_node_snapshot: replica_sets %r group ranks, but the '
+                'optimizer is sharded (shard_state=True): each rank holds '
+                'its own share of the state, so every rank must write its '
+                'own file (leave replica_sets out, or give every rank a set '
+                'of its own)' % (self.sets,))
+        self.sets = [[r] for r in range(self.comm.size)]
+        self.set_index = self.master = self.comm.rank
+        self.replica_set = {self.comm.rank}
+        self.snapshot.writer.n_sets = self.comm.size
+        return sharded
+
     def initialize(self, trainer):
+        self.sharded = self._sharded(trainer)
         if self.autoload:
             self._autoload(trainer)
         if self.is_master:
@@ -247,9 +303,21 @@ class _MultiNodeSnapshot(extension.Extension):
         return None, '%s is missing' % mine
 
     def _problem(self, outdir, name, names):
-        """None if this rank can load snapshot ``name``, else why not."""
+        """None if this rank can load snapshot ``name``, else why not: a
+        sharded optimizer's snapshot of another number of ranks also needs
+        every rank's file whole (their shares are re-sharded)."""
         path, problem = self._my_file(outdir, name, names)
-        return problem if path is None else npz_problem(path)
+        problem = problem if path is None else npz_problem(path)
+        if problem is not None or not self.sharded:
+            return problem
+        size = _shard_size(path)
+        if size is None or size == self.comm.size:
+            return None
+        for r in range(size):
+            problem = npz_problem(os.path.join(outdir, '%s.%d' % (name, r)))
+            if problem is not None:
+                return problem
+        return None
 
     def _autoload(self, trainer):
         outdir = trainer.out
@@ -261,11 +329,16 @@ class _MultiNodeSnapshot(extension.Extension):
                         for c in candidates}, key=_natural_key)
         if newest is None:
             return
-        # Chainer's snapshot keeps what it saves (None: the trainer) in
-        # _target, as every Chainer 7 release does.
-        target = getattr(self.snapshot, '_target', None) or trainer
+        target = self._target(trainer)
         path, _ = self._my_file(outdir, newest, names)
         chainer.serializers.load_npz(path, target)
+        if self.sharded:
+            # Another number of ranks wrote it: every rank's share is
+            # re-sharded (problems are raised on every rank at the next
+            # update).
+            from mnopt import zero
+            zero.load_shards_of(target, lambda r: os.path.join(
+                outdir, '%s.%d' % (newest, r)))
         self.loaded = newest
 
 
