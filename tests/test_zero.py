@@ -600,11 +600,14 @@ def test_pure_nccl_calls_exist():
 
 
 @needs_chainer
-def test_trainer_resumes_from_per_rank_snapshots_bit_for_bit():
-    """The documented way: multi_node_snapshot with every rank a replica
-    set of its own (each writes FILENAME.RANK with its share) and
-    autoload; the resumed run ends with the uninterrupted run's
-    parameters, bit for bit."""
+@pytest.mark.parametrize('saver', ['default-sets', 'own-sets',
+                                   'checkpointer'])
+def test_trainer_resumes_from_per_rank_snapshots_bit_for_bit(saver):
+    """multi_node_snapshot (with its default replica sets, which become
+    one per rank for a sharded optimizer, or given so) with autoload, or
+    the checkpointer: every rank writes its share, and the resumed run
+    ends with the uninterrupted run's parameters and state, bit for
+    bit."""
     import shutil
     import tempfile
     comm = mnopt.create_communicator('flat')
@@ -624,10 +627,22 @@ def test_trainer_resumes_from_per_rank_snapshots_bit_for_bit():
         tr = chainer.training.Trainer(
             chainer.training.StandardUpdater(it, opt),
             (iterations, 'iteration'), out=out_dir)
-        ext = mnopt.extensions.multi_node_snapshot(
-            comm, E.snapshot(autoload=autoload), list(range(comm.size)))
+        if saver == 'checkpointer':
+            ext = mnopt.extensions.create_multi_node_checkpointer(
+                'zero', comm)
+            if autoload:
+                ext.maybe_load(tr, opt)
+        else:
+            ext = mnopt.extensions.multi_node_snapshot(
+                comm, E.snapshot(autoload=autoload),
+                None if saver == 'default-sets' else list(range(comm.size)))
         tr.extend(ext, trigger=(3, 'iteration'))
         return tr, ext, model
+
+    def state(model):
+        return {(n, k): v.copy() for n, p in sorted(model.namedparams())
+                if p.update_rule.state for k, v in
+                p.update_rule.state.items()}
 
     try:
         first, _, _ = trainer(6, out)
@@ -635,10 +650,15 @@ def test_trainer_resumes_from_per_rank_snapshots_bit_for_bit():
         comm.allgather_obj(None)
         import os
         names = os.listdir(out)
-        assert all('snapshot_iter_6.%d' % r in names
-                   for r in range(comm.size))
+        if saver == 'checkpointer':
+            assert all('cp-zero.6.rank%d.npz' % r in names
+                       for r in range(comm.size))
+        else:
+            assert all('snapshot_iter_6.%d' % r in names
+                       for r in range(comm.size))
         resumed, ext, model = trainer(10, out, autoload=True)
-        ext.initialize(resumed)
+        if saver != 'checkpointer':
+            ext.initialize(resumed)
         assert resumed.updater.iteration == 6
         resumed.run()
         whole, _, reference = trainer(10, out + '/whole')
@@ -646,8 +666,35 @@ def test_trainer_resumes_from_per_rank_snapshots_bit_for_bit():
         for (name, a), (_, b) in zip(sorted(model.namedparams()),
                                      sorted(reference.namedparams())):
             numpy.testing.assert_array_equal(a.array, b.array, name)
+        got, want = state(model), state(reference)
+        assert sorted(got) == sorted(want) and got
+        for key in want:
+            numpy.testing.assert_array_equal(got[key], want[key], key)
     finally:
         comm.allgather_obj(None)
         if comm.rank == 0:
             shutil.rmtree(out, ignore_errors=True)
+        comm.finalize()
+
+
+@needs_chainer
+def test_snapshot_sets_that_group_a_sharded_optimizers_ranks_are_refused():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model = chainer.links.Classifier(_model())
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS['Adam'](), comm, shard_state=True).setup(model)
+        it = chainer.iterators.SerialIterator([(numpy.zeros(6, 'f'), 0)], 1)
+        tr = chainer.training.Trainer(
+            chainer.training.StandardUpdater(it, opt), (1, 'iteration'))
+        ext = mnopt.extensions.multi_node_snapshot(
+            comm, chainer.training.extensions.snapshot(),
+            [list(range(comm.size))])
+        if comm.size == 1:
+            ext.initialize(tr)   # one rank: its own set
+            return
+        with pytest.raises(ValueError, match='group ranks, but the '
+                                             'optimizer is sharded'):
+            ext.initialize(tr)
+    finally:
         comm.finalize()
