@@ -60,6 +60,11 @@ def pytest_configure(config):
         'markers', 'every_stack: a spawned job that runs on every stack, not '
                    'only the first (what NumPy, Chainer or the MPI library '
                    'and its launcher can change; see the Makefile)')
+    config.addinivalue_line(
+        'markers', 'every_mpi: a spawned job that runs on the first stack '
+                   'and on every stack with another MPI library (what the '
+                   'library and its launcher decide: how a job ends, MPMD '
+                   'launches; see the Makefile)')
     if WORLD.rank > 0:
         # Only rank 0 reports progress; failures on any rank still print.
         config.option.verbose = -1

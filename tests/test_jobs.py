@@ -20,7 +20,7 @@ print('rank 0 should never get here')
 '''
 
 
-@pytest.mark.every_stack  # how the MPI library's launcher ends a job
+@pytest.mark.every_mpi  # how the MPI library's launcher ends a job
 @pytest.mark.parametrize('module_runner', [True, False],
                          ids=['python-m-mpi4py', 'plain-python'])
 @pytest.mark.parametrize('name', ['flat', 'hierarchical'])

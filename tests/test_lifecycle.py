@@ -196,7 +196,7 @@ print('rank %d done' % comm.rank)
 '''
 
 
-# Not every_stack: under Open MPI 4.1 the ranks end as they should, but
+# Not every_mpi: under Open MPI 4.1 the ranks end as they should, but
 # about 1 run in 8 its mpiexec then never exits (docs/limits.md).
 @pytest.mark.spawn
 @pytest.mark.parametrize('name', ['flat', 'reduction_server'])

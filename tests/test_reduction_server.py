@@ -97,7 +97,7 @@ def run_job(workers, servers, wire='float32', worker_code=WORKER,
 
 
 @pytest.mark.parametrize('servers', [
-    0, pytest.param(1, marks=pytest.mark.every_stack), 2])  # MPMD launch
+    0, pytest.param(1, marks=pytest.mark.every_mpi), 2])  # MPMD launch
 @pytest.mark.parametrize('workers', [1, 2, 3])
 def test_means_are_exact(workers, servers):
     proc = run_job(workers, servers)

@@ -58,7 +58,7 @@ def reports(proc, rank):
     ('hierarchical', {'MNOPT_RANKS_PER_NODE': '2'}),
     ('reduction_server', {}),   # colocated: every worker also serves
 ], ids=['flat', 'hierarchical', 'reduction_server'])
-@pytest.mark.every_stack  # the launcher ends the job
+@pytest.mark.every_mpi  # the launcher ends the job
 def test_a_stopped_rank_is_named_then_the_job_ends(name, env):
     proc, elapsed = stalled_job(3, name, 'stop', 2, 8, env=env)
     assert proc.returncode != 0
