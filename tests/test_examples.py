@@ -3,6 +3,8 @@
 import os
 import shutil
 
+import numpy
+
 import pytest
 
 from conftest import REPO, run_mpi, snapshot_models_equal
@@ -31,7 +33,8 @@ def train(n, out, cache, *flags, timeout=240):
 # Every flag once, several to a job (each job costs seconds of start-up).
 @pytest.mark.parametrize('flags', [
     ['--communicator', 'flat', '--arch', 'nin'],   # ImageNet's default
-    ['--communicator', 'hierarchical', '--allreduce-grad-dtype', 'float16'],
+    ['--communicator', 'hierarchical', '--allreduce-grad-dtype', 'float16',
+     '--shard-state'],
     ['--communicator', 'naive', '--double-buffering'],
     ['--communicator', 'flat', '--overlap', '--loaderjob', '2'],
     ['--communicator', 'flat', '--mnbn'],   # smallcnn's batch norms
@@ -46,6 +49,8 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
     assert (tmp_path / 'snapshot_iter_4.npz').exists()
     if '--mnbn' in flags:
         assert ', multi-node batch normalization' in proc.stdout
+    assert (', sharded optimizer state' in proc.stdout) == (
+        '--shard-state' in flags)
     # The summary at the end, once.
     name = flags[1]
     wire = flags[3] if '--allreduce-grad-dtype' in flags else 'float32'
@@ -82,6 +87,89 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
                           part / 'snapshot_iter_6.npz')
 
 
+def optimizer_shares(out, iteration):
+    """{rank: {key: array}}: each rank file's share of a sharded optimizer
+    (its ``optimizer/`` entries), and the names of every parameter."""
+    shares, names = {}, None
+    for r in range(4):
+        path = out / ('snapshot_iter_%d.rank%d.npz' % (iteration, r))
+        if not path.exists():
+            continue
+        with numpy.load(str(path)) as f:
+            shares[r] = {k: f[k] for k in f.files
+                         if k.startswith('optimizer/')}
+        names = [str(n) for n in shares[r]['optimizer/mnopt_shard/names']]
+        assert int(shares[r]['optimizer/mnopt_shard/rank']) == r
+    return shares, names
+
+
+def check_one_owner_each(out, iteration, n):
+    """Snapshot ``iteration`` of an ``n``-rank sharded run: every rank
+    file holds its share (MomentumSGD's v of the parameters it owns), and
+    every parameter's state is in exactly one of them."""
+    shares, names = optimizer_shares(out, iteration)
+    assert sorted(shares) == list(range(n))
+    held = [k[len('optimizer/'):-len('/v')] for share in shares.values()
+            for k in share if k.endswith('/v')]
+    assert sorted(held) == sorted(n.lstrip('/') for n in names)
+    assert all(any(k.endswith('/v') for k in share)
+               for share in shares.values())
+    return shares
+
+
+def test_sharded_state_resumes_bit_for_bit_and_re_shards(tmp_path,
+                                                         data_cache):
+    """--shard-state: each rank file holds the rank's share of the
+    optimizer state; resuming from the snapshot at iteration 3 ends with
+    the uninterrupted run's model and shares, bit for bit; resuming it on
+    3 ranks re-shards the state and trains on."""
+    flags = ['--shard-state', '--lr-schedule', 'constant',
+             '--snapshot-interval', '3', '--keep-snapshots', '5']
+    whole, part, resized = (tmp_path / d for d in ('whole', 'part',
+                                                   'resized'))
+    proc = train(2, whole, data_cache, '--iteration', '6', *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = check_one_owner_each(whole, 6, 2)
+    for out in part, resized:    # as if the run had stopped at 3
+        out.mkdir()
+        for name in os.listdir(str(whole)):
+            if name.startswith('snapshot_iter_3.'):
+                shutil.copy(str(whole / name), str(out / name))
+    proc = train(2, part, data_cache, '--iteration', '6', '--resume',
+                 'auto', *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'resumed from %s at iteration 3' % (part / 'snapshot_iter_3.npz') \
+        in proc.stdout, proc.stdout[-3000:]
+    snapshot_models_equal(whole / 'snapshot_iter_6.npz',
+                          part / 'snapshot_iter_6.npz')
+    got, _ = optimizer_shares(part, 6)
+    for r in want:
+        assert sorted(got[r]) == sorted(want[r])
+        for k in want[r]:
+            numpy.testing.assert_array_equal(got[r][k], want[r][k],
+                                             err_msg=k)
+
+    proc = train(3, resized, data_cache, '--iteration', '4', '--resume',
+                 'auto', *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'at iteration 3 (data split anew for 3 ranks) (optimizer state ' \
+        're-sharded from 2 to 3 ranks)' in proc.stdout, proc.stdout[-3000:]
+    check_one_owner_each(resized, 4, 3)
+
+
+@pytest.mark.parametrize('flags', [['--overlap'],
+                                   ['--communicator', 'reduction_server']],
+                         ids=['overlap', 'reduction-server'])
+def test_shard_state_where_it_cannot_is_an_error_on_every_rank(
+        tmp_path, data_cache, flags):
+    proc = train(2, tmp_path, data_cache, '--shard-state', '--iteration',
+                 '1', *flags, timeout=120)
+    assert proc.returncode != 0
+    # Every rank says why, before any training.
+    assert proc.stderr.count('train_imagenet.py: ') == 2, proc.stderr[-3000:]
+    assert 'mnopt ImageNet example' not in proc.stdout
+
+
 def test_resume_on_another_number_of_ranks(tmp_path, data_cache):
     assert train(1, tmp_path, data_cache, '--iteration', '2',
                  '--snapshot-interval', '2').returncode == 0
@@ -90,6 +178,14 @@ def test_resume_on_another_number_of_ranks(tmp_path, data_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'data split anew for 3 ranks' in proc.stdout
     assert (tmp_path / 'snapshot_iter_4.npz').exists()
+    # The unsharded snapshot split into shares (its lazily sized layers
+    # have data only once the model is loaded, after the optimizer).
+    proc = train(2, tmp_path, data_cache, '--iteration', '3', '--resume',
+                 str(tmp_path / 'snapshot_iter_2.npz'), '--shard-state')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'data split anew for 2 ranks' in proc.stdout
+    assert 're-sharded' not in proc.stdout
+    check_one_owner_each(tmp_path, 3, 2)
 
 
 @pytest.mark.parametrize('damage', ['missing', 'corrupt'])

@@ -94,6 +94,11 @@ def parse_args(argv=None):
     p.add_argument('--overlap', action='store_true',
                    help='average gradients during backward, bucket by '
                         'bucket (exact: no staleness)')
+    p.add_argument('--shard-state', action='store_true',
+                   help='shard the optimizer state over the ranks (ZeRO '
+                        'stage 1, docs/zero.md): each rank keeps and '
+                        'updates its share of the parameters; snapshots '
+                        'hold each rank\'s share in its rank file')
     p.add_argument('--mnbn', action='store_true',
                    help='batch normalization over every rank\'s batch '
                         '(MultiNodeBatchNormalization; for the models with '
@@ -309,9 +314,10 @@ class Snapshot(training.Extension):
 
     priority = -101  # after the trainer's snapshot of the same iteration
 
-    def __init__(self, comm, keep):
+    def __init__(self, comm, keep, optimizer=None):
         self.comm = comm
         self.keep = keep
+        self.optimizer = optimizer   #: a sharded one: its share is saved
 
     def serialize(self, serializer):
         # Only written: resume() reads it from the file before loading.
@@ -323,7 +329,7 @@ class Snapshot(training.Extension):
         path = os.path.join(out, 'snapshot_iter_%d.npz' % iteration)
         _atomic_save(rank_file(path, self.comm.rank),
                      _RankState(trainer.updater.get_iterator('main'),
-                                self.comm.size))
+                                self.comm.size, self.optimizer))
         # Rank 0's listing, taken before anyone removes anything, says
         # what to prune; gathering it also waits until every rank's file
         # is complete.
@@ -418,12 +424,18 @@ def _serialize_random_state(serializer, random):
         random.set_state(('MT19937', keys, pos, has_gauss, gauss))
 
 
+#: Where a rank file holds the rank's share of a sharded optimizer's state.
+SHARE_KEY = 'optimizer/'
+
+
 class _RankState(object):
     """What differs between ranks: the iterator and its order's generator,
-    and the global generator the augmentation draws from."""
+    the global generator the augmentation draws from, and with
+    ``optimizer`` (a sharded one) its share of the optimizer state."""
 
-    def __init__(self, iterator, size):
+    def __init__(self, iterator, size, optimizer=None):
         self.iterator, self.size = iterator, size
+        self.optimizer = optimizer
 
     def serialize(self, serializer):
         self.iterator.serialize(serializer['iterator'])
@@ -435,6 +447,8 @@ class _RankState(object):
         if isinstance(order, SeededOrder):
             _serialize_random_state(serializer['order_rng'], order.random)
         serializer('n_ranks', self.size)
+        if self.optimizer is not None:
+            self.optimizer.serialize(serializer[SHARE_KEY.rstrip('/')])
         if isinstance(serializer, chainer.serializer.Deserializer):
             numpy.random.set_state(state.get_state())
 
@@ -459,6 +473,19 @@ def _atomic_save(path, obj):
     os.replace(tmp, path)
 
 
+#: The shared file's key that says its optimizer state is sharded (rank
+#: 0's share; each rank's is in its rank file), and by how many ranks.
+SHARDED_KEY = 'updater/optimizer:main/mnopt_shard/size'
+
+
+def sharded_by(path):
+    """How many ranks a sharded optimizer's state in the snapshot whose
+    shared file is ``path`` was sharded over; None where it is not
+    sharded."""
+    with numpy.load(path) as f:
+        return int(f[SHARDED_KEY]) if SHARDED_KEY in f.files else None
+
+
 def ranks_that_wrote(path):
     """How many ranks wrote the snapshot whose shared file is ``path``: the
     shared file says (a snapshot written before it did: rank 0's file), or
@@ -473,13 +500,18 @@ def ranks_that_wrote(path):
     return None
 
 
-def resume(path, trainer, comm):
+def resume(path, trainer, comm, optimizer):
     """Load a snapshot on every rank; every rank raises the same clear error
     if any of them cannot.  With the number of ranks it was written with,
     each rank also gets its iterator and random state back (a rank's
-    missing file is an error naming it); with another, the data is split
-    anew and the epoch restarts from its beginning."""
+    missing file is an error naming it), and its share of a sharded
+    optimizer's state; with another, the data is split anew, the epoch
+    restarts from its beginning, and a sharded optimizer's state is
+    re-sharded from every rank file (``optimizer.load_shards``).  Returns
+    (whether the number of ranks is the same, the number of ranks the
+    optimizer state was re-sharded from or None)."""
     error = None
+    resharded = None
     try:
         if not os.path.isfile(path):
             raise FileNotFoundError('no snapshot at %r' % path)
@@ -495,16 +527,35 @@ def resume(path, trainer, comm):
                 '%s is missing' % (saved_size, comm.rank, own))
         with numpy.load(path) as f:
             epoch = int(f['updater/iterator:main/epoch'])
+        shards = sharded_by(path)
+        sharded = hasattr(optimizer, 'load_shards')
+        if shards is not None and not sharded:
+            raise ValueError('its optimizer state is sharded over %d ranks '
+                             '(written with --shard-state): resume with '
+                             '--shard-state' % shards)
         chainer.serializers.load_npz(
             path, trainer, ignore_names=(
                 None if same_layout else
                 lambda key: key.startswith('updater/iterator:')))
+        if sharded and shards is None:
+            # An unsharded snapshot, split into shares: Chainer's updater
+            # loads the optimizer before the model, whose lazily sized
+            # layers then had no data to assign owners by; again, now.
+            chainer.serializers.load_npz(path, optimizer,
+                                         path='updater/optimizer:main/')
         if same_layout:
+            # A sharded snapshot's rank files hold the ranks' shares.
             chainer.serializers.load_npz(
                 own, _RankState(trainer.updater.get_iterator('main'),
-                                comm.size))
+                                comm.size, optimizer if shards else None))
         else:
             _start_epoch(trainer.updater.get_iterator('main'), epoch)
+        if shards is not None and (not same_layout or shards != comm.size):
+            problem = optimizer.load_shards(
+                [rank_file(path, r) for r in range(shards)], SHARE_KEY)
+            if problem is not None:
+                raise ValueError(problem)
+            resharded = shards
     except Exception as e:
         error = '%s: %s' % (type(e).__name__, e)
     errors = comm.allgather_obj(error)
@@ -514,7 +565,7 @@ def resume(path, trainer, comm):
             'cannot resume from %r (missing, corrupt or not a snapshot of '
             'this model): %s' % (path, '; '.join('rank %d: %s' % b
                                                  for b in bad)))
-    return same_layout
+    return same_layout, resharded
 
 
 def _resume_problem(path, comm):
@@ -530,6 +581,13 @@ def _resume_problem(path, comm):
             os.path.basename(path))
     if saved_size == comm.size:
         return npz_problem(rank_file(path, comm.rank))
+    if sharded_by(path) is not None:
+        # Re-sharded: the state of this rank's parameters is in their
+        # previous owners' files.
+        for r in range(saved_size):
+            problem = npz_problem(rank_file(path, r))
+            if problem is not None:
+                return problem
     return None
 
 
@@ -590,18 +648,26 @@ def main(argv=None):
     args = parse_args(argv)
     comm = mnopt.create_communicator(
         args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype)
+    # Before anything slow: options the optimizer refuses (--shard-state
+    # with --overlap, or on a communicator without a sharded path) are
+    # the same error on every rank.
+    try:
+        optimizer = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.MomentumSGD(momentum=0.9), comm,
+            double_buffering=args.double_buffering, overlap=args.overlap,
+            shard_state=args.shard_state)
+    except ValueError as e:
+        sys.exit('train_imagenet.py: %s' % e)
     device = choose_device(comm, args.cpu)
     check_writable(args.out, comm)
     numpy.random.seed(args.seed + comm.rank)
     train, val = load_datasets(args, comm)
+    optimizer.lr = args.lr   # its default depends on the data set
     model = models.ARCHS[args.arch](args.n_classes)
     if args.mnbn:
         model = mnopt.links.create_mnbn_model(model, comm)
     if device >= 0:
         model.to_gpu()
-    optimizer = mnopt.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9), comm,
-        double_buffering=args.double_buffering, overlap=args.overlap)
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
 
@@ -644,8 +710,9 @@ def main(argv=None):
     snapshot_trigger = SnapshotTrigger(snapshot_interval, stop)
     trainer.extend(trainer_snapshot(comm), name='snapshot',
                    trigger=snapshot_trigger)
-    trainer.extend(Snapshot(comm, args.keep_snapshots), name=RANK_SNAPSHOT,
-                   trigger=FiredWith(snapshot_trigger))
+    trainer.extend(Snapshot(comm, args.keep_snapshots,
+                            optimizer if args.shard_state else None),
+                   name=RANK_SNAPSHOT, trigger=FiredWith(snapshot_trigger))
     if comm.rank == 0:   # the other ranks stay quiet unless they fail
         trainer.extend(extensions.LogReport(trigger=log_interval))
         trainer.extend(extensions.observe_lr(), trigger=log_interval)
@@ -663,11 +730,12 @@ def main(argv=None):
                 file_name='accuracy.png'))
 
     if comm.rank == 0:
-        print('mnopt ImageNet example: %d ranks, communicator %s, wire %s%s%s, '
-              '%s, %s, batch %d per rank, %d training images'
+        print('mnopt ImageNet example: %d ranks, communicator %s, wire '
+              '%s%s%s%s, %s, %s, batch %d per rank, %d training images'
               % (comm.size, comm.name, comm.allreduce_grad_dtype or 'float32',
                  ', double buffering' if args.double_buffering else
                  ', overlap' if args.overlap else '',
+                 ', sharded optimizer state' if args.shard_state else '',
                  ', multi-node batch normalization' if args.mnbn else '',
                  args.arch, 'GPU' if device >= 0 else 'CPU', args.batchsize,
                  len(train) * comm.size))
@@ -678,12 +746,14 @@ def main(argv=None):
                 'resuming from ' + args.resume) if args.resume else
                 'no complete snapshot yet, starting afresh'))
     if args.resume:
-        same = resume(args.resume, trainer, comm)
+        same, resharded = resume(args.resume, trainer, comm, optimizer)
         check_identical_parameters(model, comm)
         if comm.rank == 0:
-            print('resumed from %s at iteration %d%s' % (
+            print('resumed from %s at iteration %d%s%s' % (
                 args.resume, updater.iteration,
-                '' if same else ' (data split anew for %d ranks)' % comm.size))
+                '' if same else ' (data split anew for %d ranks)' % comm.size,
+                '' if resharded is None else ' (optimizer state re-sharded '
+                'from %d to %d ranks)' % (resharded, comm.size)))
     start = time.perf_counter()
     trainer.run()
     summary(trainer, comm, args, throughput, comm.averaging_seconds,
