@@ -7,7 +7,10 @@ starting where chunk c-1 ends) and each chunk into segments.  Step s
 (s = 0 .. N-2, reduce-scatter) sends chunk r-s-1 and receives chunk r-s-2,
 which it sums into its own; after N-1 steps rank r holds chunk r summed
 over every rank.  Steps N-1 .. 2N-3 (all-gather) pass the summed chunks on
-round the ring, each rank copying what it receives.
+round the ring, each rank copying what it receives.  The buffer may be
+one array or a list of arrays one after another (``*_parts``: a segment
+never spans two arrays), which the sharded optimizer uses to reduce its
+gradients and gather its parameters where they are.
 
 Pipelining: every (step, segment) is its own message, and a segment moves
 on to the next step as soon as it has arrived and been summed, while later
@@ -92,6 +95,38 @@ def allgather_into(comm, array, counts, check=True):
     return array
 
 
+def reduce_scatter_sum_parts(comm, parts, wire, counts, check=True):
+    """``reduce_scatter_sum`` of the concatenation of ``parts``, without
+    concatenating them: the sums land where the elements are.
+
+    ``parts``: contiguous 1-D numpy arrays of ``wire``'s storage dtype
+    (sizes may differ between parts; zero allowed) that make one buffer one
+    after another, the same total on every rank; ``counts`` cuts that
+    buffer into one chunk per rank (a chunk may span parts, a part
+    chunks).  On return the elements of this rank's chunk hold their sum
+    over every rank, in the order (and so with the bits)
+    ``reduce_scatter_sum`` of the concatenation gives; the other elements
+    hold partial sums."""
+    counts = _parts_counts(comm, parts, wire, counts, check)
+    live = [p for p in parts if p.size]
+    if comm.size > 1 and live:
+        _ring(comm, live, wire, counts, 0, comm.size - 1)
+
+
+def allgather_parts(comm, parts, counts, check=True):
+    """``allgather_into`` of the concatenation of ``parts``, in place.
+
+    ``parts``: contiguous 1-D numpy arrays of any dtypes (they travel as
+    raw bytes); ``counts``: the *bytes* of each rank's chunk of their
+    concatenation (a chunk may span parts).  On entry each rank holds its
+    own chunk, on return every rank's."""
+    counts = _parts_counts(comm, parts, None, counts, check)
+    live = [p.view(numpy.uint8) for p in parts if p.size]
+    n = comm.size
+    if n > 1 and live:
+        _ring(comm, live, None, counts, n - 1, 2 * (n - 1))
+
+
 def allreduce_sum(comm, array, wire, check=True):
     """Sum ``array`` (as for ``reduce_scatter_sum``) in place across
     ``comm``: every rank ends with the same bits."""
@@ -149,6 +184,14 @@ def _counts(comm, array, wire, counts, check):
         problem = 'unknown wire %r; one of %s' % (wire, ', '.join(_WIRES))
     elif not _fits(array, wire):
         problem = _describe(array, wire)
+    return _check_counts(comm, getattr(array, 'size', -1), wire, counts,
+                         problem, check, 'array holds')
+
+
+def _check_counts(comm, size, wire, counts, problem, check, holds):
+    """``counts`` checked against a buffer of ``size`` elements (after
+    ``problem``, this rank's earlier finding), on every rank when
+    ``check``."""
     try:
         counts = [int(c) for c in counts]
     except (TypeError, ValueError):
@@ -159,14 +202,38 @@ def _counts(comm, array, wire, counts, check):
         if len(counts) != comm.size or min(counts) < 0:
             problem = ('counts must give one size >= 0 per rank (%d), '
                        'not %r' % (comm.size, counts))
-        elif sum(counts) != array.size:
-            problem = ('counts add up to %d but the array holds %d '
-                       'elements' % (sum(counts), array.size))
+        elif sum(counts) != size:
+            problem = ('counts add up to %d but the %s %d %s'
+                       % (sum(counts), holds, size,
+                          'bytes' if holds == 'parts hold' and wire is None
+                          else 'elements'))
     if check:
-        _agree(comm, getattr(array, 'size', -1), wire, counts, problem)
+        _agree(comm, size, wire, counts, problem)
     elif problem is not None:
         raise ValueError(problem)
     return counts
+
+
+def _parts_counts(comm, parts, wire, counts, check):
+    """``counts`` as a list of ints, after the checks of ``parts``
+    (``wire`` None: any dtype, sizes in bytes)."""
+    problem = None
+    try:
+        parts = list(parts)
+    except TypeError:
+        problem, parts = 'parts must be a list of arrays, not %r' % (
+            type(parts).__name__,), []
+    if problem is None and wire is not None and wire not in _WIRES:
+        problem = 'unknown wire %r; one of %s' % (wire, ', '.join(_WIRES))
+    bad = [p for p in parts if not _fits(p, wire)]
+    if problem is None and bad:
+        problem = 'part %d: %s' % (
+            next(i for i, p in enumerate(parts) if not _fits(p, wire)),
+            _describe(bad[0], wire))
+    total = sum(p.nbytes if wire is None else p.size for p in parts
+                if isinstance(p, numpy.ndarray))
+    return _check_counts(comm, total, wire, counts, problem, check,
+                         'parts hold')
 
 
 #: Bytes of each rank's problem in ``_agree``'s exchange.

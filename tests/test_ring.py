@@ -204,6 +204,88 @@ def test_parts_in_one_ring_are_each_summed_as_alone(wire, segments):
         assert summed.tobytes() == want.tobytes()
 
 
+def _cut(array, cuts):
+    """``array`` as parts cut at ``cuts`` (fractions of its size; empty
+    parts where two cuts meet)."""
+    at = [0] + [int(array.size * f) for f in cuts] + [array.size]
+    return [array[a:b] for a, b in zip(at, at[1:])]
+
+
+# Parts that split chunks, chunks that span parts, empty parts, one part.
+CUTS = {'one': [], 'many': [0.0, 0.1, 0.1, 0.33, 0.5, 0.51, 0.9, 1.0],
+        'small first': [0.001, 0.002]}
+
+
+@pytest.mark.parametrize('wire', WIRES)
+@pytest.mark.parametrize('layout', ['uneven', 'zeros', 'all on the last'])
+@pytest.mark.parametrize('cuts', sorted(CUTS))
+def test_reduce_scatter_of_parts_is_that_of_their_concatenation(
+        wire, layout, cuts, segments):
+    # The sharded optimizer sums the gradients where they are: each
+    # element of this rank's chunk gets the bits of the packed
+    # reduce-scatter, wherever the parts are cut.
+    counts = COUNT_SETS[layout](N)
+    mine = to_wire(rank_values(sum(counts), WORLD.rank, seed=5), wire)
+    whole = mine.copy()
+    own = ring.reduce_scatter_sum(WORLD, whole, wire, counts)
+    a = mine.copy()
+    parts = _cut(a, CUTS[cuts])
+    assert ring.reduce_scatter_sum_parts(WORLD, parts, wire, counts) is None
+    start = sum(counts[:WORLD.rank])
+    assert a[start:start + own.size].tobytes() == own.tobytes()
+    assert all(numpy.shares_memory(p, a) for p in parts if p.size)
+
+
+@pytest.mark.parametrize('layout', ['uneven', 'zeros', 'all on the last'])
+@pytest.mark.parametrize('cuts', sorted(CUTS))
+def test_allgather_of_parts_fills_every_chunk_where_it_is(layout, cuts,
+                                                          segments):
+    # Parts of different dtypes (parameters of mixed precision): bytes.
+    counts = COUNT_SETS[layout](N)
+    full = (numpy.arange(sum(counts)) % 251).astype(numpy.uint8)
+    a = numpy.zeros_like(full)
+    start = sum(counts[:WORLD.rank])
+    a[start:start + counts[WORLD.rank]] = \
+        full[start:start + counts[WORLD.rank]]
+    parts = _cut(a, CUTS[cuts])
+    # Reinterpret the parts whose byte size allows it as wider dtypes.
+    typed = [p.view(numpy.float32) if p.size % 4 == 0 and p.size
+             and p.ctypes.data % 4 == 0 else p for p in parts]
+    ring.allgather_parts(WORLD, typed, counts)
+    assert a.tobytes() == full.tobytes()
+
+
+def test_parts_of_mismatched_sizes_are_an_error_on_every_rank():
+    if N == 1:
+        pytest.skip('needs two ranks')
+    # The same number of parts, one a different size on the last rank.
+    sizes = [5, 7, 9 + (WORLD.rank == N - 1)]
+    parts = [numpy.ones(s, numpy.float32) for s in sizes]
+    counts = even_counts(21, N)
+    with pytest.raises(ValueError, match='add up to 21 but the parts hold '
+                       '22' if WORLD.rank == N - 1 else
+                       'bad arguments on rank %d: counts add up' % (N - 1)):
+        ring.reduce_scatter_sum_parts(WORLD, parts, 'float32', counts)
+    # Counts that match each rank's own parts, but not the others'.
+    counts = even_counts(sum(sizes), N)
+    with pytest.raises(ValueError, match='disagree on the buffer'):
+        ring.reduce_scatter_sum_parts(WORLD, parts, 'float32', counts)
+    with pytest.raises(ValueError, match='disagree on the buffer'):
+        ring.allgather_parts(WORLD, parts, [4 * c for c in counts])
+    # A part of another dtype than the wire: named, on every rank.
+    bad = [numpy.ones(5, numpy.float32), numpy.ones(
+        5, numpy.float64 if WORLD.rank == 0 else numpy.float32)]
+    with pytest.raises(ValueError, match='part 1: .*float64' if
+                       WORLD.rank == 0 else 'bad arguments on rank 0'):
+        ring.reduce_scatter_sum_parts(WORLD, bad, 'float32', even_counts(10))
+    # Still in step afterwards.
+    d = [numpy.ones(3, numpy.float32), numpy.ones(4, numpy.float32)]
+    ring.reduce_scatter_sum_parts(WORLD, d, 'float32', even_counts(7))
+    start = sum(even_counts(7)[:WORLD.rank])
+    assert (numpy.concatenate(d)[start:start + even_counts(7)[WORLD.rank]]
+            == N).all()
+
+
 # ------------------------------------------------------------------ errors
 
 def test_mismatched_sizes_are_an_error_on_every_rank():
