@@ -85,11 +85,14 @@ def test_reduce_scatter_mean_exact(comm_name, wire):
         comm.reduce_scatter_mean(named, per)
         first = sum(per[:rank])
         mine = range(first, first + per[rank])
+        # float32 gradients on a float32 wire are summed where they are
+        # on flat and hierarchical: the other shares hold partial sums.
+        in_place = comm.shard_parts and wire is None
         for i, (g, want, was) in enumerate(zip(grads, _exact_mean(size),
                                                before)):
             if i in mine or size == 1:
                 numpy.testing.assert_array_equal(g, want, err_msg=str(i))
-            else:   # another rank's share: left alone
+            elif not in_place:   # another rank's share: left alone
                 numpy.testing.assert_array_equal(g, was, err_msg=str(i))
     finally:
         comm.finalize()
@@ -170,6 +173,36 @@ def test_allgather_params_gives_every_rank_the_owners_bytes(comm_name):
         for i, a in enumerate(arrays):
             numpy.testing.assert_array_equal(a, value(i, owner[i]))
             assert a.dtype == dtypes[i]
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('wire', [None, 'float16'])
+def test_what_the_sharded_collectives_keep_besides_the_arrays(comm_name,
+                                                              wire):
+    """flat and hierarchical reduce float32 gradients on their own wire
+    and gather the parameters where they are: no scratch.  A cast (16-bit
+    wire) packs the gradients only; naive's MPI calls take one buffer, of
+    the larger of the packed gradients and the parameters' bytes."""
+    comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire)
+    try:
+        grads = _exact_grads(comm.size, comm.rank)
+        per = _per_rank(len(grads), comm.size)
+        comm.reduce_scatter_mean([('g%d' % i, g) for i, g in
+                                  enumerate(grads)], per)
+        params = [numpy.ones(s, numpy.float64) for s in SHAPES]
+        comm.allgather_params([('p%d' % i, p) for i, p in
+                               enumerate(params)], per)
+        packed = sum(g.size for g in grads) * (2 if wire else 4)
+        param_bytes = sum(p.nbytes for p in params)
+        if comm.size == 1:
+            want = 0   # nothing moves
+        elif comm.name in ('flat', 'hierarchical'):
+            assert comm.shard_parts
+            want = packed if wire else 0
+        else:
+            want = max(packed, param_bytes)
+        assert comm.shard_buffer_nbytes() == want
     finally:
         comm.finalize()
 

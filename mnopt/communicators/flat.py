@@ -1,4 +1,5 @@
 from mnopt import _mpi
+from mnopt import ring
 from mnopt.communicators.base import CommunicatorBase
 
 
@@ -16,3 +17,16 @@ class FlatCommunicator(CommunicatorBase):
         _mpi.allreduce_sum_parts(group.comm, list(buffer.host_parts()),
                                  buffer.layout.wire, self.allreduce_algorithm)
         buffer.from_host()
+
+    # The sharded optimizer's transports (mnopt/communicators/sharded.py):
+    # the ring's reduce-scatter and all-gather over the arrays themselves.
+    # The layout was checked on every rank already: no second check.
+    shard_parts = True
+
+    def _shard_reduce_scatter(self, group, shards, parts):
+        ring.reduce_scatter_sum_parts(group.comm, parts, shards.layout.wire,
+                                      shards.counts, check=False)
+
+    def _shard_allgather(self, group, shards, parts):
+        ring.allgather_parts(group.comm, parts, shards.byte_counts,
+                             check=False)

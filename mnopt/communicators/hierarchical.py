@@ -1,5 +1,9 @@
+from mpi4py import MPI
+
 from mnopt import _mpi
+from mnopt import ring
 from mnopt.communicators.base import CommunicatorBase, _Group, node_split
+from mnopt.communicators.sharded import _views
 
 
 class HierarchicalCommunicator(CommunicatorBase):
@@ -34,3 +38,109 @@ class HierarchicalCommunicator(CommunicatorBase):
         for part in parts:
             _mpi.bcast_bytes(group.intra, part, root=0)
         buffer.from_host()
+
+    # The sharded optimizer's transports (mnopt/communicators/sharded.py),
+    # over any list of parts: the arrays themselves (numpy) or the packed
+    # copy.  Only one copy of the gradients per node crosses the links
+    # between nodes, as for the allreduce.
+    shard_parts = True
+
+    def _shard_reduce_scatter(self, group, shards, parts):
+        """Reduce inside the node to its leader; the leaders
+        reduce-scatter the nodes' ranges on the ring; each leader sends
+        each rank of its node that rank's range."""
+        wire = shards.layout.wire
+        node, bounds = _nodes(group)
+        for part in parts:
+            for piece in _pieces(part, self.bucket_bytes):
+                _mpi.reduce_sum(group.intra, piece, wire, root=0)
+        mpi_type, _ = _mpi.wire_sum(wire)
+        if group.intra.rank == 0:
+            node_counts = [sum(shards.counts[bounds[k]:bounds[k + 1]])
+                           for k in range(len(bounds) - 1)]
+            ring.reduce_scatter_sum_parts(group.inter, parts, wire,
+                                          node_counts, check=False)
+        _scatter_in_node(group, bounds[node], bounds[node + 1], parts,
+                         shards.starts, shards.counts, mpi_type)
+
+    def _shard_allgather(self, group, shards, parts):
+        """Each node's shares to its leader, the nodes' ranges among the
+        leaders on the ring, then a broadcast inside the node."""
+        node, bounds = _nodes(group)
+        _gather_in_node(group, bounds[node], bounds[node + 1], parts,
+                        shards.byte_starts, shards.byte_counts)
+        if group.intra.rank == 0:
+            node_counts = [sum(shards.byte_counts[bounds[k]:bounds[k + 1]])
+                           for k in range(len(bounds) - 1)]
+            ring.allgather_parts(group.inter, parts, node_counts,
+                                 check=False)
+        for part in parts:
+            for piece in _pieces(part, self.bucket_bytes):
+                _mpi.bcast_bytes(group.intra, piece, root=0)
+
+
+#: Tag of the sharded transports' messages inside a node.
+_SHARD_TAG = 0x5A9
+
+
+def _nodes(group):
+    """(this node's index, the first rank of every node and one past the
+    last): the ranks of a node must be consecutive, which every rank
+    checks alike (so a bad placement is the same error everywhere)."""
+    known = getattr(group, 'shard_nodes', None)
+    if known is not None:
+        return known
+    node = group.intra.bcast(group.inter.rank if group.intra.rank == 0
+                             else None, root=0)
+    nodes = group.comm.allgather(node)
+    bounds = [0] + [r for r in range(1, len(nodes))
+                    if nodes[r] != nodes[r - 1]] + [len(nodes)]
+    if sorted(set(nodes)) != list(range(len(bounds) - 1)) or any(
+            nodes[r] < nodes[r - 1] for r in range(1, len(nodes))):
+        raise ValueError(
+            'hierarchical sharded collectives need the ranks of each node '
+            'to be consecutive (ranks by node: %s); launch with block '
+            'placement, or use the flat communicator' % nodes)
+    group.shard_nodes = (node, bounds)
+    return group.shard_nodes
+
+
+def _pieces(array, nbytes):
+    """``array`` cut into pieces of about ``nbytes``: MPI's shared-memory
+    Reduce and Bcast are faster on bucket-sized pieces than on one large
+    buffer (as the unsharded averaging's buckets)."""
+    step = max(1, nbytes // array.itemsize)
+    return [array[s:s + step] for s in range(0, array.size, step)]
+
+
+def _scatter_in_node(group, first, stop, parts, starts, counts, mpi_type):
+    """The leader (global rank ``first``) sends every other rank r of the
+    node its range [starts[r], starts[r] + counts[r]) of ``parts``' buffer,
+    which r receives where it is."""
+    rank, intra = group.comm.rank, group.intra
+    if intra.rank == 0:
+        requests = [intra.Isend([view, mpi_type], r - first, _SHARD_TAG)
+                    for r in range(first + 1, stop)
+                    for view in _views(parts, starts[r],
+                                       starts[r] + counts[r])]
+    else:
+        requests = [intra.Irecv([view, mpi_type], 0, _SHARD_TAG)
+                    for view in _views(parts, starts[rank],
+                                       starts[rank] + counts[rank])]
+    _mpi.wait_all(requests)
+
+
+def _gather_in_node(group, first, stop, parts, starts, counts):
+    """Every rank of the node sends the leader its byte range of
+    ``parts``' buffer, which the leader receives where it is."""
+    rank, intra = group.comm.rank, group.intra
+    if intra.rank == 0:
+        requests = [intra.Irecv([view, MPI.BYTE], r - first, _SHARD_TAG)
+                    for r in range(first + 1, stop)
+                    for view in _views(parts, starts[r],
+                                       starts[r] + counts[r])]
+    else:
+        requests = [intra.Isend([view, MPI.BYTE], 0, _SHARD_TAG)
+                    for view in _views(parts, starts[rank],
+                                       starts[rank] + counts[rank])]
+    _mpi.wait_all(requests)

@@ -1,3 +1,7 @@
+import numpy
+from mpi4py import MPI
+
+from mnopt import _mpi
 from mnopt.communicators.flat import FlatCommunicator
 
 
@@ -9,3 +13,21 @@ class NaiveCommunicator(FlatCommunicator):
 
     def _buffer_options(self):
         return {'per_array': True}  # and every array goes through packing
+
+    # The sharded optimizer's transports: MPI's own Reduce_scatter and
+    # Allgatherv, which take one contiguous buffer (the packed copy).
+    shard_parts = False
+
+    def _shard_reduce_scatter(self, group, shards, parts):
+        (host,) = parts
+        lo, n = shards.starts[self.rank], shards.counts[self.rank]
+        mine = numpy.empty(n, host.dtype)
+        mpi_type, op = _mpi.wire_sum(shards.layout.wire)
+        group.comm.Reduce_scatter([host, mpi_type], [mine, mpi_type],
+                                  shards.counts, op=op)
+        host[lo:lo + n] = mine
+
+    def _shard_allgather(self, group, shards, parts):
+        (flat,) = parts
+        group.comm.Allgatherv(MPI.IN_PLACE, [flat, (
+            shards.byte_counts, shards.byte_starts), MPI.BYTE])

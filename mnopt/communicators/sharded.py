@@ -7,22 +7,32 @@ docs/zero.md says what they cost.
 Both take ``named`` arrays *laid out by owner* and ``arrays_per_rank``:
 rank 0 owns the first ``arrays_per_rank[0]`` arrays, rank 1 the next
 ``arrays_per_rank[1]``, and so on (whole arrays: an update rule works on
-whole parameters).  Packed in that order the shares are contiguous ranges
-of one flat buffer, so each operation is one collective over it:
+whole parameters).  In that order the shares are contiguous ranges of
+one buffer (the arrays one after another), so each operation is one
+collective over it:
 
-- gradients: packed into the wire dtype, each divided by the number of
-  ranks on the way (divide before summing, as ``mean_grads`` does), one
-  reduce-scatter with per-rank counts, then only this rank's range is cast
-  back into its own arrays;
-- parameters: this rank's arrays copied as raw bytes into its range of a
-  flat byte buffer, one all-gather, every other rank's range copied back
-  into the arrays (bits as the owner has them: replicas stay identical).
+- gradients: each divided by the number of ranks (divide before summing,
+  as ``mean_grads`` does), one reduce-scatter with per-rank counts, after
+  which this rank's arrays hold their mean.  Where the transport takes a
+  list of arrays (``shard_parts``: flat, hierarchical) and the gradients
+  are numpy arrays of the wire's dtype (float32 or float64, no cast), they
+  are divided and summed where they are, the arrays themselves the parts
+  of the buffer: no copy, no scratch; the other ranks' arrays are left
+  holding partial sums.  Otherwise (a 16-bit or wider wire, GPU arrays,
+  naive) they are packed into the wire dtype in a host scratch, and only
+  this rank's range is cast back into its own arrays;
+- parameters: one all-gather of the arrays' raw bytes, every rank's range
+  filled with its owner's bytes (replicas stay identical): on numpy arrays
+  where they are (``shard_parts``), else through a flat byte buffer.
 
-The transport is the communicator's: ``flat`` runs mnopt's pipelined ring
-(mnopt/ring.py), ``hierarchical`` reduces inside each node, runs the ring
-among the node leaders over the nodes' ranges and scatters inside the node
-(gathers, ring, broadcast for the parameters), ``naive`` (the reference)
-MPI's Reduce_scatter and Allgatherv, ``pure_nccl`` NCCL's reduceScatter and
+The transport is the communicator's, two methods it overrides
+(``_shard_reduce_scatter``, ``_shard_allgather``): ``flat`` runs mnopt's
+pipelined ring (mnopt/ring.py's ``*_parts``), ``hierarchical`` reduces
+inside each node, runs the ring among the node leaders over the nodes'
+ranges and sends each rank of the node its range (gathers, ring,
+broadcast for the parameters), ``naive`` (the reference) MPI's
+Reduce_scatter and Allgatherv on one packed buffer.  ``pure_nccl``
+overrides the device-side methods instead: NCCL's reduceScatter and
 allGather (mnopt/communicators/pure_nccl.py).  GPU arrays are staged
 through pinned host memory except on ``pure_nccl``.
 
@@ -40,14 +50,24 @@ from mpi4py import MPI
 
 from mnopt import _mpi
 from mnopt import grad_buffer
-from mnopt import ring
 from mnopt.arrays import array_module
 from mnopt.stall import watched
 
-#: Communicators whose shards move over host memory with these transports.
-#: ``pure_nccl`` overrides the device-side methods; ``reduction_server``
-#: has no sharded path (see ``sharding_problem``).
-_HOST_TRANSPORTS = ('flat', 'naive', 'hierarchical')
+#: Wires on which numpy gradients of that dtype are summed where they are.
+_IN_PLACE_WIRES = ('float32', 'float64')
+
+
+def _views(parts, lo, hi):
+    """Views of ``parts`` covering range [lo, hi) of their concatenation
+    (empty views left out)."""
+    out, start = [], 0
+    for part in parts:
+        stop = start + part.size
+        a, b = max(lo, start), min(hi, stop)
+        if a < b:
+            out.append(part[a - start:b - start])
+        start = stop
+    return out
 
 
 class ShardLayout(object):
@@ -55,8 +75,12 @@ class ShardLayout(object):
     share lies in the packed gradient buffer (elements of the wire) and in
     the flat parameter buffer (bytes)."""
 
-    def __init__(self, layout, arrays_per_rank, itemsizes):
+    def __init__(self, layout, arrays_per_rank, itemsizes, in_place=False):
         self.layout = layout
+        #: Whether the collectives work on the arrays where they are (a
+        #: list of parts) rather than on a packed copy: every rank must
+        #: agree, the messages are cut differently.
+        self.in_place = bool(in_place)
         self.arrays_per_rank = list(arrays_per_rank)
         n = len(self.arrays_per_rank)
         #: Array indices of rank r's share: first[r] .. first[r + 1] - 1.
@@ -77,8 +101,8 @@ class ShardLayout(object):
                             for r in range(n)]
         self.byte_counts = [self.byte_offsets[self.first[r + 1]]
                             - self.byte_starts[r] for r in range(n)]
-        h = hashlib.blake2b(repr((layout.key, self.arrays_per_rank))
-                            .encode(), digest_size=8)
+        h = hashlib.blake2b(repr((layout.key, self.arrays_per_rank,
+                                  self.in_place)).encode(), digest_size=8)
         #: What every rank must agree on, as a 63-bit number.
         self.digest = int.from_bytes(h.digest(), 'little') >> 1
         self.grad_buffer = None   # GradBuffer, made at first use
@@ -93,6 +117,10 @@ class ShardLayout(object):
         """A sentence naming how two ranks' layouts differ."""
         if self.layout.key != other.layout.key:
             return self.layout.first_difference(other.layout)
+        if self.in_place != other.in_place:
+            return ('the arrays are reduced in place on one rank and '
+                    'packed on the other (numpy arrays on one, GPU arrays '
+                    'on the other?)')
         return 'arrays per rank %s vs %s' % (self.arrays_per_rank,
                                              other.arrays_per_rank)
 
@@ -182,7 +210,20 @@ class _EveryRanksCounts(object):
 class ShardedCollectives(object):
     """Needs what CommunicatorBase has: ``rank``, ``size``, ``name``,
     ``compression``, ``allreduce_grad_dtype``, ``_sync_group``,
-    ``_pack_divisor``, ``_averaging_timed`` and the stall monitor."""
+    ``_pack_divisor``, ``_averaging_timed`` and the stall monitor.
+
+    A communicator gives itself a sharded path by overriding the two
+    transports, ``_shard_reduce_scatter`` and ``_shard_allgather`` (host
+    memory: flat, hierarchical, naive), or the whole device-side methods
+    ``_reduce_scatter_mean`` and ``_allgather_params`` (pure_nccl); the
+    layout, the checks, the packing, the overflow flags and the staging of
+    GPU arrays are here.  ``shard_parts``: whether its transports take a
+    list of arrays (then numpy arrays are reduced and gathered where they
+    are, with no scratch) or one contiguous buffer only."""
+
+    #: Whether ``_shard_reduce_scatter``/``_shard_allgather`` take any
+    #: list of parts; False: one contiguous buffer (the packed copy).
+    shard_parts = False
 
     def sharding_problem(self):
         """Why this communicator cannot run a sharded optimizer (a
@@ -192,16 +233,38 @@ class ShardedCollectives(object):
                     'and every rank decodes the whole vote; a sharded '
                     'optimizer needs each rank to receive the mean of its '
                     'share only (see docs/limits.md)')
-        if self.name not in _HOST_TRANSPORTS + ('pure_nccl',):
+        cls = type(self)
+        if cls._shard_reduce_scatter is \
+                ShardedCollectives._shard_reduce_scatter and \
+                cls._reduce_scatter_mean is \
+                ShardedCollectives._reduce_scatter_mean:
             return ('the %r communicator has no sharded path: its servers '
                     'already hold the shards of the sum, and the updated '
                     'parameters would have to come back from them (see '
                     'docs/limits.md)' % (self.name,))
         return None
 
+    # ------------------------------------------------------------ transports
+    def _shard_reduce_scatter(self, group, shards, parts):
+        """Sum over the ranks the wire buffer that ``parts`` (contiguous
+        1-D numpy arrays of the wire's storage dtype) make one after
+        another, so that this rank's range of it (``shards.starts[rank]``,
+        ``shards.counts[rank]`` elements) holds its sum; the rest may be
+        left anything.  ``parts`` is one array (the packed buffer) unless
+        ``shard_parts``.  Every rank passes parts of the same sizes."""
+        raise NotImplementedError('%s has no sharded path' % self.name)
+
+    def _shard_allgather(self, group, shards, parts):
+        """Fill the byte buffer that ``parts`` (contiguous 1-D uint8
+        arrays) make one after another with every rank's range of it
+        (``shards.byte_starts``/``byte_counts``); on entry this rank's
+        range holds its share."""
+        raise NotImplementedError('%s has no sharded path' % self.name)
+
     def shard_buffer_nbytes(self):
         """Bytes of the buffers the sharded collectives keep on the
-        synchronous path: the host scratch, and the packed gradients where
+        synchronous path: the host scratch (none where the arrays are
+        reduced and gathered in place), and the packed gradients where
         they do not live in it (GPU, pure_nccl's device buffers)."""
         group = self._sync_group
         total = getattr(getattr(group, 'shard_scratch', None), 'nbytes', 0)
@@ -215,12 +278,12 @@ class ShardedCollectives(object):
 
     # ------------------------------------------------------------ scratch
     def _shard_scratch(self, group, nbytes, xp):
-        """``nbytes`` of the group's host byte buffer.  The two operations
-        run one after the other on the group, so they share it: the packed
-        gradients (numpy gradients are packed straight into it; GPU ones
-        are staged through it), then the parameters' bytes.  One buffer of
-        the larger size instead of two (pinned where a GPU copies to or
-        from it)."""
+        """``nbytes`` of the group's host byte buffer, for what is not
+        done in place.  The two operations run one after the other on the
+        group, so they share it: the packed gradients (numpy gradients are
+        packed straight into it; GPU ones are staged through it), then the
+        parameters' bytes.  One buffer of the larger size instead of two
+        (pinned where a GPU copies to or from it)."""
         scratch = getattr(group, 'shard_scratch', None)
         if scratch is None or scratch.size < nbytes or (
                 xp is not numpy and not grad_buffer.is_pinned_host(scratch)):
@@ -231,6 +294,19 @@ class ShardedCollectives(object):
         return scratch[:nbytes]
 
     # ------------------------------------------------------------ layout
+    def _in_place(self, layout, xp):
+        """Whether arrays of ``layout`` are reduced (gradients) or
+        gathered (parameters, wire 'bytes') where they are: numpy arrays
+        on a transport that takes parts, gradients only where their dtype
+        is a float32/float64 wire (no cast, no overflow to count)."""
+        if not self.shard_parts or xp is not numpy:
+            return False
+        if layout.wire == 'bytes':
+            return True
+        return layout.wire in _IN_PLACE_WIRES and all(
+            numpy.dtype(d) == numpy.dtype(layout.wire)
+            for d in layout.dtypes)
+
     def _shards(self, group, named, arrays_per_rank, wire):
         """The ShardLayout of ``named`` (kept on the group while the set
         and counts stay the same), after every rank agreed on it."""
@@ -240,11 +316,12 @@ class ShardedCollectives(object):
             kept = getattr(group, 'shard_layouts', None)
             if kept is None:
                 kept = group.shard_layouts = {}
+            xp = array_module([a for _, a in named])
             key = (tuple(n for n, _ in named),
                    tuple(a.shape for _, a in named),
                    tuple(a.dtype.name for _, a in named),
                    wire, tuple(int(k) for k in arrays_per_rank),
-                   array_module([a for _, a in named]).__name__)
+                   xp.__name__)
             shards = kept.get(key)
             if shards is None:
                 try:
@@ -262,7 +339,8 @@ class ShardedCollectives(object):
                         kept.clear()
                     shards = kept[key] = ShardLayout(
                         layout, arrays_per_rank,
-                        [a.dtype.itemsize for _, a in named])
+                        [a.dtype.itemsize for _, a in named],
+                        self._in_place(layout, xp))
         _agree(group.comm, shards, problem)
         return shards
 
@@ -277,12 +355,14 @@ class ShardedCollectives(object):
     def reduce_scatter_mean(self, named_grads, arrays_per_rank):
         """Give this rank the mean over all ranks of its share of
         ``named_grads`` (``[(name, array), ...]`` laid out by owner: see
-        the module), in place: its arrays hold their mean on return, the
-        other arrays are left as they were.
+        the module), in place: its arrays hold their mean on return.  The
+        other arrays may be left holding partial sums (where they are
+        summed in place): they are not this rank's to read.
 
         The gradients travel in ``allreduce_grad_dtype`` (None: their
-        own), each divided by the number of ranks as it is packed, and
-        are summed in one reduce-scatter of the packed buffer."""
+        own), each divided by the number of ranks first, and are summed in
+        one reduce-scatter: where they are (numpy gradients whose dtype is
+        the wire, on flat and hierarchical), else of a packed copy."""
         named = list(named_grads)
         xp, problem = self._array_module_or_problem(named)
         if problem is not None:
@@ -296,8 +376,12 @@ class ShardedCollectives(object):
             step, self.steps = self.steps, self.steps + 1
             counted = shards.layout.wire in ('float16', 'bfloat16') and \
                 self._overflow.on_overflow != 'ignore'
-            nonfinite = self._reduce_scatter_mean(
-                group, shards, [a for _, a in named], xp, counted)
+            arrays = [a for _, a in named]
+            if shards.in_place:
+                self._reduce_scatter_in_place(group, shards, arrays)
+                return
+            nonfinite = self._reduce_scatter_mean(group, shards, arrays, xp,
+                                                  counted)
             if counted:
                 self._check_shard_overflow(group, shards, nonfinite, step)
 
@@ -318,12 +402,32 @@ class ShardedCollectives(object):
         self._overflow.check(_EveryRanksCounts(shards.layout, flags[:n],
                                                flags[n:]), group.comm, step)
 
+    def _reduce_scatter_in_place(self, group, shards, arrays):
+        """numpy gradients in the wire's dtype: each divided by the
+        number of ranks where it is (the packing's division: the same
+        bits), then one reduce-scatter over the arrays as parts.  A
+        non-contiguous gradient is summed in a contiguous stand-in, copied
+        back where it is this rank's."""
+        divisor = self._pack_divisor()
+        parts, stand_in = [], {}
+        for i, a in enumerate(arrays):
+            if a.flags.c_contiguous:
+                flat = a.reshape(-1)
+            else:
+                flat = stand_in[i] = numpy.ascontiguousarray(a).reshape(-1)
+            numpy.divide(flat, divisor, out=flat)
+            parts.append(flat)
+        self._shard_reduce_scatter(group, shards, parts)
+        for i in shards.own(self.rank):
+            if i in stand_in:
+                arrays[i][...] = stand_in[i].reshape(arrays[i].shape)
+
     def _reduce_scatter_mean(self, group, shards, arrays, xp, counted):
-        """Pack, reduce-scatter through host memory, unpack this rank's
-        share; return (non-finite gradient values per array, non-finite
-        means per array of this rank's share, 0 elsewhere) when
-        ``counted`` (16-bit wires), else None.  ``pure_nccl`` overrides
-        it."""
+        """Pack into the host scratch (a cast, or a transport that takes
+        one buffer), reduce-scatter it, unpack this rank's share; return
+        (non-finite gradient values per array, non-finite means per array
+        of this rank's share, 0 elsewhere) when ``counted`` (16-bit
+        wires), else None.  ``pure_nccl`` overrides it."""
         buffer = shards.grad_buffer
         if buffer is None:
             # One contiguous packed buffer: no bucket cuts, nothing reduced
@@ -340,9 +444,10 @@ class ShardedCollectives(object):
         else:
             buffer.pack(arrays, self._pack_divisor())
             buffer.wire.get(out=host)
-        mine = self._reduce_scatter_host(group, shards, host)
+        self._shard_reduce_scatter(group, shards, [host])
         rank = self.rank
         lo = shards.starts[rank]
+        mine = host[lo:lo + shards.counts[rank]]
         if xp is numpy:
             own = list(shards.own(rank))
             # unpack_range decodes through reshape(-1) views: a
@@ -373,24 +478,6 @@ class ShardedCollectives(object):
         return buffer.nonfinite_in, _spread(
             shards, own, shards.own_codec.take_counts()[1])
 
-    def _reduce_scatter_host(self, group, shards, host):
-        """Sum the host wire buffer ``host`` over the ranks, share by
-        share; return this rank's share (a numpy array) of the sum."""
-        wire = shards.layout.wire
-        if self.name == 'naive':
-            # The reference: MPI's own Reduce_scatter.
-            mine = numpy.empty(shards.counts[self.rank], host.dtype)
-            mpi_type, op = _mpi.wire_sum(wire)
-            group.comm.Reduce_scatter([host, mpi_type], [mine, mpi_type],
-                                      shards.counts, op=op)
-            return mine
-        if self.name == 'hierarchical':
-            return _hierarchical_reduce_scatter(group, shards, host, wire,
-                                                self.bucket_bytes)
-        # Checked by _agree already: no second exchange.
-        return ring.reduce_scatter_sum(group.comm, host, wire,
-                                       shards.counts, check=False)
-
     # ------------------------------------------------------------ parameters
     @watched('allgather_params')
     def allgather_params(self, named_params, arrays_per_rank):
@@ -407,7 +494,25 @@ class ShardedCollectives(object):
             shards = self._shards(group, named, arrays_per_rank, 'bytes')
             if self.size == 1:
                 return
-            self._allgather_params(group, shards, [a for _, a in named], xp)
+            arrays = [a for _, a in named]
+            if shards.in_place:
+                self._allgather_in_place(group, shards, arrays)
+            else:
+                self._allgather_params(group, shards, arrays, xp)
+
+    def _allgather_in_place(self, group, shards, arrays):
+        """numpy parameters, each array's bytes a part (a non-contiguous
+        one through a contiguous stand-in)."""
+        parts, stand_in = [], {}
+        for i, a in enumerate(arrays):
+            if not a.flags.c_contiguous:
+                a = stand_in[i] = numpy.ascontiguousarray(a)
+            parts.append(a.reshape(-1).view(numpy.uint8))
+        self._shard_allgather(group, shards, parts)
+        own = set(shards.own(self.rank))
+        for i, a in stand_in.items():
+            if i not in own:
+                arrays[i][...] = a
 
     def _allgather_params(self, group, shards, arrays, xp):
         """Through a host byte buffer.  ``pure_nccl`` overrides it."""
@@ -421,7 +526,7 @@ class ShardedCollectives(object):
             else:
                 a.reshape(-1).view(numpy.uint8).get(
                     out=flat[offs[i]:offs[i + 1]])
-        self._allgather_host(group, shards, flat)
+        self._shard_allgather(group, shards, [flat])
         for r in range(self.size):
             if r == rank:
                 continue
@@ -433,97 +538,3 @@ class ShardedCollectives(object):
                     a.reshape(-1).view(numpy.uint8)[...] = piece
                 else:
                     a[...] = piece.view(a.dtype).reshape(a.shape)
-
-    def _allgather_host(self, group, shards, flat):
-        """Fill the host byte buffer ``flat`` with every rank's share."""
-        counts = shards.byte_counts
-        if self.name == 'naive':
-            group.comm.Allgatherv(MPI.IN_PLACE, [flat, (
-                counts, shards.byte_starts), MPI.BYTE])
-        elif self.name == 'hierarchical':
-            _hierarchical_allgather(group, shards, flat, self.bucket_bytes)
-        else:
-            ring.allgather_into(group.comm, flat, counts, check=False)
-
-
-# ------------------------------------------------------------ hierarchical
-
-def _nodes(group):
-    """(this node's index, the first rank of every node and one past the
-    last): the ranks of a node must be consecutive, which every rank
-    checks alike (so a bad placement is the same error everywhere)."""
-    known = getattr(group, 'shard_nodes', None)
-    if known is not None:
-        return known
-    node = group.intra.bcast(group.inter.rank if group.intra.rank == 0
-                             else None, root=0)
-    nodes = group.comm.allgather(node)
-    bounds = [0] + [r for r in range(1, len(nodes))
-                    if nodes[r] != nodes[r - 1]] + [len(nodes)]
-    if sorted(set(nodes)) != list(range(len(bounds) - 1)) or any(
-            nodes[r] < nodes[r - 1] for r in range(1, len(nodes))):
-        raise ValueError(
-            'hierarchical sharded collectives need the ranks of each node '
-            'to be consecutive (ranks by node: %s); launch with block '
-            'placement, or use the flat communicator' % nodes)
-    group.shard_nodes = (node, bounds)
-    return group.shard_nodes
-
-
-def _pieces(array, nbytes):
-    """``array`` cut into pieces of about ``nbytes``: MPI's shared-memory
-    Reduce and Bcast are faster on bucket-sized pieces than on one large
-    buffer (as the unsharded averaging's buckets)."""
-    step = max(1, nbytes // array.itemsize)
-    return [array[s:s + step] for s in range(0, array.size, step)]
-
-
-def _hierarchical_reduce_scatter(group, shards, host, wire, bucket_bytes):
-    """Reduce inside the node to its leader; the leaders reduce-scatter
-    the nodes' ranges on the ring (only one copy per node crosses the
-    links between nodes); each leader scatters its node's range to the
-    node's ranks."""
-    node, bounds = _nodes(group)
-    ranks = range(bounds[node], bounds[node + 1])
-    for piece in _pieces(host, bucket_bytes):
-        _mpi.reduce_sum(group.intra, piece, wire, root=0)
-    mpi_type, _ = _mpi.wire_sum(wire)
-    node_counts = [sum(shards.counts[bounds[k]:bounds[k + 1]])
-                   for k in range(len(bounds) - 1)]
-    rank = group.comm.rank
-    mine = numpy.empty(shards.counts[rank], host.dtype)
-    if group.intra.rank == 0:
-        chunk = ring.reduce_scatter_sum(group.inter, host, wire, node_counts,
-                                        check=False)
-        start = shards.starts[bounds[node]]
-        counts = [shards.counts[r] for r in ranks]
-        displs = [shards.starts[r] - start for r in ranks]
-        group.intra.Scatterv([chunk, (counts, displs), mpi_type],
-                             [mine, mpi_type], root=0)
-    else:
-        group.intra.Scatterv(None, [mine, mpi_type], root=0)
-    return mine
-
-
-def _hierarchical_allgather(group, shards, flat, bucket_bytes):
-    """Gather each node's shares at its leader, all-gather the nodes'
-    ranges among the leaders on the ring, broadcast inside the node."""
-    node, bounds = _nodes(group)
-    ranks = range(bounds[node], bounds[node + 1])
-    rank = group.comm.rank
-    lo = shards.byte_starts[rank]
-    mine = flat[lo:lo + shards.byte_counts[rank]]
-    start = shards.byte_starts[bounds[node]]
-    if group.intra.rank == 0:
-        counts = [shards.byte_counts[r] for r in ranks]
-        displs = [shards.byte_starts[r] - start for r in ranks]
-        node_range = flat[start:start + sum(counts)]
-        group.intra.Gatherv(MPI.IN_PLACE, [node_range, (counts, displs),
-                                           MPI.BYTE], root=0)
-        node_counts = [sum(shards.byte_counts[bounds[k]:bounds[k + 1]])
-                       for k in range(len(bounds) - 1)]
-        ring.allgather_into(group.inter, flat, node_counts, check=False)
-    else:
-        group.intra.Gatherv([mine, MPI.BYTE], None, root=0)
-    for piece in _pieces(flat, bucket_bytes):
-        _mpi.bcast_bytes(group.intra, piece, root=0)
