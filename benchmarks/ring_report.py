@@ -1,12 +1,66 @@
 """docs/results/netsim/ring.md from the ring_*.json that
-benchmarks/ring_bench.py wrote (one file per node count and rate).
+benchmarks/ring_bench.py wrote (one file per node count and rate), and
+the mnopt vs gloo table from benchmarks/gloo_bench.py's JSON (those that
+say "bench": "gloo"), alone or beside the ring's.
 
     python benchmarks/ring_report.py docs/results/netsim/ring_*.json \\
         > docs/results/netsim/ring.md
+    python benchmarks/ring_report.py docs/results/netsim/gloo_{4,8,16}.json \\
+        > docs/results/netsim/gloo.md
 """
 
 import json
 import sys
+
+
+def gloo_report(runs):
+    """gloo_bench.py's runs: every case with its own bound (float16: half
+    the float32 one) and its time over gloo's DDP buckets'."""
+    print('# mnopt vs PyTorch\'s gloo (simulated cluster)\n')
+    print('One rank per node, every link shaped to the rate in each '
+          'direction (`python -m mnopt.netsim`); ResNet-50\'s gradients '
+          '(all 162: 102.2 MB of float32) averaged in place, each case in '
+          'the same processes, round-robin within each repetition.  Times: '
+          'the slowest rank, min / median / max over the repetitions.  '
+          'Bound: 2(N-1)/N * wire bytes / rate (float16: half the float32 '
+          'bound).  x gloo DDP: the median over gloo\'s with DDP\'s '
+          'buckets (1 MiB first, then 25 MiB, all in flight).  CPU idle: the '
+          'share of the machine\'s cores idle while the case ran (median).  '
+          'Error: the largest difference from the float64 mean over the '
+          'largest mean.\n')
+    print('| nodes | rate Mbit/s | MB | case | min s | median s | max s | '
+          'bound s | x bound | x gloo DDP | CPU idle % | max rel. error | '
+          'file |')
+    print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+    for run in runs:
+        for c in run['cases']:
+            t = c['time_s']
+            print('| %d | %g | %.1f | %s | %.3f | %.3f | %.3f | %.3f | %.2f '
+                  '| %s | %.0f | %s | %s |' % (
+                      run['n_ranks'], run['rate_mbit'], run['bytes'] / 1e6,
+                      c['case'], t['min'], t['median'], t['max'],
+                      c['bound_s'], c['x_bound'],
+                      '%.2f' % c['x_gloo_ddp'] if c.get('x_gloo_ddp')
+                      else '', 100 * c['cpu_idle']['median'],
+                      '%.1e' % c['max_rel_err']
+                      if c.get('max_rel_err') is not None else '',
+                      run['path'].split('/')[-1]))
+    versions = sorted({'torch %s, numpy %s' % (r.get('torch', '-'),
+                                               r.get('numpy', '-'))
+                       for r in runs})
+    print('\n%s.' % '; '.join(versions))
+    notes = sorted({r['gloo_note'] for r in runs if r.get('gloo_note')})
+    for note in notes:
+        print('\n%s.' % note)
+    print('\nCommands: each JSON records its argv; the runs were\n')
+    print('```sh')
+    for run in runs:
+        print('.venv/gloo/bin/python -m mnopt.netsim run --nodes %d --rate '
+              '%gmbit -- .venv/gloo/bin/python -m mpi4py %s'
+              % (run['n_ranks'], run['rate_mbit'], ' '.join(
+                  a if not a.endswith('gloo_bench.py')
+                  else 'benchmarks/gloo_bench.py' for a in run['argv'])))
+    print('```')
 
 
 def main(paths):
@@ -17,6 +71,13 @@ def main(paths):
         run['path'] = path
         runs.append(run)
     runs.sort(key=lambda r: (r['rate_mbit'], r['n_ranks'], r['path']))
+    gloo = [r for r in runs if r.get('bench') == 'gloo']
+    runs = [r for r in runs if r.get('bench') != 'gloo']
+    if gloo:
+        gloo_report(gloo)
+        if not runs:
+            return
+        print()
     # Runs on one machine without netsim (mpiexec alone, shared memory)
     # pass a huge rate: their bound is 0 and means nothing.
     shm = [r for r in runs if r['rate_mbit'] >= 1e6]
