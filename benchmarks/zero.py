@@ -12,17 +12,36 @@ broadcast, then the one that allocates the state); a round's
 figure is its median update.  The gradients are fixed (set before each
 update, no backward), so the modes average, update and gather the same
 bytes.  Rank 0 prints min/median/max over the rounds.
+
+``--memory`` measures memory instead of time, one mode after the other in
+the same run, each with a communicator of its own (freed before the next
+mode starts):
+
+    MNOPT_ALLREDUCE=ring mpiexec -n 2 python -m mpi4py benchmarks/zero.py \
+        --model resnet50 --memory --json out.json
+
+per rank: the optimizer state's bytes; the NumPy bytes the mode holds
+between updates (tracemalloc: parameters, the gradients left, state,
+communicator buffers); the peak during one update (a fresh gradient per
+parameter, as a backward allocates, then the update), both counted from
+before the model was made; and the bytes this rank sent on mnopt's ring
+in that update (``ring.bytes_sent``: with MNOPT_ALLREDUCE=ring the
+unsharded ``flat`` averaging runs on the ring too; MPI's own collectives
+are not counted).
 """
 
 import argparse
+import gc
 import json
 import statistics
 import time
+import tracemalloc
 
 import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
-from mnopt.benchmark import spread
+from mnopt import ring
+from mnopt.benchmark import resnet50_grad_shapes, spread
 import chainer  # NOQA
 import chainer.links as L  # NOQA
 
@@ -32,10 +51,91 @@ OPTIMIZERS = {'Adam': lambda: chainer.optimizers.Adam(alpha=1e-4),
               'SGD': lambda: chainer.optimizers.SGD(lr=1e-4)}
 
 
-def make_model(width, layers):
+def make_model(width, layers, model='mlp'):
     numpy.random.seed(0)
+    if model == 'resnet50':
+        # ResNet-50's parameters (mnopt.benchmark.resnet50_grad_shapes:
+        # Chainer's ImageNet example's), without its forward: the update
+        # sees arrays, not layers.
+        link = chainer.Link()
+        with link.init_scope():
+            for i, shape in enumerate(resnet50_grad_shapes()):
+                setattr(link, 'p%03d' % i, chainer.Parameter(
+                    (numpy.random.standard_normal(shape) * 0.01)
+                    .astype(numpy.float32)))
+        return link
     return chainer.Sequential(*[L.Linear(width, width)
                                 for _ in range(layers)])
+
+
+def describe_model(model):
+    params = list(model.params())
+    return '%d parameters, %d bytes' % (
+        len(params), sum(p.array.nbytes for p in params))
+
+
+def measure_memory(args):
+    """Memory and wire bytes per rank, each mode in turn (see the module)."""
+    world = mnopt.create_communicator(args.communicator)
+    first = make_model(args.width, args.layers, args.model)
+    rng = numpy.random.RandomState(world.rank)
+    grads = {n: rng.standard_normal(p.shape).astype(p.dtype)
+             for n, p in first.namedparams()}
+    param_bytes = sum(p.array.nbytes for p in first.params())
+    model_text = describe_model(first)
+    del first
+    tracemalloc.start()
+    result = {'ranks': world.size, 'communicator': args.communicator,
+              'optimizer': args.optimizer, 'model': args.model,
+              'model_params': model_text, 'parameter_bytes': param_bytes,
+              'allreduce': mnopt._mpi.allreduce_algorithm()}
+    modes = args.modes.split(',')
+    for mode in modes:
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        comm = mnopt.create_communicator(args.communicator)
+        model = make_model(args.width, args.layers, args.model)
+        opt = mnopt.create_multi_node_optimizer(
+            OPTIMIZERS[args.optimizer](), comm,
+            shard_state=(mode == 'sharded')).setup(model)
+
+        def step():
+            for name, param in model.namedparams():
+                param.grad = None   # a backward allocates anew
+                param.grad = grads[name].copy()
+            opt.update()
+
+        for _ in range(3):   # broadcast, first update (state), one more
+            step()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.reset_peak()
+        sent = ring.bytes_sent
+        step()
+        sent = ring.bytes_sent - sent
+        peak = tracemalloc.get_traced_memory()[1] - base
+        figures = {
+            'state_bytes': state_nbytes(model),
+            'held_bytes': held,
+            'step_peak_bytes': peak,
+            'ring_bytes_sent': sent,
+            'scratch_bytes': comm.shard_buffer_nbytes(),
+        }
+        result[mode] = {k: world.allgather_obj(v)
+                        for k, v in figures.items()}
+        state = result[mode]['state_bytes']
+        result[mode]['state_max_over_mean'] = (
+            max(state) * len(state) / sum(state) if sum(state) else 1.0)
+        del model, opt, step
+        comm.finalize()
+        del comm
+    tracemalloc.stop()
+    if world.rank == 0:
+        print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(result, f, indent=1)
+    world.finalize()
 
 
 def state_nbytes(model):
@@ -53,11 +153,21 @@ def main():
     parser.add_argument('--optimizer', default='Adam',
                         choices=sorted(OPTIMIZERS))
     parser.add_argument('--json', help='also write the result here')
+    parser.add_argument('--model', default='mlp',
+                        choices=['mlp', 'resnet50'],
+                        help='mlp: --layers x Linear(--width, --width); '
+                        "resnet50: ResNet-50's 162 parameter arrays")
+    parser.add_argument('--memory', action='store_true',
+                        help='measure memory and wire bytes, not time')
+    parser.add_argument('--modes', default=','.join(MODES),
+                        help='with --memory: which modes, in this order')
     args = parser.parse_args()
+    if args.memory:
+        return measure_memory(args)
     comm = mnopt.create_communicator(args.communicator)
     models, opts, grads = {}, {}, {}
     for mode in MODES:
-        model = make_model(args.width, args.layers)
+        model = make_model(args.width, args.layers, args.model)
         opt = mnopt.create_multi_node_optimizer(
             OPTIMIZERS[args.optimizer](), comm,
             shard_state=(mode == 'sharded')).setup(model)
@@ -102,8 +212,10 @@ def main():
     result = {
         'ranks': comm.size, 'communicator': args.communicator,
         'optimizer': args.optimizer,
-        'model': '%d x Linear(%d, %d), %d parameter bytes' % (
-            args.layers, args.width, args.width, params),
+        'model': ('%d x Linear(%d, %d), %d parameter bytes' % (
+            args.layers, args.width, args.width, params)
+            if args.model == 'mlp' else 'resnet50: ' + describe_model(
+                models['sharded'])),
         'state_bytes_per_rank': state,
         # What the sharded collectives keep besides (the unsharded flat
         # averaging packs only arrays under 64 KiB or needing a cast).

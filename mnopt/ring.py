@@ -60,6 +60,10 @@ TAG = 0x5A8
 
 _WIRES = ('float32', 'float64', 'float16', 'bfloat16')
 
+#: Bytes this process has sent on rings so far (benchmarks read it:
+#: benchmarks/zero.py counts what each rank puts on the wire per update).
+bytes_sent = 0
+
 
 def reduce_scatter_sum(comm, array, wire, counts, check=True):
     """Sum ``array`` across ``comm`` chunk by chunk; return this rank's.
@@ -334,6 +338,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False):
     None: raw bytes (copy steps only).  ``chunk_each_part``: chunk c is
     the c-th piece of every part (``_chunk_each_part``), not of their
     concatenation."""
+    global bytes_sent
     n, rank = comm.size, comm.rank
     right, left = (rank + 1) % n, (rank - 1) % n
     mpi_type = MPI.BYTE if wire is None else _mpi._MPI_TYPES[wire]
@@ -361,6 +366,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False):
             back = s + 1 - n
             recv_dep.append(send_at[back] + k if back >= first else -1)
     n_sends, n_recvs = len(sends), len(recvs)
+    bytes_sent += sum(v.nbytes for v in sends)
     send_req = [None] * n_sends
     recv_req = [None] * n_recvs
     # Sums arrive in scratch buffers (at most WINDOW are posted ahead).
