@@ -91,6 +91,24 @@ def test_pack_then_unpack_yields_scaled_gradients(wire, grad_dtype, opts):
         assert o.dtype == a.dtype
 
 
+def test_a_buffer_lets_go_of_gradients_reduced_in_place():
+    # Kept until the next pack, they held a model's gradients alive
+    # between updates.
+    import gc
+    import weakref
+    grad = numpy.ones(64, numpy.float32)
+    buf = gb.GradBuffer(gb.make_layout([('w', grad)], 'float32'),
+                        in_place_min_bytes=16)
+    buf.pack([grad], 2)
+    list(buf.host_parts())
+    buf.unpack([grad])
+    assert (grad == 0.5).all()
+    held = weakref.ref(grad)
+    del grad
+    gc.collect()
+    assert held() is None
+
+
 @pytest.mark.parametrize('wire', gb.WIRE_DTYPES)
 def test_packing_by_ranges_equals_packing_at_once(wire):
     rng = numpy.random.RandomState(0)
