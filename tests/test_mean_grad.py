@@ -161,3 +161,31 @@ def test_16_bit_ring_is_exact_and_the_same_on_every_rank(wire, n):
     everyone = WORLD.allgather(a.view(numpy.uint16).tobytes())
     assert all(b == everyone[0] for b in everyone)
 
+
+
+@pytest.mark.parametrize('wire', [None, 'float16'])
+def test_naive_sums_each_array_on_its_own(monkeypatch, wire):
+    # The reference: one collective per array, as ChainerMN's naive does
+    # (flat puts every array in one ring or bucketed Allreduce).
+    from mnopt import _mpi
+    sums = []
+    real = _mpi.allreduce_sum_parts
+
+    def recording(comm, parts, *args):
+        sums.append([p.size for p in parts])
+        return real(comm, parts, *args)
+
+    monkeypatch.setattr(_mpi, 'allreduce_sum_parts', recording)
+    monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', '1')
+    comm = mnopt.create_communicator('naive', allreduce_grad_dtype=wire)
+    try:
+        shapes = PARAM_SETS['odd-sized']
+        grads = [('g%d' % i, g) for i, g in enumerate(
+            rank_grads(shapes, numpy.float32, comm.rank))]
+        comm.mean_grads(grads)
+        sizes = [int(numpy.prod(s)) for s in shapes]
+        assert sums == [[n] for n in sizes if n]
+        for (_, got), want in zip(grads, expected_mean(shapes, comm.size)):
+            numpy.testing.assert_allclose(got, want, rtol=1e-3)
+    finally:
+        comm.finalize()

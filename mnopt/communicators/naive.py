@@ -6,13 +6,23 @@ from mnopt.communicators.flat import FlatCommunicator
 
 
 class NaiveCommunicator(FlatCommunicator):
-    """One MPI Allreduce per gradient array: the simple reference the other
+    """One allreduce per gradient array: the simple reference the other
     communicators are checked against."""
 
     name = 'naive'
 
     def _buffer_options(self):
         return {'per_array': True}  # and every array goes through packing
+
+    def _sum(self, buffer, group):
+        # One collective per array (flat's would put them all in one
+        # ring): MPI's Allreduce, or the ring for that array alone where
+        # _mpi.uses_ring picks it (large float arrays across nodes, the
+        # 16-bit wires).
+        for part in buffer.host_parts():
+            _mpi.allreduce_sum_parts(group.comm, [part], buffer.layout.wire,
+                                     self.allreduce_algorithm)
+        buffer.from_host()
 
     # The sharded optimizer's transports: MPI's own Reduce_scatter and
     # Allgatherv, which take one contiguous buffer (the packed copy).
