@@ -18,6 +18,7 @@ over the repetitions, from rank 0.
 
 import json
 import re
+import statistics
 import sys
 import time
 
@@ -27,6 +28,11 @@ from mpi4py import MPI
 import mnopt.benchmark as bench
 
 IDLE = {}   # case label -> idle shares of its repetitions (last run_cases)
+
+
+def spread(values):
+    return {'min': min(values), 'median': statistics.median(values),
+            'max': max(values)}
 
 
 def cpu_times():
@@ -80,9 +86,9 @@ def main(argv):
     if 'rows' in result:
         for row in result['rows']:
             if row['case'] in IDLE:
-                row['cpu_idle'] = bench.spread(IDLE[row['case']])
+                row['cpu_idle'] = spread(IDLE[row['case']])
     else:  # --double-buffering: per kind ('comm', 'plain', ...)
-        result['cpu_idle'] = {k: bench.spread(v) for k, v in IDLE.items()
+        result['cpu_idle'] = {k: spread(v) for k, v in IDLE.items()
                               if k in ('comm', 'plain', 'double_buffering',
                                        'plain_fp32', 'db_fp16')}
     with open(path, 'w') as f:

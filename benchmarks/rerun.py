@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,8 @@ PY = sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), 'mpiexec')
 RESNET50_BYTES = 25557096 * 4
 GBIT = 1e9 / 8   # bytes/s
+MAX_OUTSIDE = 0.10   # a run with more CPU used by others is contended
+CODE = REPO      # --code: the mnopt tree the commands run (an old one)
 
 
 def netsim(nodes, rate, servers=0, ranks_per_node=1):
@@ -114,6 +117,11 @@ figure('rs_1gbit', 'benchmarks.md, choosing.md, limits.md: reduction '
         'float32 share of link rate': 0.90,
         'ring / reduction_server float16': 2.41},
        **_rs('1gbit', 6))
+figure('rs_1gbit_slice0', 'the same with the kernel\'s default scheduler '
+       'slice (MNOPT_THREAD_SLICE_US=0), as when the 0.909 s was measured',
+       {'reduction_server float32 s': 0.909,
+        'ring / reduction_server float32': 1.42},
+       env={'MNOPT_THREAD_SLICE_US': '0'}, **_rs('1gbit', 6))
 figure('rs_250mbit', 'the same at 250 Mbit/s, where the links set the pace '
        '(theory: 1.5x the ring)', {'ring / reduction_server float32': 1.5},
        **_rs('250mbit', 3))
@@ -127,21 +135,31 @@ def _x_limit(r, case):
     return med(r, case) / min(med(r, c) for c in _LIMITS)
 
 
-figure('shm_n2', 'benchmarks.md: shared memory, N=2, ResNet-50 gradients',
-       {'flat float32 x limit': 1.41, 'ChainerMN naive / flat float32': 1.27,
-        'ChainerMN naive x limit': 1.78},
-       cmd=lambda out: shm(2) + IDLE_BENCH + [
-           '--keep', 'MiB chunks|chainermn|flat float32', '--communicators',
-           'flat', '--dtypes', 'float32', '--compare-checks', '--reps', '15',
-           '--json', out],
-       idle=lambda r: idle_of(r, 'mnopt flat float32'),
-       values=lambda r: {
-           'flat float32 x limit': _x_limit(r, 'mnopt flat float32'),
-           'flat float32, checks off x limit': _x_limit(
-               r, 'mnopt flat float32, checks off'),
-           'ChainerMN naive / flat float32': med(r, 'chainermn naive')
-           / med(r, 'mnopt flat float32'),
-           'ChainerMN naive x limit': _x_limit(r, 'chainermn naive')})
+def _shm(bucket_bytes=None):
+    return dict(
+        cmd=lambda out: shm(2) + IDLE_BENCH + [
+            '--keep', 'MiB chunks|chainermn|flat float32', '--communicators',
+            'flat', '--dtypes', 'float32', '--compare-checks', '--reps', '15',
+            '--json', out] + (['--bucket-bytes', str(bucket_bytes)]
+                              if bucket_bytes else []),
+        idle=lambda r: idle_of(r, 'mnopt flat float32'),
+        values=lambda r: {
+            'flat float32 x limit': _x_limit(r, 'mnopt flat float32'),
+            'flat float32, checks off x limit': _x_limit(
+                r, 'mnopt flat float32, checks off'),
+            'ChainerMN naive / flat float32': med(r, 'chainermn naive')
+            / med(r, 'mnopt flat float32'),
+            'ChainerMN naive x limit': _x_limit(r, 'chainermn naive')})
+
+
+SHM_PUBLISHED = {'flat float32 x limit': 1.41,
+                 'ChainerMN naive / flat float32': 1.27,
+                 'ChainerMN naive x limit': 1.78}
+figure('shm_n2', 'benchmarks.md: shared memory, N=2, ResNet-50 gradients '
+       '(default 1 MiB buckets)', SHM_PUBLISHED, **_shm())
+figure('shm_n2_4mib', 'the same with 4 MiB buckets, the default when the '
+       'published table was made (a20aa3c; 1 MiB since aaa8b0f)',
+       SHM_PUBLISHED, **_shm(4 << 20))
 
 figure('double_buffering', 'benchmarks.md, double_buffering.md, '
        'overlap.md: double buffering, N=2 shared memory, compute a sleep',
@@ -253,41 +271,110 @@ def idle_now(seconds=1.0):
     return (i1 - i0) / max(1, t1 - t0)
 
 
-def run_one(name, k, out_dir, timeout):
+def wait_for_quiet(min_idle, max_wait):
+    """Wait (up to ``max_wait`` s) until the machine is ``min_idle`` idle
+    over 2 s: others' test suites steal the cores these figures need."""
+    deadline = time.time() + max_wait
+    while True:
+        idle = idle_now(2.0)
+        if idle >= min_idle or time.time() > deadline:
+            return idle
+        print('  waiting for a quiet machine (CPU idle %.0f%%)' % (
+            100 * idle), flush=True)
+        time.sleep(10)
+
+
+def others_netsim():
+    """Pids of ``mnopt.netsim`` runs not started by this script: a second
+    cluster would tear the first one down (netsim.up starts with down)."""
+    pids = []
+    for pid in os.listdir('/proc'):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open('/proc/%s/cmdline' % pid, 'rb') as f:
+                argv = f.read().split(b'\0')
+            with open('/proc/%s/stat' % pid) as f:
+                ppid = int(f.read().rsplit(')', 1)[1].split()[1])
+        except OSError:
+            continue
+        if b'mnopt.netsim' in argv and ppid != os.getpid():
+            pids.append(int(pid))
+    return pids
+
+
+def wait_for_netsim(max_wait=900):
+    deadline = time.time() + max_wait
+    while others_netsim() and time.time() < deadline:
+        print('  waiting: another mnopt.netsim run is going (pids %s)'
+              % others_netsim(), flush=True)
+        time.sleep(15)
+
+
+def _run(cmd, timeout, env):
+    """Run ``cmd``; on any exception (SIGTERM, ^C, timeout) ask it to end
+    (netsim tears its cluster down on SIGTERM) before going."""
+    proc = subprocess.Popen(cmd, cwd=CODE, env=dict(os.environ,
+                                                    PYTHONPATH=CODE, **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
+def run_one(name, k, out_dir, timeout, quiet=(0.0, 0), max_outside=1.0,
+            tries=1):
+    """One run of a figure; redone (up to ``tries`` in all) while others
+    used more than ``max_outside`` of the CPU during it."""
     fig = FIGURES[name]
     path = os.path.join(out_dir, '%s_%d.json' % (name, k))
     cmd = fig['cmd'](path)
-    before = idle_now()
-    hz = os.sysconf('SC_CLK_TCK')
-    i0, b0, t0 = cpu_jiffies()
-    c0 = children_cpu_s()
-    start = time.time()
-    print('$ ' + ' '.join(os.path.relpath(a, REPO) if a.startswith(REPO)
-                          else a for a in cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=REPO),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    wall = time.time() - start
-    i1, b1, t1 = cpu_jiffies()
-    ours = (children_cpu_s() - c0) * hz
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:])
-        raise RuntimeError('%s run %d failed (%d)' % (name, k,
-                                                      proc.returncode))
-    with open(path) as f:
-        result = json.load(f)
-    meta = {'idle_before': before, 'wall_s': wall,
-            'idle_run': (i1 - i0) / max(1, t1 - t0),
-            'outside': max(0.0, (b1 - b0) - ours) / max(1, t1 - t0),
-            'date': datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec='seconds')}
-    result['rerun'] = meta
-    with open(path, 'w') as f:
-        json.dump(result, f, indent=1)
-    print('  %s run %d: %.0f s, CPU idle %.0f%% (before: %.0f%%), outside '
-          '%.0f%%' % (name, k, wall, 100 * meta['idle_run'], 100 * before,
-                      100 * meta['outside']), flush=True)
+    print('$ ' + ''.join('%s=%s ' % kv for kv in fig.get('env', {}).items())
+          + ' '.join(os.path.relpath(a, REPO) if a.startswith(REPO)
+                     else a for a in cmd), flush=True)
+    for attempt in range(1, tries + 1):
+        if 'mnopt.netsim' in cmd:
+            wait_for_netsim()
+        before = wait_for_quiet(*quiet) if quiet[1] else idle_now()
+        hz = os.sysconf('SC_CLK_TCK')
+        i0, b0, t0 = cpu_jiffies()
+        c0 = children_cpu_s()
+        start = time.time()
+        rc, out = _run(cmd, timeout, fig.get('env', {}))
+        wall = time.time() - start
+        i1, b1, t1 = cpu_jiffies()
+        ours = (children_cpu_s() - c0) * hz
+        if rc != 0:
+            print(out[-3000:])
+            raise RuntimeError('%s run %d failed (%d)' % (name, k, rc))
+        with open(path) as f:
+            result = json.load(f)
+        meta = {'idle_before': before, 'wall_s': wall, 'code': CODE,
+                'idle_run': (i1 - i0) / max(1, t1 - t0),
+                'outside': max(0.0, (b1 - b0) - ours) / max(1, t1 - t0),
+                'attempt': attempt,
+                'date': datetime.datetime.now(
+                    datetime.timezone.utc).isoformat(timespec='seconds')}
+        result['rerun'] = meta
+        with open(path, 'w') as f:
+            json.dump(result, f, indent=1)
+        print('  %s run %d: %.0f s, CPU idle %.0f%% (before: %.0f%%), '
+              'outside %.0f%%' % (name, k, wall, 100 * meta['idle_run'],
+                                  100 * before, 100 * meta['outside']),
+              flush=True)
+        if meta['outside'] <= max_outside:
+            break
+        print('  others used %.0f%% of the CPU: %s' % (
+            100 * meta['outside'],
+            'again' if attempt < tries else 'kept, marked'), flush=True)
     return result
 
 
@@ -324,14 +411,26 @@ def report(names, out_dir):
             k += 1
         if not results:
             continue
+        # Runs in which others used more than MAX_OUTSIDE of the CPU are
+        # left out where cleaner ones exist (and said so).
+        clean = [r for r in results
+                 if r.get('rerun', {}).get('outside', 0) <= MAX_OUTSIDE]
+        note = '%d runs' % len(results)
+        if clean and len(clean) < len(results):
+            note = '%d of %d runs: the others had others using over %.0f%% ' \
+                'of the CPU' % (len(clean), len(results), 100 * MAX_OUTSIDE)
+            results = clean
+        elif not clean:
+            note = '%d runs, ALL CONTENDED: others used over %.0f%% of ' \
+                'the CPU' % (len(results), 100 * MAX_OUTSIDE)
         values = [fig['values'](r) for r in results]
         idles = [fig['idle'](r) for r in results]
         idles = [x for x in idles if x is not None]
         outside = [r.get('rerun', {}).get('outside', 0) for r in results]
         dates = sorted(r.get('rerun', {}).get('date', '?')[:10]
                        for r in results)
-        lines.append('### %s: %s (%d runs, %s)' % (
-            name, fig['doc'], len(results), dates[-1]))
+        lines.append('### %s: %s (%s; %s)' % (
+            name, fig['doc'], note, dates[-1]))
         lines.append('')
         lines.append('| value | published | new min / median / max | CPU '
                      'idle % | outside % | verdict |')
@@ -345,7 +444,8 @@ def report(names, out_dir):
                 '%.0f-%.0f' % (100 * min(outside), 100 * max(outside)),
                 verdict(pub, new)))
         lines.append('')
-        lines.append('`' + ' '.join(
+        lines.append('`' + ''.join('%s=%s ' % kv for kv in fig.get(
+            'env', {}).items()) + ' '.join(
             os.path.relpath(a, REPO) if a.startswith(REPO) else a
             for a in fig['cmd']('OUT.json')).replace(PY, 'python') + '`')
         lines.append('')
@@ -362,7 +462,12 @@ def report(names, out_dir):
     return '\n'.join(head + lines)
 
 
+def _sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None):
+    signal.signal(signal.SIGTERM, _sigterm)
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--only', default=','.join(FIGURES),
                    help='comma-separated figure names (--list)')
@@ -372,9 +477,24 @@ def main(argv=None):
     p.add_argument('--out', default=os.path.join(REPO, 'docs', 'results',
                                                  'rerun'))
     p.add_argument('--timeout', type=float, default=600)
+    p.add_argument('--code', default=REPO,
+                   help='run this tree\'s mnopt (e.g. an old commit, '
+                        '"git archive C | tar -x -C DIR") with this '
+                        'script\'s harness, to find when a figure moved')
+    p.add_argument('--quiet-idle', type=float, default=0.85,
+                   help='before each run wait until the CPU is this idle')
+    p.add_argument('--quiet-wait', type=float, default=300,
+                   help='... for at most this many seconds (0: no wait)')
+    p.add_argument('--max-outside', type=float, default=0.10,
+                   help='redo a run in which others used more of the CPU')
+    p.add_argument('--tries', type=int, default=3)
+    p.add_argument('--keep-done', action='store_true',
+                   help='skip the runs whose JSON is already there')
     p.add_argument('--report-only', action='store_true')
     p.add_argument('--list', action='store_true')
     args = p.parse_args(argv)
+    global CODE
+    CODE = os.path.abspath(args.code)
     names = args.only.split(',')
     unknown = [n for n in names if n not in FIGURES]
     if unknown:
@@ -392,7 +512,12 @@ def main(argv=None):
             datetime.datetime.now().isoformat(timespec='seconds')))
         for k in range(args.first_run, args.first_run + args.runs):
             for name in names:
-                run_one(name, k, args.out, args.timeout)
+                if args.keep_done and os.path.exists(os.path.join(
+                        args.out, '%s_%d.json' % (name, k))):
+                    continue
+                run_one(name, k, args.out, args.timeout,
+                        (args.quiet_idle, args.quiet_wait),
+                        args.max_outside, args.tries)
     print(report(names, args.out))
     # The summary holds every figure with saved runs, not only these.
     with open(os.path.join(args.out, 'summary.md'), 'w') as f:
