@@ -381,18 +381,22 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
             their owners through one reduce-scatter and the updated
             parameters come back through one all-gather.  Optimizers whose
             update is per parameter, per-parameter hooks and
-            GradientClipping; a snapshot holds each rank's own share.  Not
-            with double_buffering, overlap, the reduction_server
+            GradientClipping; a snapshot holds each rank's own share.
+            With ``overlap=True``, ZeRO stage 2: the gradients are
+            sharded too, each bucket reduce-scattered to its owners
+            during backward and the other ranks' gradients freed then.
+            Not with double_buffering, the reduction_server
             communicator or compression='sign'.
     """
     if shard_state:
-        if double_buffering or overlap:
-            raise ValueError('shard_state does not combine with %s (yet): '
-                             'the sharded optimizer averages synchronously'
-                             % ('double_buffering' if double_buffering
-                                else 'overlap'))
+        if double_buffering:
+            raise ValueError('shard_state does not combine with '
+                             'double_buffering: the owners update with '
+                             'this iteration\'s mean (overlap=True hides '
+                             'the reduce-scatter behind backward instead)')
         from mnopt import zero
-        return zero.create(actual_optimizer, communicator, zero_fill)
+        return zero.create(actual_optimizer, communicator, zero_fill,
+                           grads=overlap)
     if double_buffering and overlap:
         raise ValueError('double_buffering and overlap exclude each other: '
                          'double buffering applies last iteration\'s mean, '

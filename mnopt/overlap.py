@@ -44,7 +44,8 @@ import chainer
 
 class _Ready(chainer.FunctionNode):
     """Identity of its first input; the other (the link's input) sets only
-    its rank.  Its backward reports the first input's gradient."""
+    its rank.  Its backward reports the first input's gradient, and passes
+    it on to the parameter unless the report returns False."""
 
     def __init__(self, report, name):
         super(_Ready, self).__init__()
@@ -56,8 +57,11 @@ class _Ready(chainer.FunctionNode):
 
     def backward(self, indexes, grad_outputs):
         gy, = grad_outputs
-        if gy is not None:
-            self._report(self._name, gy.array)
+        if gy is not None and self._report(self._name, gy.array) is False:
+            # The report took the gradient (ZeRO stage 2: mnopt/zero.py):
+            # the parameter gets none from Chainer, which then holds the
+            # array no longer.
+            gy = None
         return tuple(gy if i == 0 else None for i in indexes)
 
 
@@ -252,16 +256,21 @@ class Overlap(object):
         params = self._params()
         order = [n for n, k in self.wraps.items()
                  if k == 1 and params[n].grad is not None]
+        self._set_plan([(n, params[n].grad.nbytes) for n in order])
+
+    def _set_plan(self, order):
+        """Buckets of ``[(name, nbytes), ...]`` (forward order), checked
+        to be the same on every rank."""
         # A bucket closes once it holds bucket_bytes (as DDP's do): a small
         # gradient next to a big one rides with it instead of paying a
         # collective's latency alone.
         plan, size = [], None
-        for name in reversed(order):
+        for name, nbytes in reversed(order):
             if size is None or size >= self.comm.bucket_bytes:
                 plan.append([])
                 size = 0
             plan[-1].append(name)
-            size += params[name].grad.nbytes
+            size += nbytes
         plans = self.comm.allgather_obj(plan)
         if any(p != plan for p in plans):
             bad = [r for r, p in enumerate(plans) if p != plans[0]]

@@ -18,12 +18,21 @@ Ownership: whole parameters, balanced by bytes (the largest first, each to
 the rank with the fewest bytes so far; ties by name, then lowest rank),
 and sticky: a parameter keeps its owner (where its state lives) when
 parameters appear later.  docs/zero.md has the design and the numbers.
+
+Stage 2 (``shard_state=True, overlap=True``: ShardedGradsOptimizer): step
+1 happens during backward instead, bucket by bucket as overlap's nodes
+find the gradients final (``comm.reduce_scatter_mean_async``), and each
+bucket's gradients of other ranks' parameters are freed once it is
+reduced, so backward holds this rank's gradients and a few buckets, not
+every gradient.
 """
 
 import chainer
 import numpy
 from chainer.optimizer_hooks import GradientClipping
+from mpi4py import MPI
 
+from mnopt import overlap
 from mnopt.arrays import named_grads
 from mnopt.optimizers import _AVERAGE, _BROADCAST, _LOADED, _RESUME
 from mnopt.optimizers import _MultiNodeOptimizer, _digest
@@ -506,6 +515,233 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
         object.__setattr__(self, '_loaded_share', (owners, None))
 
 
+class _ShardedOverlap(overlap.Overlap):
+    """Overlap's machinery (mnopt/overlap.py) for stage 2: a bucket is
+    reduce-scattered to its parameters' owners as soon as backward has
+    finished every gradient in it, and the gradients of the other ranks'
+    parameters are let go as soon as that is done.
+
+    The node of a planned parameter takes its gradient (a copy, as
+    overlap's: Chainer may share the array it passes) and gives the
+    parameter none, so Chainer drops its own array at once instead of
+    holding every parameter's gradient until backward ends.  A bucket
+    holds its arrays laid out by owner (rank 0's, then rank 1's...: plan
+    order within each) and goes to ``reduce_scatter_mean_async``; the
+    copies of other ranks' parameters are referenced by that job only,
+    so they are freed when its reduce-scatter ends."""
+
+    #: Buckets in flight at most: launching one more first waits for the
+    #: oldest (whose other ranks' gradients are then freed), so that a
+    #: backward faster than the network holds a few buckets' copies, not
+    #: every gradient.
+    max_in_flight = 2
+
+    def __init__(self, communicator, target, owners):
+        super(_ShardedOverlap, self).__init__(communicator, target, True)
+        self._owners = owners   # () -> {name: rank}
+
+    def _reset(self):
+        super(_ShardedOverlap, self)._reset()
+        self.oldest = 0      # handles before it have been waited for
+        self.seen = {}       # planning: name -> the array its node got
+        self.fired = set()   # names whose node took the gradient
+        self.extra = set()   # of those, also used outside their link
+        self.vouched = set()
+
+    def _ready(self, name, grad):
+        if self.wraps.get(name) != 1:
+            return None
+        if self.plan is None:
+            self.seen[name] = grad   # Chainer holds it anyway
+            return None
+        if name not in self._bucket_of:
+            return None
+        self.early[name] = grad.copy()
+        self.fired.add(name)
+        b = self._bucket_of[name]
+        self.remaining[b] -= 1
+        while (self.next_bucket < len(self.plan)
+               and self.remaining[self.next_bucket] == 0):
+            self._launch(self.next_bucket, {})
+        return False   # the parameter gets no gradient from Chainer
+
+    def _scatter(self, named):
+        """Queue the reduce-scatter of ``named`` laid out by owner."""
+        owners, size = self._owners(), self.comm.size
+        named = sorted(named, key=lambda x: owners[x[0]])   # stable
+        per_rank = [0] * size
+        for name, _ in named:
+            per_rank[owners[name]] += 1
+        while len(self.handles) - self.oldest >= self.max_in_flight:
+            self.handles[self.oldest].wait()
+            self.oldest += 1
+        self.handles.append(self.comm.reduce_scatter_mean_async(
+            named, per_rank))
+
+    def _launch(self, b, params):
+        owners, rank = self._owners(), self.comm.rank
+        named = []
+        for name in self.plan[b]:
+            if name in self.early:
+                grad = self.early[name] if owners[name] == rank \
+                    else self.early.pop(name)   # the job's alone
+            else:   # unused by its link this time: zeros, or what
+                grad = self._grad(params[name])   # a use outside gave
+            if grad is not None:
+                named.append((name, grad))
+        self._scatter(named)
+        self.next_bucket += 1
+
+    def finish(self):
+        """Queue the buckets backward did not finish, then one
+        reduce-scatter of the rest: the parameters outside the plan, and
+        the gradients that planned parameters got from a use outside
+        their link (added to the mean in ``adopt``).  Returns the
+        handles."""
+        params = self._params()
+        covered = set()
+        if self.plan is not None:
+            while self.next_bucket < len(self.plan):
+                self._launch(self.next_bucket, params)
+            covered = {n for names in self.plan for n in names}
+        else:
+            # Planning: a node vouches for a parameter whose final
+            # gradient is the array it received.
+            self.vouched = {n for n, g in self.seen.items()
+                            if params[n].grad is g}
+            self.seen = {}
+        self.stats['buckets'] = 0 if self.plan is None else len(self.plan)
+        self.extra = {n for n in self.fired if params[n].grad is not None}
+        rest = [n for n in sorted(params) if params[n].array is not None
+                and (n not in covered or n in self.extra)]
+        self._scatter([(n, g) for n, g in ((n, self._grad(params[n]))
+                                           for n in rest) if g is not None])
+        return self.handles
+
+    def adopt(self):
+        """Once every handle is done: this rank's parameters get their
+        means, the others' gradients are dropped."""
+        owners, rank = self._owners(), self.comm.rank
+        for name, param in self._params().items():
+            if owners.get(name) != rank:
+                param.grad = None
+                continue
+            mean = self.early.get(name)
+            if mean is not None:
+                if name in self.extra:   # mean of the link's + the rest's
+                    mean += param.grad
+                param.grad = mean
+        self.early, self.fired, self.extra = {}, set(), set()
+
+    def make_plan(self):
+        """From the planning iteration: parameters its nodes vouched for,
+        in forward order."""
+        params = self._params()
+        self._set_plan([(n, params[n].array.nbytes)
+                        for n, k in self.wraps.items()
+                        if k == 1 and n in self.vouched])
+        self.vouched = set()
+
+
+class ShardedGradsOptimizer(ShardedStateOptimizer):
+    """ZeRO stage 2 (``shard_state=True, overlap=True``): the optimizer
+    state and the gradients are sharded.  During ``update(lossfun, ...)``'s
+    backward each bucket of gradients goes to its parameters' owners in a
+    reduce-scatter as soon as backward has finished it, and the other
+    ranks' gradients are freed then, so a rank holds its own gradients
+    and the buckets in flight rather than every gradient.  The owners
+    then update and the parameters are all-gathered, as in stage 1
+    (``ShardedStateOptimizer``, whose snapshots, hooks and checks it
+    keeps).  ``update()`` without a loss function is stage 1's.
+
+    The first update broadcasts; the next one (the planning iteration)
+    reduce-scatters after backward, as stage 1, and makes the plan of
+    buckets (checked the same on every rank); from the third on, buckets
+    leave during backward."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill):
+        super(ShardedGradsOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        object.__setattr__(self, '_overlap', None)
+
+    def setup(self, link):
+        super(ShardedGradsOptimizer, self).setup(link)
+        object.__setattr__(self, '_overlap', _ShardedOverlap(
+            self.communicator, link, lambda: self.owners))
+        return self
+
+    @property
+    def overlap_stats(self):
+        """{'buckets': n, 'during_backward': k}: of the last update's n
+        buckets, k were reduce-scattered during backward."""
+        return dict(self._overlap.stats)
+
+    def _wait_all(self, handles, quiet=False):
+        """Wait for every handle; then raise the first error unless
+        ``quiet``."""
+        first = None
+        for handle in handles:
+            try:
+                self._blocked(handle.wait)
+            except Exception as e:
+                first = first or e
+        if first is not None and not quiet:
+            raise first
+
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is None:
+            return super(ShardedGradsOptimizer, self).update(
+                None, *args, **kwds)
+        loaded = self._loaded_share
+        if loaded is not None and loaded[1] is None and loaded[0]:
+            # The snapshot's owners (checked the same on every rank at
+            # this update), before any bucket leaves for its owner.
+            object.__setattr__(self, 'owners', dict(loaded[0]))
+        ov, actual, comm = self._overlap, self.actual_optimizer, \
+            self.communicator
+        try:
+            ov.forward_backward(lossfun, args, kwds, actual._loss_scale,
+                                actual.t)
+            order, per_rank = self._plan()   # owners of new parameters
+            used = dict(self.owners)
+            handles = ov.finish()
+        except Exception:
+            # A bucket's error (every rank has it) or the loss's: nothing
+            # is left running.
+            self._wait_all(ov.handles, quiet=True)
+            raise
+        try:
+            step = self._next_step()
+        except Exception:
+            # Every rank raises this; what is in flight fails or ends
+            # alike: wait for it, so that nothing is left running.
+            self._wait_all(handles, quiet=True)
+            raise
+        self._wait_all(handles)
+        ov.adopt()
+        if step is _BROADCAST:
+            ov.forget_plan()
+            comm.bcast_data(self.target)
+            self._plan()
+            return
+        if step is _RESUME and (not self._make_replicas_agree() or any(
+                self.owners.get(n) != r for n, r in used.items())):
+            # Other weights' gradients, or sent to other owners than the
+            # snapshot's: nothing applied (as after a broadcast).
+            ov.forget_plan()
+            self._plan()
+            for name, param in self.target.namedparams():
+                if self.owners.get(name) != comm.rank:
+                    param.cleargrad()
+            return
+        if ov.plan is None:
+            ov.make_plan()
+        self._update_owned()
+        params = dict(self.target.namedparams())
+        self._blocked(comm.allgather_params,
+                      [(n, params[n].array) for n in order], per_rank)
+
+
 def sharded_optimizers(target):
     """The sharded optimizers in ``target``: a trainer, an updater, or an
     optimizer itself."""
@@ -537,10 +773,18 @@ def load_shards_of(target, share_file):
     return problems
 
 
-def create(actual_optimizer, communicator, zero_fill):
-    """The sharded optimizer, or a ValueError saying why it cannot be."""
+def create(actual_optimizer, communicator, zero_fill, grads=False):
+    """The sharded optimizer (``grads``: stage 2, the gradients sharded
+    too), or a ValueError saying why it cannot be."""
     problem = communicator.sharding_problem() or \
         optimizer_problem(actual_optimizer)
+    if problem is None and grads and \
+            MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        problem = ('shard_state with overlap reduce-scatters gradients on '
+                   'a background thread during backward, which needs '
+                   'MPI_THREAD_MULTIPLE; this MPI was initialised with a '
+                   'lower thread level')
     if problem is not None:
         raise ValueError(problem)
-    return ShardedStateOptimizer(actual_optimizer, communicator, zero_fill)
+    cls = ShardedGradsOptimizer if grads else ShardedStateOptimizer
+    return cls(actual_optimizer, communicator, zero_fill)

@@ -53,6 +53,11 @@ from mnopt import grad_buffer
 from mnopt.arrays import array_module
 from mnopt.stall import watched
 
+
+def _mean_handle(future):
+    from mnopt.communicators.base import MeanHandle
+    return MeanHandle(future)
+
 #: Wires on which numpy gradients of that dtype are summed where they are.
 _IN_PLACE_WIRES = ('float32', 'float64')
 
@@ -363,12 +368,83 @@ class ShardedCollectives(object):
         own), each divided by the number of ranks first, and are summed in
         one reduce-scatter: where they are (numpy gradients whose dtype is
         the wire, on flat and hierarchical), else of a packed copy."""
+        self._reduce_scatter_mean_on(self._sync_group, list(named_grads),
+                                     arrays_per_rank)
+
+    @watched('reduce_scatter_mean_async')
+    def reduce_scatter_mean_async(self, named_grads, arrays_per_rank):
+        """``reduce_scatter_mean`` in the background (ZeRO stage 2: a
+        bucket of gradients as backward finishes it), queued behind every
+        averaging already started (``mean_grads_async(queue=True)``'s
+        thread and MPI communicator).  Returns a MeanHandle; the arrays
+        must not be touched until its ``wait()`` returns.  The background
+        holds them only until the reduce-scatter is done: an array the
+        caller no longer holds (another rank's share) is freed then, while
+        backward goes on.  Every rank must start the same ones in the same
+        order; a rank whose arrays differ gets an error, as do the
+        others (the layout check), never a hang."""
         named = list(named_grads)
+        executor = self._background()
+        xp, problem = self._array_module_or_problem(named)
+        device = ready = None
+        if problem is None and xp is not numpy:
+            # As mean_grads_async: the background waits for what the
+            # caller's stream has queued so far (the backward).
+            from mnopt import _cuda
+            device = _cuda.device_id([a for _, a in named])
+            with xp.cuda.Device(device):
+                ready = xp.cuda.get_current_stream().record()
+        handle = self._in_flight = _mean_handle(executor.submit(
+            self._reduce_scatter_in_background, named, arrays_per_rank, xp,
+            problem, device, ready))
+        del named   # the background's reference is the only one left here
+        return handle
+
+    def _background(self):
+        """The communicator's background thread and second MPI
+        communicator, made at first use as ``mean_grads_async`` makes
+        them (the same ones: one queue for every background operation)."""
+        resources = self._resources
+        if resources.executor is None:
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                raise RuntimeError(
+                    'asynchronous averaging needs MPI_THREAD_MULTIPLE; this '
+                    'MPI was initialised with a lower thread level')
+            from concurrent.futures import ThreadPoolExecutor
+            from mnopt import _sched
+            # Dup is collective: every rank reaches this at the same call.
+            resources.async_group = self._make_group(self.mpi_comm.Dup())
+            resources.executor = ThreadPoolExecutor(
+                1, thread_name_prefix='mnopt-%s' % self.name,
+                initializer=_sched.prefer_low_latency)
+        return resources.executor
+
+    @watched('reduce_scatter_mean_async.background')
+    def _reduce_scatter_in_background(self, named, arrays_per_rank, xp,
+                                      problem, device, ready):
+        group = self._async_group
+        if problem is not None:
+            _agree(group.comm, None, problem)
+        if xp is numpy:
+            return self._reduce_scatter_mean_on(group, named,
+                                                arrays_per_rank)
+        # CuPy's current device is per thread: enter the gradients' GPU
+        # and work on a side stream of it (as the background averaging).
+        with xp.cuda.Device(device):
+            stream = group.side_streams.get(device)
+            if stream is None:
+                stream = group.side_streams[device] = xp.cuda.Stream(
+                    non_blocking=True)
+            stream.wait_event(ready)
+            with stream:
+                self._reduce_scatter_mean_on(group, named, arrays_per_rank)
+            stream.synchronize()
+
+    def _reduce_scatter_mean_on(self, group, named, arrays_per_rank):
         xp, problem = self._array_module_or_problem(named)
         if problem is not None:
-            _agree(self._sync_group.comm, None, problem)
+            _agree(group.comm, None, problem)
         with self._averaging_timed(), _on_device(xp, named):
-            group = self._sync_group
             shards = self._shards(group, named, arrays_per_rank,
                                   self.allreduce_grad_dtype)
             if self.size == 1 and self.skip_single_rank:
