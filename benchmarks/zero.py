@@ -28,6 +28,16 @@ before the model was made; and the bytes this rank sent on mnopt's ring
 in that update (``ring.bytes_sent``: with MNOPT_ALLREDUCE=ring the
 unsharded ``flat`` averaging runs on the ring too; MPI's own collectives
 are not counted).
+
+``--backward`` (the MLP only: ResNet-50's arrays have no forward) makes
+each step a real one, ``update(lossfun)``: forward, backward and update
+of a batch of ``--batch`` rows, so the peak is a training step's.  Mode
+``stage2`` (``shard_state=True, overlap=True``: the gradients sharded
+too, reduce-scattered bucket by bucket during backward) needs it: its
+saving is in backward.
+
+    mpiexec -n 2 python -m mpi4py benchmarks/zero.py --memory --backward \
+        --modes unsharded,sharded,stage2 --json out.json
 """
 
 import argparse
@@ -43,9 +53,13 @@ import mnopt  # before Chainer: NumPy 2 names for it
 from mnopt import ring
 from mnopt.benchmark import resnet50_grad_shapes, spread
 import chainer  # NOQA
+import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
 
 MODES = ('unsharded', 'sharded')
+#: --memory's modes: (shard_state, overlap) of each.
+MEMORY_MODES = {'unsharded': (False, False), 'sharded': (True, False),
+                'stage2': (True, True)}
 OPTIMIZERS = {'Adam': lambda: chainer.optimizers.Adam(alpha=1e-4),
               'MomentumSGD': lambda: chainer.optimizers.MomentumSGD(lr=1e-4),
               'SGD': lambda: chainer.optimizers.SGD(lr=1e-4)}
@@ -90,23 +104,30 @@ def measure_memory(args):
               'model_params': model_text, 'parameter_bytes': param_bytes,
               'allreduce': mnopt._mpi.allreduce_algorithm()}
     modes = args.modes.split(',')
+    x = rng.standard_normal((args.batch, args.width)).astype(numpy.float32)
+    result['step'] = ('forward, backward and update of %d rows' % args.batch
+                      if args.backward else 'fixed gradients, update')
     for mode in modes:
         gc.collect()
         base = tracemalloc.get_traced_memory()[0]
         comm = mnopt.create_communicator(args.communicator)
         model = make_model(args.width, args.layers, args.model)
+        shard_state, overlap = MEMORY_MODES[mode]
         opt = mnopt.create_multi_node_optimizer(
-            OPTIMIZERS[args.optimizer](), comm,
-            shard_state=(mode == 'sharded')).setup(model)
+            OPTIMIZERS[args.optimizer](), comm, shard_state=shard_state,
+            overlap=overlap).setup(model)
 
         def step():
+            if args.backward:
+                opt.update(lambda: F.sum(F.tanh(model(x))))
+                return
             for name, param in model.namedparams():
                 param.grad = None   # a backward allocates anew
                 param.grad = grads[name].copy()
             opt.update()
 
-        for _ in range(3):   # broadcast, first update (state), one more
-            step()
+        for _ in range(3):   # broadcast, first update (state; stage 2's
+            step()           # plan), one more
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - base
         tracemalloc.reset_peak()
@@ -160,8 +181,22 @@ def main():
     parser.add_argument('--memory', action='store_true',
                         help='measure memory and wire bytes, not time')
     parser.add_argument('--modes', default=','.join(MODES),
-                        help='with --memory: which modes, in this order')
+                        help='with --memory: which modes, in this order '
+                        '(of %s)' % ', '.join(MEMORY_MODES))
+    parser.add_argument('--backward', action='store_true',
+                        help='with --memory and the MLP: real steps '
+                        '(forward, backward, update), not fixed gradients')
+    parser.add_argument('--batch', type=int, default=32,
+                        help='rows per step with --backward')
     args = parser.parse_args()
+    modes = args.modes.split(',')
+    if any(m not in MEMORY_MODES for m in modes):
+        parser.error('--modes: each of %s' % ', '.join(MEMORY_MODES))
+    if args.backward and (args.model != 'mlp' or not args.memory):
+        parser.error('--backward needs --memory and the MLP')
+    if 'stage2' in modes and not args.backward:
+        parser.error('mode stage2 reduces gradients during backward: it '
+                     'needs --backward')
     if args.memory:
         return measure_memory(args)
     comm = mnopt.create_communicator(args.communicator)
