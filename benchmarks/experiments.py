@@ -1,7 +1,13 @@
 #!/usr/bin/env python
 """Every experiment of docs/benchmarks.md on the simulated cluster.
 
-    sudo python benchmarks/experiments.py [--only wire,topology,scaling,sweep]
+    sudo python benchmarks/experiments.py              # = benchmarks/rerun.py
+    sudo python benchmarks/experiments.py --rerun [rerun.py's arguments]
+    sudo python benchmarks/experiments.py --only wire,topology,scaling,sweep
+
+Without arguments (``make experiments``) it reruns every figure published
+in docs/ and prints each beside its published value (benchmarks/rerun.py).
+With ``--only`` (or ``--report-only``) it regenerates the tables below:
 
 Each experiment brings up a cluster with ``mnopt.netsim`` (links of
 --rate, 1 Gbit/s by default), runs ``python -m mnopt.benchmark`` across it,
@@ -315,6 +321,12 @@ EXPERIMENTS = {'wire': wire_dtypes, 'topology': topology,
 
 
 def main():
+    if len(sys.argv) == 1 or sys.argv[1] == '--rerun':
+        # Without arguments (make experiments): rerun every published
+        # figure and print it beside its published value (rerun.py).
+        sys.path.insert(0, HERE)
+        import rerun
+        return rerun.main(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--only', default=','.join(EXPERIMENTS))
     p.add_argument('--rate', default='1gbit')
