@@ -25,6 +25,7 @@ from mnopt import overflow
 from mnopt import sign
 from mnopt import stall
 from mnopt.arrays import array_module, named_grads, to_host
+from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
 from mnopt.communicators.sharded import ShardedCollectives
 from mnopt.stall import watched
@@ -432,6 +433,18 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         named = list(named_grads)
         if not queue:
             self._in_flight.wait()
+        executor = self._background()
+        xp = array_module([a for _, a in named])
+        device, ready = caller_ready(named, xp)
+        self._in_flight = MeanHandle(executor.submit(
+            self._mean_in_background, self._async_group, named, xp, device,
+            ready, iteration))
+        return self._in_flight
+
+    def _background(self):
+        """The background thread, and the second MPI communicator its
+        work uses, made at first use: one queue for every background
+        operation (averaging, the sharded reduce-scatter)."""
         resources = self._resources
         if resources.executor is None:
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -444,19 +457,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
             resources.executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self.name,
                 initializer=_sched.prefer_low_latency)
-        xp = array_module([a for _, a in named])
-        device = _device_of(named, xp)
-        ready = None
-        if xp is not numpy:
-            # The background work waits for what the caller's stream on
-            # the gradients' GPU has queued so far (the backward that
-            # produced them).
-            with xp.cuda.Device(device):
-                ready = xp.cuda.get_current_stream().record()
-        self._in_flight = MeanHandle(self._executor.submit(
-            self._mean_in_background, self._async_group, named, xp, device,
-            ready, iteration))
-        return self._in_flight
+        return resources.executor
 
     @watched('mean_grads_async.background')
     def _mean_in_background(self, group, named, xp, device, ready,
@@ -467,20 +468,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
 
     def _mean_in_background_untimed(self, group, named, xp, device, ready,
                                     iteration):
-        if xp is numpy:
-            return self._mean(group, named, iteration)
-        # CuPy's current device is per thread (GPU 0 in a new one): enter
-        # the gradients' GPU, and average on a side stream of that GPU.
-        with xp.cuda.Device(device):
-            stream = group.side_streams.get(device)
-            if stream is None:
-                stream = group.side_streams[device] = xp.cuda.Stream(
-                    non_blocking=True)
-            stream.wait_event(ready)
-            with stream:
-                self._mean(group, named, iteration)
-            # Blocks this background thread only: wait() then means done.
-            stream.synchronize()
+        on_side_stream(group, xp, device, ready, self._mean, group, named,
+                       iteration)
 
     @contextlib.contextmanager
     def _averaging_timed(self):

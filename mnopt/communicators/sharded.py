@@ -51,6 +51,7 @@ from mpi4py import MPI
 from mnopt import _mpi
 from mnopt import grad_buffer
 from mnopt.arrays import array_module
+from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.stall import watched
 
 
@@ -387,37 +388,13 @@ class ShardedCollectives(object):
         executor = self._background()
         xp, problem = self._array_module_or_problem(named)
         device = ready = None
-        if problem is None and xp is not numpy:
-            # As mean_grads_async: the background waits for what the
-            # caller's stream has queued so far (the backward).
-            from mnopt import _cuda
-            device = _cuda.device_id([a for _, a in named])
-            with xp.cuda.Device(device):
-                ready = xp.cuda.get_current_stream().record()
+        if problem is None:
+            device, ready = caller_ready(named, xp)
         handle = self._in_flight = _mean_handle(executor.submit(
             self._reduce_scatter_in_background, named, arrays_per_rank, xp,
             problem, device, ready))
         del named   # the background's reference is the only one left here
         return handle
-
-    def _background(self):
-        """The communicator's background thread and second MPI
-        communicator, made at first use as ``mean_grads_async`` makes
-        them (the same ones: one queue for every background operation)."""
-        resources = self._resources
-        if resources.executor is None:
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-                raise RuntimeError(
-                    'asynchronous averaging needs MPI_THREAD_MULTIPLE; this '
-                    'MPI was initialised with a lower thread level')
-            from concurrent.futures import ThreadPoolExecutor
-            from mnopt import _sched
-            # Dup is collective: every rank reaches this at the same call.
-            resources.async_group = self._make_group(self.mpi_comm.Dup())
-            resources.executor = ThreadPoolExecutor(
-                1, thread_name_prefix='mnopt-%s' % self.name,
-                initializer=_sched.prefer_low_latency)
-        return resources.executor
 
     @watched('reduce_scatter_mean_async.background')
     def _reduce_scatter_in_background(self, named, arrays_per_rank, xp,
@@ -425,20 +402,9 @@ class ShardedCollectives(object):
         group = self._async_group
         if problem is not None:
             _agree(group.comm, None, problem)
-        if xp is numpy:
-            return self._reduce_scatter_mean_on(group, named,
-                                                arrays_per_rank)
-        # CuPy's current device is per thread: enter the gradients' GPU
-        # and work on a side stream of it (as the background averaging).
-        with xp.cuda.Device(device):
-            stream = group.side_streams.get(device)
-            if stream is None:
-                stream = group.side_streams[device] = xp.cuda.Stream(
-                    non_blocking=True)
-            stream.wait_event(ready)
-            with stream:
-                self._reduce_scatter_mean_on(group, named, arrays_per_rank)
-            stream.synchronize()
+        return on_side_stream(group, xp, device, ready,
+                              self._reduce_scatter_mean_on, group, named,
+                              arrays_per_rank)
 
     def _reduce_scatter_mean_on(self, group, named, arrays_per_rank):
         xp, problem = self._array_module_or_problem(named)

@@ -1,0 +1,36 @@
+"""Work on a communicator's background thread: what GPU arrays need
+there (shared by the background averaging and the sharded reduce-scatter)."""
+
+import numpy
+
+
+def caller_ready(named, xp):
+    """(GPU, event) for background work on the GPU arrays of ``named``:
+    the work waits for what the caller's stream on that GPU has queued so
+    far (the backward that produced them); (None, None) for numpy arrays."""
+    if xp is numpy:
+        return None, None
+    from mnopt import _cuda
+    device = _cuda.device_id([a for _, a in named])
+    with xp.cuda.Device(device):
+        return device, xp.cuda.get_current_stream().record()
+
+
+def on_side_stream(group, xp, device, ready, work, *args):
+    """``work(*args)`` on the background thread; for GPU arrays on the
+    group's side stream of ``device`` once ``ready`` has passed, and done
+    when this returns (it blocks the background thread only)."""
+    if xp is numpy:
+        return work(*args)
+    # CuPy's current device is per thread (GPU 0 in a new one): enter the
+    # arrays' GPU, and work on a side stream of that GPU.
+    with xp.cuda.Device(device):
+        stream = group.side_streams.get(device)
+        if stream is None:
+            stream = group.side_streams[device] = xp.cuda.Stream(
+                non_blocking=True)
+        stream.wait_event(ready)
+        with stream:
+            result = work(*args)
+        stream.synchronize()
+    return result
