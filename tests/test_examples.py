@@ -36,10 +36,11 @@ def train(n, out, cache, *flags, timeout=240):
     ['--communicator', 'hierarchical', '--allreduce-grad-dtype', 'float16',
      '--shard-state'],
     ['--communicator', 'naive', '--double-buffering'],
-    ['--communicator', 'flat', '--overlap', '--loaderjob', '2'],
+    ['--communicator', 'flat', '--overlap', '--shard-state', '--loaderjob',
+     '2'],   # ZeRO stage 2
     ['--communicator', 'flat', '--mnbn'],   # smallcnn's batch norms
 ], ids=['flat-nin', 'hierarchical-fp16', 'naive-double-buffering',
-        'overlap-loader-processes', 'mnbn'])
+        'overlap-stage2-loader-processes', 'mnbn'])
 def test_a_few_iterations(tmp_path, data_cache, flags):
     proc = train(2, tmp_path, data_cache, '--iteration', '4', *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,9 +158,9 @@ def test_sharded_state_resumes_bit_for_bit_and_re_shards(tmp_path,
     check_one_owner_each(resized, 4, 3)
 
 
-@pytest.mark.parametrize('flags', [['--overlap'],
+@pytest.mark.parametrize('flags', [['--double-buffering'],
                                    ['--communicator', 'reduction_server']],
-                         ids=['overlap', 'reduction-server'])
+                         ids=['double-buffering', 'reduction-server'])
 def test_shard_state_where_it_cannot_is_an_error_on_every_rank(
         tmp_path, data_cache, flags):
     proc = train(2, tmp_path, data_cache, '--shard-state', '--iteration',

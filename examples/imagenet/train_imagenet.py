@@ -97,7 +97,8 @@ def parse_args(argv=None):
     p.add_argument('--shard-state', action='store_true',
                    help='shard the optimizer state over the ranks (ZeRO '
                         'stage 1, docs/zero.md): each rank keeps and '
-                        'updates its share of the parameters; snapshots '
+                        'updates its share of the parameters; with '
+                        '--overlap the gradients too (stage 2); snapshots '
                         'hold each rank\'s share in its rank file')
     p.add_argument('--mnbn', action='store_true',
                    help='batch normalization over every rank\'s batch '
