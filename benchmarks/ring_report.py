@@ -6,7 +6,7 @@ say "bench": "gloo"), alone or beside the ring's.
     python benchmarks/ring_report.py docs/results/netsim/ring_*.json \\
         > docs/results/netsim/ring.md
     python benchmarks/ring_report.py docs/results/netsim/gloo_{4,8,16}.json \\
-        > docs/results/netsim/gloo.md
+        --plot docs/results/netsim/gloo.png > docs/results/netsim/gloo.md
 """
 
 import json
@@ -63,7 +63,58 @@ def gloo_report(runs):
     print('```')
 
 
+def gloo_plot(runs, path):
+    """Time against nodes for every case of gloo_bench.py's runs at one
+    rate (median, min-max bars), beside the float32 and float16 bounds."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    rates = sorted({r['rate_mbit'] for r in runs})
+    fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 4.5),
+                             squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        at_rate = sorted((r for r in runs if r['rate_mbit'] == rate),
+                         key=lambda r: r['n_ranks'])
+        nodes = [r['n_ranks'] for r in at_rate]
+        names = []
+        for r in at_rate:
+            names += [c['case'] for c in r['cases'] if c['case'] not in names]
+        for name in names:
+            xs, med, lo, hi = [], [], [], []
+            for r in at_rate:
+                for c in r['cases']:
+                    if c['case'] == name:
+                        t = c['time_s']
+                        xs.append(r['n_ranks'])
+                        med.append(t['median'])
+                        lo.append(t['median'] - t['min'])
+                        hi.append(t['max'] - t['median'])
+            ax.errorbar(xs, med, yerr=[lo, hi], marker='o', capsize=3,
+                        label=name)
+        bound32 = [next(c['bound_s'] for c in r['cases']
+                        if '16' not in c['case']) for r in at_rate]
+        ax.plot(nodes, bound32, 'k--', label='ring bound, float32')
+        ax.plot(nodes, [b / 2 for b in bound32], 'k:',
+                label='ring bound, float16')
+        ax.set_xscale('log', base=2)
+        ax.set_xticks(nodes)
+        ax.set_xticklabels([str(n) for n in nodes])
+        ax.set_xlabel('nodes (one rank each)')
+        ax.set_ylabel('seconds per averaging (ResNet-50, 102 MB)')
+        ax.set_title('%g Mbit/s links, simulated cluster' % rate)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(paths):
+    plot = None
+    if '--plot' in paths:
+        i = paths.index('--plot')
+        plot = paths[i + 1]
+        paths = paths[:i] + paths[i + 2:]
     runs = []
     for path in paths:
         with open(path) as f:
@@ -75,6 +126,8 @@ def main(paths):
     runs = [r for r in runs if r.get('bench') != 'gloo']
     if gloo:
         gloo_report(gloo)
+        if plot:
+            gloo_plot(gloo, plot)
         if not runs:
             return
         print()
