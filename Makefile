@@ -122,10 +122,6 @@ experiments: setup
 # skip there.  TESTS_ALL=1 runs everything on every stack.
 ON_EVERY_STACK := not spawn or every_stack
 OWN_MPI_openmpi := or every_mpi
-# MPICH's waits spin; with more ranks than cores (-n 3 on 2), yielding
-# the core while waiting lets the other ranks run (Open MPI yields by
-# itself when oversubscribed).  Tests only: benchmarks keep the default.
-test-%: export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
 test: $(addprefix test-,$(STACKS))
 
