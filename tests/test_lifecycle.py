@@ -180,6 +180,46 @@ def test_dropped_communicators_are_freed(name, count):
     numpy.testing.assert_array_equal(grads[0][1], 1)
 
 
+def _collected_communicator(name):
+    """A dropped communicator only a garbage collection can free, and one
+    of the MPI communicators it holds."""
+    import mnopt
+    comm = mnopt.create_communicator(name)
+    held = comm._resources.sync_group.comm
+    comm.itself = comm
+    return held
+
+
+@pytest.mark.parametrize('name', ['flat', 'reduction_server'])
+def test_a_collection_frees_no_mpi_communicator_itself(monkeypatch, name):
+    """A garbage collection may run inside an mpi4py call holding
+    mpi4py's lock table, where freeing an MPI communicator on that thread
+    waits for that lock for ever: a collected communicator's MPI
+    communicators are freed later, by the janitor thread or at mnopt's
+    next entry point, never in the collection itself."""
+    import gc
+    import threading
+    from mpi4py import MPI
+    from mnopt.communicators import base
+    # The janitor waits on the original event: it is not woken here.
+    monkeypatch.setattr(base, '_collected_waiting', threading.Event())
+    held = _collected_communicator(name)
+    gc.collect()
+    assert held != MPI.COMM_NULL
+    base.release_collected()             # as an entry point does
+    assert held == MPI.COMM_NULL
+
+
+def test_the_janitor_frees_what_a_collection_left():
+    import gc
+    from mpi4py import MPI
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip('no janitor without MPI_THREAD_MULTIPLE')
+    held = _collected_communicator('flat')
+    gc.collect()
+    _wait_for(lambda: held == MPI.COMM_NULL, 30, 'the janitor')
+
+
 # ------------------------------------------------------- how a job ends
 EARLY_EXIT = r'''
 import sys, time, numpy, mnopt

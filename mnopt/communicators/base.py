@@ -7,6 +7,7 @@ synchronous path and the asynchronous one (double buffering) each have their
 own group, so two threads never share an MPI communicator.
 """
 
+import collections
 import contextlib
 import threading
 import time
@@ -126,6 +127,62 @@ class _Group(object):
                 c.Free()
         self.subcomms = []
         self.comm = MPI.COMM_NULL
+
+
+#: What garbage-collected communicators left to give back, released by
+#: the janitor thread or at the next of mnopt's entry points
+#: (release_collected), never in the collection itself: a collection runs
+#: wherever an allocation triggers it, also inside an mpi4py call that
+#: holds mpi4py's lock table (its pickling collectives allocate a lock
+#: there), where freeing an MPI communicator on that same thread waits for
+#: that lock for ever (seen at -n 2: a rank stuck in bcast -> gc ->
+#: Comm.Free); and on the background thread.
+_collected = collections.deque()
+_collected_waiting = threading.Event()
+_janitor = None
+
+
+def release_after_collection(release):
+    """A finalizer for ``weakref.finalize``: ``release()`` is called soon
+    after, on another thread, not during the garbage collection."""
+    _collected.append(release)
+    _collected_waiting.set()
+
+
+def release_collected():
+    """Release what collected communicators left (``_collected``) on this
+    thread; called where mnopt is not inside an MPI call (a communicator is
+    made, averages or is finalized)."""
+    while _collected:
+        try:
+            release = _collected.popleft()
+        except IndexError:   # the janitor took the last one
+            return
+        release()
+
+
+def _start_janitor():
+    """The thread that releases what collections left, as soon as they
+    leave it: with MPI_THREAD_MULTIPLE only (else the entry points do)."""
+    global _janitor
+    if _janitor is not None or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return
+
+    def run():
+        while True:
+            _collected_waiting.wait()
+            _collected_waiting.clear()
+            if MPI.Is_finalized():
+                return
+            try:
+                release_collected()
+            except Exception:   # MPI finalized under it at exit
+                if not MPI.Is_finalized():
+                    raise
+
+    _janitor = threading.Thread(target=run, name='mnopt-janitor',
+                                daemon=True)
+    _janitor.start()
 
 
 class _Resources(object):
@@ -258,6 +315,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
             type(self), allreduce_grad_dtype, bucket_bytes, compression,
             error_feedback, warmup_steps, vote, stall_warning, timeout,
             on_overflow)
+        release_collected()
+        _start_janitor()
         self.mpi_comm = mpi_comm
         #: At one rank the mean of a gradient is itself, so averaging moves
         #: nothing.  False (or MNOPT_SINGLE_RANK_AVERAGING=1) runs the whole
@@ -290,7 +349,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         #: by finalize(), or when the communicator is garbage-collected
         #: (MPI has a few thousand communicators per process).
         self._resources = _Resources()
-        weakref.finalize(self, self._resources.release).atexit = False
+        weakref.finalize(self, release_after_collection,
+                         self._resources.release).atexit = False
         label = '%s#%d' % (self.name, CommunicatorBase._created)
         CommunicatorBase._created += 1
         self._monitor = self._make_monitor(mpi_comm, label,
@@ -415,6 +475,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         (default: each averaging is an iteration of its own); a caller
         that averages an iteration in pieces passes the same for each.
         """
+        release_collected()
         with self._averaging_timed():
             self._mean(self._sync_group, list(named_grads), iteration)
 
@@ -430,6 +491,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         ``mean_grads``) in the same order.  ``iteration``: as for
         ``mean_grads``.
         """
+        release_collected()
         named = list(named_grads)
         if not queue:
             self._in_flight.wait()
@@ -578,6 +640,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
             self._in_flight.wait()
         finally:
             self._resources.release()
+            release_collected()
 
     def _owns_monitor(self):
         """Whether the stall-detection Monitor is this communicator's own

@@ -1,5 +1,6 @@
 import atexit
 import collections
+import functools
 import threading
 import time
 import weakref
@@ -12,6 +13,7 @@ from mnopt import server as rs
 from mnopt._mpi import LayoutMismatchError
 from mnopt.global_except_hook import run_or_abort
 from mnopt.communicators.base import CommunicatorBase, _Group
+from mnopt.communicators.base import release_after_collection
 from mnopt.communicators.base import whole_argument
 
 
@@ -73,9 +75,11 @@ class ReductionServerCommunicator(CommunicatorBase):
         if not job.servers:  # colocated: this worker serves shard `rank`
             self._colocated = _ColocatedServers(
                 channels, mpi_comm.rank, server_memory, self._monitor)
-            # Garbage collection stops them too: nothing here holds the
-            # communicator.
-            weakref.finalize(self, self._colocated.close, False)
+            # Garbage collection stops them too (after it, as it frees
+            # the rest: release_after_collection): nothing here holds
+            # the communicator.
+            weakref.finalize(self, release_after_collection,
+                             functools.partial(self._colocated.close, False))
         self.vote = 'server'
 
     def _make_monitor(self, mpi_comm, label, **settings):
