@@ -2,7 +2,9 @@
 ImageNet-example run; python -m mnopt.launch relaunches the job, which
 resumes from the newest complete snapshot (--resume auto) and ends with
 parameters bit-identical to an uninterrupted run, across an epoch
-boundary, for the plain and the double-buffered optimizer."""
+boundary, for the plain, the double-buffered and the sharded optimizer
+(each rank's share of the optimizer state comes back from its own
+file)."""
 
 import os
 import random
@@ -30,12 +32,15 @@ def data_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp('embedded'))
 
 
-def flags(out, cache, double_buffering):
+MODES = {'plain': [], 'double-buffering': ['--double-buffering'],
+         'sharded': ['--shard-state']}
+
+
+def flags(out, cache, mode):
     return ['--out', str(out), '--data-cache', cache, '--batchsize', '32',
             '--val-batchsize', '8', '--cpu', '--seed', '3',
             '--iteration', str(ITERATIONS), '--snapshot-interval',
-            str(INTERVAL), '--keep-snapshots', '2'] + (
-                ['--double-buffering'] if double_buffering else [])
+            str(INTERVAL), '--keep-snapshots', '2'] + MODES[mode]
 
 
 def ranks_of(out):
@@ -55,22 +60,20 @@ def ranks_of(out):
     return pids
 
 
-@pytest.mark.parametrize('double_buffering', [False, True],
-                         ids=['plain', 'double-buffering'])
-def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache,
-                                              double_buffering):
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache, mode):
     rng = random.Random()
     whole, part = tmp_path / 'whole', tmp_path / 'part'
     code = 'import runpy, sys\nrunpy.run_path(%r, run_name="__main__")\n' \
         % TRAIN
     proc = run_mpi(2, code, timeout=300, args=flags(whole, data_cache,
-                                                    double_buffering))
+                                                    mode))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     launcher = [sys.executable, '-m', 'mnopt.launch', '--max-restarts', '2',
                 '--'] + mpiexec() + ['-n', '2', sys.executable, '-m',
                                      'mpi4py', TRAIN, '--resume', 'auto'] \
-        + flags(part, data_cache, double_buffering)
+        + flags(part, data_cache, mode)
     job = subprocess.Popen(launcher, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, cwd=REPO,
                            env=dict(os.environ, PYTHONPATH=REPO),
