@@ -161,26 +161,28 @@ def release_collected():
         release()
 
 
+def _janitor_run(waiting=_collected_waiting):
+    # ``waiting`` is bound once, here: the janitor always waits on the
+    # event the module made (a test swaps the module's to keep it asleep).
+    while True:
+        waiting.wait()
+        waiting.clear()
+        if MPI.Is_finalized():
+            return
+        try:
+            release_collected()
+        except Exception:   # MPI finalized under it at exit
+            if not MPI.Is_finalized():
+                raise
+
+
 def _start_janitor():
     """The thread that releases what collections left, as soon as they
     leave it: with MPI_THREAD_MULTIPLE only (else the entry points do)."""
     global _janitor
     if _janitor is not None or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         return
-
-    def run():
-        while True:
-            _collected_waiting.wait()
-            _collected_waiting.clear()
-            if MPI.Is_finalized():
-                return
-            try:
-                release_collected()
-            except Exception:   # MPI finalized under it at exit
-                if not MPI.Is_finalized():
-                    raise
-
-    _janitor = threading.Thread(target=run, name='mnopt-janitor',
+    _janitor = threading.Thread(target=_janitor_run, name='mnopt-janitor',
                                 daemon=True)
     _janitor.start()
 
