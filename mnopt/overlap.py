@@ -220,17 +220,22 @@ class Overlap(object):
 
     # ------------------------------------------------------------ update
 
+    def _launch_remaining(self, params):
+        """Launch the planned buckets backward did not; returns the names
+        the plan covers (none without a plan)."""
+        if self.plan is None:
+            return set()
+        while self.next_bucket < len(self.plan):
+            self._launch(self.next_bucket, params)
+        return {n for names in self.plan for n in names}
+
     def finish(self):
         """Hand the communicator whatever backward did not (every rank the
         same averagings, in the same order), then return the handles.
         Gradients that a node vouched for must then be adopted (``adopt``)
         once the handles are done."""
         params = self._params()
-        covered = set()
-        if self.plan is not None:
-            while self.next_bucket < len(self.plan):
-                self._launch(self.next_bucket, params)
-            covered = {n for names in self.plan for n in names}
+        covered = self._launch_remaining(params)
         self.stats['buckets'] = 0 if self.plan is None else len(self.plan)
         # Vouched for: the gradient a node received is the final one.
         self.clean = {n for n, (grad, _) in self.early.items()

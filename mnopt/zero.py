@@ -599,12 +599,8 @@ class _ShardedOverlap(overlap.Overlap):
         their link (added to the mean in ``adopt``).  Returns the
         handles."""
         params = self._params()
-        covered = set()
-        if self.plan is not None:
-            while self.next_bucket < len(self.plan):
-                self._launch(self.next_bucket, params)
-            covered = {n for names in self.plan for n in names}
-        else:
+        covered = self._launch_remaining(params)
+        if self.plan is None:
             # Planning: a node vouches for a parameter whose final
             # gradient is the array it received.
             self.vouched = {n for n, g in self.seen.items()
