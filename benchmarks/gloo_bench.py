@@ -45,6 +45,9 @@ share beside it), on ResNet-50's 162 gradients (102.2 MB of float32; with
   (MNOPT_ALLREDUCE as set, by default auto: the ring across nodes);
 - mnopt flat float16 wire: the same with allreduce_grad_dtype='float16'
   (bound: half the float32 one);
+- mnopt reduction_server colocated float32: ``mean_grads`` on
+  ``create_communicator('reduction_server')`` in a job without server
+  processes (every worker serves one shard; the ring's bound);
 - raw MPI Allreduce, 1 MiB chunks of one packed buffer (no packing);
 - gloo, DDP's buckets: what DistributedDataParallel does after its first
   iteration: the gradients in reverse order, cut into buckets as
@@ -115,8 +118,8 @@ def bucket_assignment(nbytes, limits):
     return buckets
 
 
-def mnopt_case(base, wire):
-    comm = mnopt.create_communicator('flat', allreduce_grad_dtype=wire)
+def mnopt_case(base, wire, name='flat'):
+    comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire)
     grads = [(name, g.copy()) for name, g in base]
     return lambda: comm.mean_grads(grads), [g for _, g in grads]
 
@@ -244,8 +247,13 @@ def main():
     base = grad_list(shapes, world.rank)
     f32_fn, f32_grads = mnopt_case(base, 'float32')
     f16_fn, f16_grads = mnopt_case(base, 'float16')
+    # Without server processes in the job every worker serves one shard
+    # (colocated): the ring's bytes on each link, the same bound.
+    rs_fn, rs_grads = mnopt_case(base, 'float32', 'reduction_server')
     cases = [('mnopt flat float32', f32_fn, 'float32', f32_grads),
              ('mnopt flat, float16 wire', f16_fn, 'float16', f16_grads),
+             ('mnopt reduction_server colocated float32', rs_fn, 'float32',
+              rs_grads),
              ('raw MPI Allreduce, 1 MiB chunks',
               raw_mpi(world.Dup(), total, (1 << 20) // 4), 'float32', None)]
     bucket_bytes = {}
