@@ -53,3 +53,57 @@ def test_a_dropped_communicator_stops_its_server_threads():
         time.sleep(0.05)
     assert len(_server_threads()) <= before
     WORLD.Barrier()
+
+
+def test_a_goodbye_under_way_keeps_its_channels(monkeypatch):
+    """A collected communicator's goodbye is said on the janitor thread
+    while the main thread may be making the next communicator, which frees
+    the channels of the colocated servers that ended.  This rank's server
+    threads end as soon as every worker's goodbye reached them, which can
+    be before this rank's own goodbye has left for the other ranks'
+    servers: its channels must stay until it has (seen under load at
+    -n 2: the janitor's Send on a freed channel)."""
+    if WORLD.size == 1:
+        pytest.skip('one rank says goodbye to itself only')
+    from mnopt import server as rs
+    comm = mnopt.create_communicator('reduction_server')
+    servers = comm._colocated
+    go, errors = threading.Event(), []
+    if comm.rank == 0:
+        say_goodbye = rs.say_goodbye
+
+        def held_back(channels, workers):
+            # All but the async channel's goodbyes to the other ranks'
+            # servers; those once the main thread has made the next one.
+            workers = list(workers)
+            say_goodbye(channels[:1], workers)
+            say_goodbye(channels[1:], workers[:1])   # this rank's own
+            assert go.wait(120), 'the test never let the goodbye go on'
+            say_goodbye(channels[1:], workers[1:])
+        monkeypatch.setattr(rs, 'say_goodbye', held_back)
+
+        def close():
+            try:
+                servers.close(False)
+            except Exception as e:   # NOQA: reported by the assertion
+                errors.append(e)
+        closing = threading.Thread(target=close)
+        closing.start()
+        # Every goodbye reached this rank's servers: their threads end.
+        deadline = time.monotonic() + 60
+        while any(t.is_alive() for t in servers.threads):
+            assert time.monotonic() < deadline, 'the server threads ran on'
+            time.sleep(0.01)
+    else:
+        servers.close(False)
+    following = mnopt.create_communicator('reduction_server')
+    go.set()
+    if comm.rank == 0:
+        closing.join(120)
+        assert not closing.is_alive()
+    assert errors == []
+    grads = [('w', numpy.full(10, comm.rank, numpy.float32))]
+    following.mean_grads(grads)
+    assert (grads[0][1] == (comm.size - 1) / 2.0).all()
+    following.finalize()
+    comm.finalize()

@@ -220,6 +220,37 @@ def test_the_janitor_frees_what_a_collection_left():
     _wait_for(lambda: held == MPI.COMM_NULL, 30, 'the janitor')
 
 
+def test_a_failing_release_is_said_and_the_rest_released(monkeypatch,
+                                                         capfd):
+    """A release that raises (as a colocated server's goodbye on a freed
+    channel did) is written to stderr as Python does for a finalizer, and
+    neither stops the janitor nor reaches the caller of an entry point:
+    what was collected after it is still released."""
+    import threading
+    from mpi4py import MPI
+    from mnopt.communicators import base
+    released = []
+
+    def failing():
+        raise RuntimeError('a release that fails')
+    # The janitor asleep: this thread releases, as an entry point does.
+    monkeypatch.setattr(base, '_collected_waiting', threading.Event())
+    base.release_after_collection(failing)
+    base.release_after_collection(lambda: released.append('entry point'))
+    base.release_collected()
+    assert released == ['entry point']
+    assert 'RuntimeError: a release that fails' in capfd.readouterr().err
+    monkeypatch.undo()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return   # no janitor
+    base._start_janitor()
+    base.release_after_collection(failing)
+    _wait_for(lambda: not base._collected, 30, 'the janitor')
+    base.release_after_collection(lambda: released.append('janitor'))
+    _wait_for(lambda: 'janitor' in released, 30, 'the janitor, once more')
+    assert base._janitor.is_alive()
+
+
 # ------------------------------------------------------- how a job ends
 EARLY_EXIT = r'''
 import sys, time, numpy, mnopt

@@ -9,8 +9,10 @@ own group, so two threads never share an MPI communicator.
 
 import collections
 import contextlib
+import sys
 import threading
 import time
+import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -158,7 +160,17 @@ def release_collected():
             release = _collected.popleft()
         except IndexError:   # the janitor took the last one
             return
-        release()
+        try:
+            release()
+        except Exception:
+            if MPI.Is_finalized():   # at exit, under the janitor
+                return
+            # As Python does for an error in a finalizer: said, not
+            # raised into whatever call this entry point serves, and the
+            # rest is still released.
+            sys.stderr.write('mnopt: releasing what a garbage-collected '
+                             'communicator left failed (ignored):\n%s'
+                             % traceback.format_exc())
 
 
 def _janitor_run(waiting=_collected_waiting):
@@ -169,11 +181,7 @@ def _janitor_run(waiting=_collected_waiting):
         waiting.clear()
         if MPI.Is_finalized():
             return
-        try:
-            release_collected()
-        except Exception:   # MPI finalized under it at exit
-            if not MPI.Is_finalized():
-                raise
+        release_collected()
 
 
 def _start_janitor():

@@ -298,7 +298,8 @@ class _ColocatedServers(object):
     def __init__(self, channels, rank, memory, monitor):
         self.channels = channels
         self.n_workers = channels[0].size
-        self._closed = False
+        self._closed = False   # every goodbye sent
+        self._lock = threading.Lock()
         self.threads = []
         for chan, name in zip(channels, rs.CHANNEL_NAMES):
             t = threading.Thread(
@@ -315,20 +316,27 @@ class _ColocatedServers(object):
     def close(self, wait):
         """Say goodbye (once); with ``wait``, until the threads have ended,
         which needs every worker's goodbye (not from a garbage collection,
-        which may run at another point on another rank)."""
-        if not self._closed:
-            self._closed = True
-            rs.say_goodbye(self.channels, range(self.n_workers))
+        which may run at another point on another rank).  Safe from two
+        threads at once (the janitor closes a collected one while the
+        main thread makes the next, which frees the ended ones)."""
+        with self._lock:
+            if not self._closed:
+                rs.say_goodbye(self.channels, range(self.n_workers))
+                # Only now: this rank's server threads may end before its
+                # own goodbye has left for the other ranks' servers, and
+                # _closed with the threads ended lets the channels be freed.
+                self._closed = True
         if wait:
             for t in self.threads:
                 t.join()
             # Here, not in the threads: a thread ends as soon as it has
             # every goodbye, while this one may still be sending its own.
-            if not MPI.Is_finalized():
-                for chan in self.channels:
-                    if chan != MPI.COMM_NULL:
-                        chan.Free()
-            _open_colocated.discard(self)
+            with self._lock:
+                if not MPI.Is_finalized():
+                    for chan in self.channels:
+                        if chan != MPI.COMM_NULL:
+                            chan.Free()
+                _open_colocated.discard(self)
 
 
 def _serve(chan, rank, memory, monitor, name):
