@@ -118,9 +118,9 @@ def bucket_assignment(nbytes, limits):
     return buckets
 
 
-def mnopt_case(base, wire, name='flat'):
+def mnopt_case(grads, wire, name='flat'):
+    """``comm.mean_grads(grads)`` on a new ``name`` communicator."""
     comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire)
-    grads = [(name, g.copy()) for name, g in base]
     return lambda: comm.mean_grads(grads), [g for _, g in grads]
 
 
@@ -158,12 +158,11 @@ class Gloo:
         assert ours == theirs, (ours, theirs)
         return True
 
-    def case(self, base, limits, wire='float32'):
-        """DDP's reduction of (a copy of) ``base``'s gradients in buckets of
-        ``limits`` (sys.maxsize: one bucket), wire float32 (the default
-        hook) or float16 (fp16_compress_hook)."""
+    def case(self, arrays, limits, wire='float32'):
+        """DDP's reduction of the gradient ``arrays`` (in place) in
+        buckets of ``limits`` (sys.maxsize: one bucket), wire float32 (the
+        default hook) or float16 (fp16_compress_hook)."""
         torch, dist, n = self.torch, self.dist, self.n
-        arrays = [g.copy() for _, g in base]
         grads = [torch.from_numpy(a) for a in arrays][::-1]   # DDP's order
         self.check_buckets(grads, limits)
         buckets = []
@@ -219,6 +218,13 @@ def main():
                    help='GLOO_SOCKET_IFNAME unless set (default: eth0 '
                    'inside netsim, else lo)')
     p.add_argument('--no-gloo', action='store_true')
+    p.add_argument('--cases',
+                   help='comma-separated: only the cases whose label '
+                   'contains one of these (default: all)')
+    p.add_argument('--shared-grads', action='store_true',
+                   help='every case averages one working copy of the '
+                   'gradients, checked afterwards in a pass of its own '
+                   '(a copy per case does not fit 16 ranks in 24 GiB)')
     p.add_argument('--json')
     args = p.parse_args()
     world = MPI.COMM_WORLD
@@ -240,22 +246,37 @@ def main():
     def bound(wire_bytes):
         return 2.0 * (n_ranks - 1) / n_ranks * wire_bytes / rate
 
+    wanted = args.cases.split(',') if args.cases else None
+
+    def chosen(label):
+        return wanted is None or any(w in label for w in wanted)
+
     # (label, fn, wire, the gradients it averages in place or None)
     start = time.perf_counter()
     # This rank's gradients (standard normal): every case averages its own
-    # copy of them in place.
+    # copy of them in place (or, --shared-grads, all the same one).
     base = grad_list(shapes, world.rank)
-    f32_fn, f32_grads = mnopt_case(base, 'float32')
-    f16_fn, f16_grads = mnopt_case(base, 'float16')
-    # Without server processes in the job every worker serves one shard
-    # (colocated): the ring's bytes on each link, the same bound.
-    rs_fn, rs_grads = mnopt_case(base, 'float32', 'reduction_server')
-    cases = [('mnopt flat float32', f32_fn, 'float32', f32_grads),
-             ('mnopt flat, float16 wire', f16_fn, 'float16', f16_grads),
-             ('mnopt reduction_server colocated float32', rs_fn, 'float32',
-              rs_grads),
-             ('raw MPI Allreduce, 1 MiB chunks',
-              raw_mpi(world.Dup(), total, (1 << 20) // 4), 'float32', None)]
+    shared = ([(name, g.copy()) for name, g in base] if args.shared_grads
+              else None)
+
+    def working_copy():
+        return shared or [(name, g.copy()) for name, g in base]
+
+    cases = []
+    for label, wire, comm_name in (
+            ('mnopt flat float32', 'float32', 'flat'),
+            ('mnopt flat, float16 wire', 'float16', 'flat'),
+            # Without server processes in the job every worker serves one
+            # shard (colocated): the ring's bytes on each link, its bound.
+            ('mnopt reduction_server colocated float32', 'float32',
+             'reduction_server')):
+        if chosen(label):
+            fn, grads = mnopt_case(working_copy(), wire, comm_name)
+            cases.append((label, fn, wire, grads))
+    label = 'raw MPI Allreduce, 1 MiB chunks'
+    if chosen(label):
+        cases.append((label, raw_mpi(world.Dup(), total, (1 << 20) // 4),
+                      'float32', None))
     bucket_bytes = {}
     gloo_note = None
     if args.no_gloo:
@@ -279,7 +300,10 @@ def main():
                 ("gloo, DDP's buckets", ddp, 'float32'),
                 ('gloo, one bucket', [sys.maxsize], 'float32'),
                 ("gloo fp16 hook, DDP's buckets", ddp, 'float16')):
-            fn, grads, sizes = gloo.case(base, limits, wire)
+            if not chosen(label):
+                continue
+            fn, grads, sizes = gloo.case([g for _, g in working_copy()],
+                                         limits, wire)
             bucket_bytes[label] = sizes
             cases.append((label, fn, wire, grads))
     if gloo_note and world.rank == 0:
@@ -292,16 +316,30 @@ def main():
     expected = sample.astype(numpy.float64)
     world.Allreduce(MPI.IN_PLACE, expected)
     expected /= n_ranks
-    del base, sample
+    del sample
+    if shared is None:
+        del base
     if world.rank == 0:
         sys.stderr.write('set up in %.1f s\n' % (time.perf_counter() - start))
 
     times, idle = run_cases([(c[0], c[1]) for c in cases], world,
                             args.reps, args.warmup)
+    results = {}   # label -> the gradients as the case left them
+    for label, fn, wire, grads in cases:
+        if grads is None:
+            continue
+        if shared is not None:   # once more, from the starting gradients
+            for (_, g), (_, b) in zip(shared, base):
+                numpy.copyto(g, b)
+            world.Barrier()
+            fn()
+        results[label] = numpy.concatenate([g.ravel() for g in grads])[
+            ::CHECK_STRIDE]
     result = {'bench': 'gloo', 'n_ranks': n_ranks,
               'rate_mbit': args.rate_mbit,
               'host': MPI.Get_processor_name(), 'reps': args.reps,
               'warmup': args.warmup, 'bytes': nbytes,
+              'shared_grads': args.shared_grads,
               'n_grads': len(shapes), 'argv': sys.argv,
               'mnopt_allreduce': os.environ.get('MNOPT_ALLREDUCE', 'auto'),
               'mnopt_float32_by': 'ring' if _mpi.uses_ring(
@@ -315,10 +353,8 @@ def main():
     for (label, fn, wire, grads), t, cpu in zip(cases, times, idle):
         err = None
         if grads is not None:
-            got = numpy.concatenate([g.ravel() for g in grads])
-            err = float(numpy.max(numpy.abs(got[::CHECK_STRIDE] - expected))
+            err = float(numpy.max(numpy.abs(results[label] - expected))
                         / numpy.max(numpy.abs(expected)))
-            del got
             err = world.allreduce(err, op=MPI.MAX)
         b = bound(nbytes / 2 if wire == 'float16' else nbytes)
         row = {'case': label, 'wire': wire, 'bytes': nbytes,
