@@ -5,6 +5,7 @@ x[c+1] + x[c+2] + ... + x[c]), a float64 reference, and every rank's bits.
 Runs serially and under mpiexec -n 2, -n 3 (and -n 4).
 """
 
+import os
 import time
 
 import numpy
@@ -15,7 +16,7 @@ import mnopt
 from mnopt import _mpi
 from mnopt import grad_buffer as gb
 from mnopt import ring
-from conftest import WORLD, run_mpi
+from conftest import WORLD, run_mpi, slack
 
 N = WORLD.size
 WIRES = ['float32', 'float64', 'float16', 'bfloat16']
@@ -458,3 +459,37 @@ def test_a_rank_missing_from_the_ring_is_reported_not_waited_for(how):
         assert 'not arrived: rank 2' in proc.stderr
         assert 'Timeout (4 s, MNOPT_TIMEOUT)' in proc.stderr
     assert took < 40
+
+
+@pytest.mark.parametrize('wire', ['float32', 'float16'])
+def test_a_thread_that_yields_sums_the_same_bits(wire, segments):
+    """mnopt's background thread waits by yielding the core
+    (ring.yield_while_waiting): the same sum, and its waits still end."""
+    import threading
+    mine = to_wire(rank_values(3001, WORLD.rank), wire)
+    napped, yielded = mine.copy(), mine.copy()
+    ring.allreduce_sum(WORLD, napped, wire)
+    seen = []
+
+    def on_a_thread():
+        ring.yield_while_waiting()
+        seen.append(ring.waits_by_yielding())
+        ring.allreduce_sum(WORLD, yielded, wire)
+    t = threading.Thread(target=on_a_thread)
+    t.start()
+    t.join(slack(120))
+    assert not t.is_alive()
+    assert seen == [hasattr(os, 'sched_yield')]
+    assert not ring.waits_by_yielding()   # only that thread's
+    assert yielded.tobytes() == napped.tobytes()
+
+
+def test_the_background_thread_yields_where_it_got_a_short_slice():
+    from mnopt import _sched
+    comm = mnopt.create_communicator('flat')
+    background = comm._background()
+    slice_ns = background.submit(_sched.thread_slice_ns).result()
+    granted = slice_ns == 1000 * _sched.slice_us() and _sched.slice_us() > 0
+    assert background.submit(ring.waits_by_yielding).result() == granted
+    assert not ring.waits_by_yielding()
+    comm.finalize()

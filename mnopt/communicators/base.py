@@ -25,6 +25,7 @@ from mnopt import _sched
 from mnopt import cores
 from mnopt import grad_buffer
 from mnopt import overflow
+from mnopt import ring
 from mnopt import sign
 from mnopt import stall
 from mnopt.arrays import array_module, named_grads, to_host
@@ -193,6 +194,13 @@ def _start_janitor():
     _janitor = threading.Thread(target=_janitor_run, name='mnopt-janitor',
                                 daemon=True)
     _janitor.start()
+
+
+def _background_thread_setup():
+    """The background thread is latency-bound (mnopt/_sched.py): a short
+    scheduler slice, and with it the ring's waits yield the core instead
+    of napping (mnopt/ring.py)."""
+    ring.yield_while_waiting(_sched.prefer_low_latency())
 
 
 class _Resources(object):
@@ -525,10 +533,9 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
                     'MPI was initialised with a lower thread level')
             # Dup is collective: every rank reaches this at the same call.
             resources.async_group = self._make_group(self.mpi_comm.Dup())
-            # Latency-bound (mnopt/_sched.py): a short scheduler slice.
             resources.executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self.name,
-                initializer=_sched.prefer_low_latency)
+                initializer=_background_thread_setup)
         return resources.executor
 
     @watched('mean_grads_async.background')
