@@ -146,26 +146,40 @@ def allreduce_sum(comm, array, wire, algorithm=None):
     allreduce_sum_parts(comm, [array], wire, algorithm)
 
 
-def allreduce_sum_parts(comm, parts, wire, algorithm=None):
+def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
+                        divided=None):
     """Sum each contiguous numpy wire array of ``parts`` in place across
     ``comm``: on mnopt's pipelined ring (mnopt/ring.py; all parts in one
     ring) or with MPI's Allreduce (one call per part), as ``uses_ring``
     decides for their total size; ``algorithm`` overrides
     $MNOPT_ALLREDUCE.  Every rank ends with the same bits, and at two
     ranks both give the same bits (each element is one a + b).
+    ``divide(view)``, where given, runs on every piece of the parts whose
+    ``divided`` is False just before the sum first uses it.
 
     Sizes are not checked here: the communicators check their gradient
     layouts across ranks before summing."""
-    parts = [p for p in parts if p.size]
-    if not parts or comm.size == 1:
+    if divided is None:
+        divided = [True] * len(parts)
+    live = [(p, d) for p, d in zip(parts, divided) if p.size]
+    if comm.size == 1:
+        for part, done in live:
+            if not done:
+                divide(part)
         return
+    if not live:
+        return
+    parts, divided = [p for p, _ in live], [d for _, d in live]
     nbytes = sum(p.nbytes for p in parts)
     if uses_ring(comm, wire, nbytes, algorithm):
         from mnopt import ring
-        ring.allreduce_sum_parts(comm, parts, wire, check=False)
+        ring.allreduce_sum_parts(comm, parts, wire, check=False,
+                                 divide=divide, divided=divided)
         return
     mpi_type, op = wire_sum(wire)
-    for part in parts:
+    for part, done in live:
+        if not done:
+            divide(part)   # just before: still in cache for the reduction
         comm.Allreduce(MPI.IN_PLACE, [part, mpi_type], op=op)
 
 

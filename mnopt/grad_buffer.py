@@ -310,6 +310,29 @@ class GradBuffer(object):
         GPU buffers are first copied to a pinned host mirror (``from_host``
         copies the sums back).  In-place slices are divided just before
         they are yielded, so the reduction finds them still in cache."""
+        for part, divide in self._host_parts():
+            if divide:
+                self.divide(part)
+            yield part
+
+    def parts_to_divide(self):
+        """(parts, divided): ``host_parts()``'s arrays with the in-place
+        slices not yet divided, and per part whether ``divide`` must still
+        run on it.  For a sum that first touches each piece of a part at
+        another time (mnopt's ring): each piece is divided just before,
+        spread over the sum instead of one pass in front of it."""
+        parts, divided = [], []
+        for part, divide in self._host_parts():
+            parts.append(part)
+            divided.append(not divide)
+        return parts, divided
+
+    def divide(self, part):
+        """Divide (a view of) an in-place part by the packing's divisor,
+        in place: what ``pack`` does to the packed ones while it casts."""
+        numpy.divide(part, self._divisor, out=part)
+
+    def _host_parts(self):
         host = self.wire
         if self.xp is not numpy:
             from mnopt import _cuda
@@ -318,12 +341,10 @@ class GradBuffer(object):
             self.wire.get(out=self._host)
             host = self._host
         for b in self.buckets:
-            yield host[b]
+            yield host[b], False
         for flat in self._in_place_arrays:
             for b in self._slices(flat.size):
-                part = flat[b]
-                numpy.divide(part, self._divisor, out=part)
-                yield part
+                yield flat[b], True
 
     def from_host(self):
         if self.xp is not numpy:

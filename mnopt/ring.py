@@ -143,12 +143,18 @@ def allreduce_sum(comm, array, wire, check=True):
     allreduce_sum_parts(comm, [array], wire, check)
 
 
-def allreduce_sum_parts(comm, parts, wire, check=True):
+def allreduce_sum_parts(comm, parts, wire, check=True, divide=None,
+                        divided=None):
     """Sum each array of ``parts`` in place across ``comm``, in one ring:
     the parts are pipelined together, so many small pieces cost one ring's
     latency, not one each, but each is chunked on its own
     (``_chunk_each_part``): every part gets the bits ``allreduce_sum`` of
-    it alone gives."""
+    it alone gives.
+
+    ``divide(view)``, where given, runs on each segment of the parts whose
+    ``divided`` is False just before its first use (sent at the first
+    step, or summed into): the division is spread over the ring, between
+    its waits, instead of a pass over everything before it starts."""
     bad = [p for p in parts if not _fits(p, wire)]
     total = sum(p.size for p in parts if _fits(p, wire))
     if check:
@@ -156,10 +162,18 @@ def allreduce_sum_parts(comm, parts, wire, check=True):
     elif bad:
         raise ValueError(_describe(bad[0], wire))
     n = comm.size
+    if divided is None or divide is None:
+        divided = [True] * len(parts)
+    live = [(p, d) for p, d in zip(parts, divided) if p.size]
+    if n == 1:
+        for part, done in live:
+            if not done:
+                divide(part)
     if n > 1 and total:
         counts = [total * (c + 1) // n - total * c // n for c in range(n)]
-        _ring(comm, [p for p in parts if p.size], wire, counts, 0,
-              2 * (n - 1), chunk_each_part=True)
+        _ring(comm, [p for p, _ in live], wire, counts, 0,
+              2 * (n - 1), chunk_each_part=True,
+              divide=divide, divided=[d for _, d in live])
 
 
 # ------------------------------------------------------------------ checks
@@ -321,7 +335,7 @@ def _chunk_segments(parts, counts, seg_elems):
     return chunks
 
 
-def _chunk_each_part(parts, n, seg_elems):
+def _chunk_each_part(parts, n, seg_elems, with_part=False):
     """Per chunk, its segments: chunk c is the c-th of n pieces of every
     part (split as ``counts`` split a whole buffer).  Which rank an element
     is summed from first then depends on its place in its own part, not on
@@ -329,12 +343,13 @@ def _chunk_each_part(parts, n, seg_elems):
     an allreduce of that part alone gives (the overlapped optimizer
     averages bucket by bucket what the synchronous one averages at once)."""
     chunks = [[] for _ in range(n)]
-    for part in parts:
+    for i, part in enumerate(parts):
         size = part.size
         for c in range(n):
             lo, hi = size * c // n, size * (c + 1) // n
             for start in range(lo, hi, seg_elems):
-                chunks[c].append(part[start:min(hi, start + seg_elems)])
+                view = part[start:min(hi, start + seg_elems)]
+                chunks[c].append((view, i) if with_part else view)
     return chunks
 
 
@@ -358,12 +373,14 @@ def waits_by_yielding():
     return getattr(_waits, 'by_yield', False)
 
 
-def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False):
+def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
+          divide=None, divided=None):
     """Run ring steps ``first`` .. ``last``-1 over ``parts`` (see the
     module's docstring: steps below N-1 sum, the others copy).  ``wire``
     None: raw bytes (copy steps only).  ``chunk_each_part``: chunk c is
     the c-th piece of every part (``_chunk_each_part``), not of their
-    concatenation."""
+    concatenation.  ``divide``/``divided``: see allreduce_sum_parts (with
+    chunk_each_part, from step 0)."""
     global bytes_sent
     n, rank = comm.size, comm.rank
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -372,6 +389,16 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False):
     seg_elems = _segment_elems(counts, parts[0].itemsize)
     chunks = (_chunk_each_part(parts, n, seg_elems) if chunk_each_part
               else _chunk_segments(parts, counts, seg_elems))
+    # This rank's segments still to divide at their first use: each
+    # element is either sent at step 0 (chunk rank-1) or summed into at
+    # one step below N-1 (every other chunk), exactly once.
+    undivided = set()
+    if chunk_each_part and divide is not None and divided is not None \
+            and not all(divided):
+        by_part = _chunk_each_part(parts, n, seg_elems, with_part=True)
+        undivided = {id(view) for chunk in by_part for view, i in chunk
+                     if not divided[i]}
+        chunks = [[view for view, _ in chunk] for chunk in by_part]
     # Message lists in the order they are posted (step by step, segment by
     # segment); the left neighbour posts its sends in this same order, and
     # MPI keeps messages between two ranks on one tag in order.
@@ -423,6 +450,9 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False):
                 moved = True
             while posted_sends < n_sends and send_dep[posted_sends] < \
                     recvs_done:
+                if undivided and id(sends[posted_sends]) in undivided:
+                    undivided.discard(id(sends[posted_sends]))
+                    divide(sends[posted_sends])
                 send_req[posted_sends] = comm.Isend(
                     [sends[posted_sends], mpi_type], right, TAG)
                 posted_sends += 1
@@ -437,6 +467,9 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False):
                                                    status, mpi_type))
                 if recv_sum[i]:
                     got = scratch_of.pop(i)
+                    if undivided and id(recvs[i]) in undivided:
+                        undivided.discard(id(recvs[i]))
+                        divide(recvs[i])
                     add(got[:recvs[i].size], recvs[i])
                     scratch.append(got)
                 recvs_done += 1

@@ -493,3 +493,35 @@ def test_the_background_thread_yields_where_it_got_a_short_slice():
     assert background.submit(ring.waits_by_yielding).result() == granted
     assert not ring.waits_by_yielding()
     comm.finalize()
+
+
+@pytest.mark.parametrize('wire', ['float32', 'float64'])
+def test_dividing_at_first_use_gives_the_bits_of_dividing_first(wire,
+                                                                segments):
+    """``allreduce_sum_parts(divide=, divided=)`` divides each segment of
+    the parts not yet divided just before the ring first uses it (as
+    ``flat`` does with the gradients it sums in place): the bits of
+    dividing every part first, each element divided once."""
+    sizes, divisor = [5, 3001, 1, 40, 700], 3.0
+
+    def parts():
+        return [rank_values(n, WORLD.rank + k).astype(wire)
+                for k, n in enumerate(sizes)]
+    first = parts()
+    for p in first:
+        numpy.divide(p, divisor, out=p)
+    ring.allreduce_sum_parts(WORLD, first, wire)
+    divided = [k % 2 == 1 for k in range(len(sizes))]
+    lazy, calls = parts(), []
+    for p, done in zip(lazy, divided):
+        if done:
+            numpy.divide(p, divisor, out=p)
+
+    def divide(view):
+        calls.append(view.size)
+        numpy.divide(view, divisor, out=view)
+    ring.allreduce_sum_parts(WORLD, lazy, wire, divide=divide,
+                             divided=divided)
+    assert [p.tobytes() for p in lazy] == [p.tobytes() for p in first]
+    assert sum(calls) == sum(n for n, done in zip(sizes, divided)
+                             if not done)

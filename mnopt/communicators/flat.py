@@ -14,8 +14,10 @@ class FlatCommunicator(CommunicatorBase):
     name = 'flat'
 
     def _sum(self, buffer, group):
-        _mpi.allreduce_sum_parts(group.comm, list(buffer.host_parts()),
-                                 buffer.layout.wire, self.allreduce_algorithm)
+        parts, divided = buffer.parts_to_divide()
+        _mpi.allreduce_sum_parts(group.comm, parts, buffer.layout.wire,
+                                 self.allreduce_algorithm,
+                                 divide=buffer.divide, divided=divided)
         buffer.from_host()
 
     # The sharded optimizer's transports (mnopt/communicators/sharded.py):
