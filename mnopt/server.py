@@ -210,7 +210,8 @@ class Stats(object):
 
 
 def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
-          stats=None, on_error=None, monitor=None, name='serve'):
+          stats=None, on_error=None, monitor=None, name='serve',
+          idle=None):
     """Serve reductions on ``chan`` until every worker says goodbye.
 
     ``workers`` are the workers' ranks in ``chan`` (in worker order);
@@ -219,6 +220,13 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
     first reduction header on: waiting for one is idle time, not a stall,
     and so is waiting for the others' goodbyes once a worker has said
     its own (it finished early).
+
+    ``idle()``, where given, is called between requests for as long as no
+    header has come: it returns True once the server should look in
+    earnest (it blocks until then, or for a while, and returns False).  A
+    colocated server's cue is its own process's worker starting an
+    exchange: no request can complete without that worker's part, so
+    between averagings the thread sleeps instead of polling MPI.
     """
     _sched.prefer_low_latency()   # it waits on the network: mnopt/_sched.py
     n = len(workers)
@@ -228,7 +236,7 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
         watch = None
         try:
             watch = _receive_headers(chan, workers, headers, byes, monitor,
-                                     name)
+                                     name, idle)
             if watch is not None:
                 watch.detail = '(reducing)'
             _serve_request(chan, workers, headers, my_index, n_servers,
@@ -238,11 +246,12 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
                 watch.__exit__(None, None, None)
 
 
-def _receive_headers(chan, workers, headers, byes, monitor, name):
+def _receive_headers(chan, workers, headers, byes, monitor, name,
+                     idle=None):
     """Receive the next header of every worker still here into
     ``headers`` (zeros for those gone), adding goodbyes to ``byes``.
     Returns the watched operation, entered at the first reduction header
-    (None if there was none, or no ``monitor``)."""
+    (None if there was none, or no ``monitor``).  ``idle``: see serve."""
     waiting = {}
     for i, w in enumerate(workers):
         if w in byes:
@@ -251,6 +260,11 @@ def _receive_headers(chan, workers, headers, byes, monitor, name):
             waiting[i] = chan.Irecv([headers[i], MPI.INT64_T], source=w,
                                     tag=TAG_HEADER)
     index, requests = list(waiting), list(waiting.values())
+    if idle is not None:
+        # Get_status looks without completing (Testsome does that below).
+        while not any(r.Get_status() for r in requests):
+            if idle():
+                break
     watch = None
     while True:
         done = _mpi.wait_some(requests)

@@ -200,6 +200,8 @@ class ReductionServerCommunicator(CommunicatorBase):
         chunk = max(1, self._chunk_bytes // data.itemsize)
         bounds = rs.shard_bounds(data.size, self.n_servers)
         chan = group.chan
+        if self._colocated is not None:
+            self._colocated.wake(chan)
         t0 = time.perf_counter()
         # Workers start at different servers and go round them chunk by
         # chunk, so no server's link takes every worker's data at once
@@ -300,18 +302,27 @@ class _ColocatedServers(object):
         self.n_workers = channels[0].size
         self._closed = False   # every goodbye sent
         self._lock = threading.Lock()
+        # Per channel: set when this worker starts an exchange on it (or
+        # says goodbye), which wakes that channel's idle server thread.
+        self._cues = [threading.Event() for _ in channels]
         self.threads = []
-        for chan, name in zip(channels, rs.CHANNEL_NAMES):
+        for chan, name, cue in zip(channels, rs.CHANNEL_NAMES, self._cues):
             t = threading.Thread(
                 target=run_or_abort, daemon=True, args=(
                     _serve, chan, rank, memory, monitor,
-                    'serve.' + name), name='mnopt-colocated-server')
+                    'serve.' + name, functools.partial(_idle, cue)),
+                name='mnopt-colocated-server')
             t.start()
             self.threads.append(t)
         for ended in [c for c in _open_colocated if c._closed and not any(
                 t.is_alive() for t in c.threads)]:
             ended.close(wait=True)   # frees their channels
         _open_colocated.add(self)
+
+    def wake(self, chan):
+        """This worker starts an exchange on ``chan``: its server thread
+        there looks for requests in earnest."""
+        self._cues[self.channels.index(chan)].set()
 
     def close(self, wait):
         """Say goodbye (once); with ``wait``, until the threads have ended,
@@ -322,6 +333,8 @@ class _ColocatedServers(object):
         with self._lock:
             if not self._closed:
                 rs.say_goodbye(self.channels, range(self.n_workers))
+                for cue in self._cues:
+                    cue.set()
                 # Only now: this rank's server threads may end before its
                 # own goodbye has left for the other ranks' servers, and
                 # _closed with the threads ended lets the channels be freed.
@@ -339,10 +352,28 @@ class _ColocatedServers(object):
                 _open_colocated.discard(self)
 
 
-def _serve(chan, rank, memory, monitor, name):
+#: Longest sleep of an idle colocated server thread before it looks at
+#: MPI anyway (seconds): the other workers' goodbyes, which no cue of
+#: this worker announces, are seen within it.
+IDLE_LOOK_S = 0.05
+
+
+def _idle(cue):
+    """serve()'s ``idle`` for a colocated server thread: sleep until this
+    worker's cue (True) or IDLE_LOOK_S (False).  Polling MPI with naps of
+    up to 1 ms between averagings cost the CPU the training needs (16
+    simulated nodes on 2 cores: flat ran with the CPU 0-4% idle, 27%
+    without a colocated communicator in the processes)."""
+    if cue.wait(IDLE_LOOK_S):
+        cue.clear()
+        return True
+    return False
+
+
+def _serve(chan, rank, memory, monitor, name, idle):
     workers = list(range(chan.size))
     rs.serve(chan, workers, rank, len(workers), memory, None, None,
-             monitor, name)
+             monitor, name, idle)
 
 
 #: Colocated servers not yet known to have ended: at exit, this worker
