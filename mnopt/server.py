@@ -211,7 +211,7 @@ class Stats(object):
 
 def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
           stats=None, on_error=None, monitor=None, name='serve',
-          idle=None):
+          idle=None, on_headers=None):
     """Serve reductions on ``chan`` until every worker says goodbye.
 
     ``workers`` are the workers' ranks in ``chan`` (in worker order);
@@ -227,6 +227,8 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
     colocated server's cue is its own process's worker starting an
     exchange: no request can complete without that worker's part, so
     between averagings the thread sleeps instead of polling MPI.
+    ``on_headers()`` runs once each round's headers are all in (the
+    colocated server forgets its cue there: that exchange is this one).
     """
     _sched.prefer_low_latency()   # it waits on the network: mnopt/_sched.py
     n = len(workers)
@@ -237,6 +239,8 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
         try:
             watch = _receive_headers(chan, workers, headers, byes, monitor,
                                      name, idle)
+            if on_headers is not None:
+                on_headers()
             if watch is not None:
                 watch.detail = '(reducing)'
             _serve_request(chan, workers, headers, my_index, n_servers,

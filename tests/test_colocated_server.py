@@ -109,17 +109,22 @@ def test_a_goodbye_under_way_keeps_its_channels(monkeypatch):
     comm.finalize()
 
 
-def _cpu_seconds(thread):
-    """A thread's CPU time so far (Linux: /proc/self/task/TID/schedstat)."""
-    with open('/proc/self/task/%d/schedstat' % thread.native_id) as f:
-        return int(f.read().split()[0]) * 1e-9
+def _wakeups(thread):
+    """How often a thread has given up its core so far (sleeps, waits):
+    Linux's voluntary context switches, /proc/self/task/TID/status."""
+    with open('/proc/self/task/%d/status' % thread.native_id) as f:
+        for line in f:
+            if line.startswith('voluntary_ctxt_switches:'):
+                return int(line.split()[1])
+    raise AssertionError('no voluntary_ctxt_switches in /proc')
 
 
 def test_idle_server_threads_sleep_between_averagings():
     """Between averagings a colocated server thread sleeps until its own
-    worker starts the next exchange: polling MPI with naps of up to 1 ms
-    cost the CPU the training needs.  Over an idle second each thread
-    takes 1-2 ms of CPU (polling with naps: 11-12 ms, measured)."""
+    worker starts the next exchange (or 50 ms pass): polling MPI with
+    naps of up to 1 ms cost the CPU the training needs.  Counted in
+    wake-ups, which load does not change: about 20 in an idle second
+    (polling: hundreds to a thousand)."""
     import os
     if not os.path.exists('/proc/self/task'):
         pytest.skip('needs Linux /proc')
@@ -128,10 +133,12 @@ def test_idle_server_threads_sleep_between_averagings():
     comm.mean_grads(grads)
     comm.mean_grads_async(grads).wait()
     threads = comm._colocated.threads
-    before = [_cpu_seconds(t) for t in threads]
+    before = [_wakeups(t) for t in threads]
     time.sleep(1.0)
-    used = [_cpu_seconds(t) - b for t, b in zip(threads, before)]
-    assert max(used) < 0.005, used
+    woke = [_wakeups(t) - b for t, b in zip(threads, before)]
+    # Every rank's counts, so that every rank passes or fails alike.
+    everyone = comm.mpi_comm.allgather(woke)
+    assert max(max(w) for w in everyone) < 150, everyone
     # Woken at the next exchange, on each channel.
     grads = [('w', numpy.full(1000, comm.rank, numpy.float32))]
     comm.mean_grads(grads)
