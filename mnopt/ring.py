@@ -387,8 +387,6 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     mpi_type = MPI.BYTE if wire is None else _mpi._MPI_TYPES[wire]
     add = None if wire is None else _adder(wire)
     seg_elems = _segment_elems(counts, parts[0].itemsize)
-    chunks = (_chunk_each_part(parts, n, seg_elems) if chunk_each_part
-              else _chunk_segments(parts, counts, seg_elems))
     # This rank's segments still to divide at their first use: each
     # element is either sent at step 0 (chunk rank-1) or summed into at
     # one step below N-1 (every other chunk), exactly once.
@@ -399,6 +397,10 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
         undivided = {id(view) for chunk in by_part for view, i in chunk
                      if not divided[i]}
         chunks = [[view for view, _ in chunk] for chunk in by_part]
+    elif chunk_each_part:
+        chunks = _chunk_each_part(parts, n, seg_elems)
+    else:
+        chunks = _chunk_segments(parts, counts, seg_elems)
     # Message lists in the order they are posted (step by step, segment by
     # segment); the left neighbour posts its sends in this same order, and
     # MPI keeps messages between two ranks on one tag in order.
