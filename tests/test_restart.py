@@ -6,6 +6,7 @@ boundary, for the plain, the double-buffered and the sharded optimizer
 (each rank's share of the optimizer state comes back from its own
 file)."""
 
+import importlib.util
 import os
 import random
 import signal
@@ -21,15 +22,28 @@ pytestmark = pytest.mark.spawn
 pytest.importorskip('chainer', reason='the example needs Chainer')
 pytest.importorskip('PIL', reason="the example needs mnopt[examples]")
 TRAIN = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
-# 640 images at 2 ranks x 32: 10 iterations an epoch.  The run resumes
-# in epoch 1 (a new order was drawn once) and crosses into epoch 2 (drawn
-# again): the order's generator must come back with the snapshot.
+# An eighth of the embedded set, 80 images at 2 ranks x 4: 10 iterations
+# an epoch (the whole set at batch 32 took 4x as long for the same
+# iterations).  The run resumes in epoch 1 (a new order was drawn once)
+# and crosses into epoch 2 (drawn again): the order's generator must come
+# back with the snapshot.
 ITERATIONS, INTERVAL, EPOCH = 24, 4, 10
+IMAGES_PER_CLASS, BATCH = 10, 4
 
 
 @pytest.fixture(scope='module')
 def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp('embedded'))
+    """The example's embedded set, built smaller here: the example finds
+    it complete in --data-cache and reads it as it is."""
+    cache = str(tmp_path_factory.mktemp('embedded'))
+    spec = importlib.util.spec_from_file_location(
+        'embedded_data', os.path.join(os.path.dirname(TRAIN),
+                                      'embedded_data.py'))
+    embedded_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(embedded_data)
+    embedded_data.build(cache, n_train=IMAGES_PER_CLASS,
+                        n_val=IMAGES_PER_CLASS // 4)
+    return cache
 
 
 MODES = {'plain': [], 'double-buffering': ['--double-buffering'],
@@ -37,8 +51,8 @@ MODES = {'plain': [], 'double-buffering': ['--double-buffering'],
 
 
 def flags(out, cache, mode):
-    return ['--out', str(out), '--data-cache', cache, '--batchsize', '32',
-            '--val-batchsize', '8', '--cpu', '--seed', '3',
+    return ['--out', str(out), '--data-cache', cache, '--batchsize',
+            str(BATCH), '--val-batchsize', '8', '--cpu', '--seed', '3',
             '--iteration', str(ITERATIONS), '--snapshot-interval',
             str(INTERVAL), '--keep-snapshots', '2'] + MODES[mode]
 
@@ -81,13 +95,21 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache, mode):
     try:
         # Kill one rank at a random moment in epoch 1, shortly after the
         # shared file of snapshot 16 appears: while the ranks' own files
-        # may still be written (then 12 is the newest complete one).
+        # may still be written (then 12 is the newest complete one).  The
+        # moment is drawn from the first half of the time 12 to 16 took, so
+        # the kill lands before snapshot 20 however fast or busy the
+        # machine is.
         after = 16
-        deadline = time.time() + 240
-        while not (part / ('snapshot_iter_%d.npz' % after)).exists():
-            assert time.time() < deadline and job.poll() is None
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0, 0.5))
+        deadline = time.time() + slack(240)
+        appeared = {}
+        for snapshot in (after - INTERVAL, after):
+            path = part / ('snapshot_iter_%d.npz' % snapshot)
+            while not path.exists():
+                assert time.time() < deadline and job.poll() is None
+                time.sleep(0.01)
+            appeared[snapshot] = time.time()
+        time.sleep(rng.uniform(0, 0.5) * (
+            appeared[after] - appeared[after - INTERVAL]))
         victims = ranks_of(part)
         assert len(victims) == 2, victims
         os.kill(rng.choice(victims), signal.SIGKILL)

@@ -13,7 +13,7 @@ from test_reduction_server import run_job
 
 pytestmark = pytest.mark.spawn
 
-SHORT = {'MNOPT_STALL_WARNING': '2', 'MNOPT_TIMEOUT': '6'}
+SHORT = {'MNOPT_STALL_WARNING': '2', 'MNOPT_TIMEOUT': '4'}
 
 
 def _job(monkeypatch, env, code, workers=2, servers=1, timeout=90,
@@ -42,9 +42,9 @@ def test_servers_end_when_workers_never_create_a_communicator(monkeypatch):
     # The servers report their wait at the warning time, then abort.
     assert 'has waited' in proc.stderr and 'in the job start-up' \
         in proc.stderr, proc.stderr[-3000:]
-    assert 'Timeout (6 s, MNOPT_TIMEOUT): aborting the MPI job' \
+    assert 'Timeout (4 s, MNOPT_TIMEOUT): aborting the MPI job' \
         in proc.stderr
-    assert elapsed < 6 + slack(40)
+    assert elapsed < 4 + slack(40)
 
 
 ONE_WORKER_FAILS_FIRST = '''
@@ -62,9 +62,9 @@ def test_a_worker_gone_before_create_communicator_ends_the_job(
     proc, elapsed = _job(monkeypatch, SHORT, ONE_WORKER_FAILS_FIRST)
     assert proc.returncode != 0
     assert 'should never get here' not in proc.stdout
-    assert 'Timeout (6 s, MNOPT_TIMEOUT): aborting the MPI job' \
+    assert 'Timeout (4 s, MNOPT_TIMEOUT): aborting the MPI job' \
         in proc.stderr, proc.stderr[-3000:]
-    assert elapsed < 6 + slack(40)
+    assert elapsed < 4 + slack(40)
 
 
 AVERAGE_ONCE = '''
@@ -108,18 +108,18 @@ grads = [('w', numpy.full(1000, comm.rank, numpy.float32))]
 comm.mean_grads(grads)
 comm.mean_grads_async(grads).wait()
 if comm.rank == 1:
-    time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 9)
+    time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 4)
 print('worker %d done' % comm.rank)
 '''
 
 
 @pytest.mark.parametrize('servers', [1, 0])
 def test_a_worker_finishing_early_is_not_a_stall(servers, monkeypatch):
-    """Worker 0 says goodbye 9 s before worker 1: the servers (and worker
+    """Worker 0 says goodbye 4 s before worker 1: the servers (and worker
     0's colocated server threads) wait idle, past the warning time and
-    the timeout, without a report."""
-    proc, _ = _job(monkeypatch, {'MNOPT_STALL_WARNING': '2',
-                                 'MNOPT_TIMEOUT': '5'}, EARLY_FINISH,
+    twice the timeout, without a report."""
+    proc, _ = _job(monkeypatch, {'MNOPT_STALL_WARNING': '1',
+                                 'MNOPT_TIMEOUT': '2'}, EARLY_FINISH,
                    servers=servers)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('done') == 2

@@ -73,7 +73,7 @@ def test_the_benchmark_runs_without_chainer(tmp_path):
     code = NO_CHAINER + ('import runpy\nrunpy.run_module("mnopt.benchmark", '
                          'run_name="__main__")\n')
     proc = run_mpi(2, code, timeout=240, args=[
-        '--quick', '--only-mnopt', '--reps', '2', '--communicators', 'flat',
+        '--quick', '--only-mnopt', '--reps', '1', '--communicators', 'flat',
         'reduction_server', '--dtypes', 'float16', 'sign', '--json',
         str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -60,7 +60,7 @@ def reports(proc, rank):
 ], ids=['flat', 'hierarchical', 'reduction_server'])
 @pytest.mark.every_mpi  # the launcher ends the job
 def test_a_stopped_rank_is_named_then_the_job_ends(name, env):
-    proc, elapsed = stalled_job(3, name, 'stop', 2, 8, env=env)
+    proc, elapsed = stalled_job(3, name, 'stop', 2, 5, env=env)
     assert proc.returncode != 0
     assert 'finished' not in proc.stdout
     for r in (0, 2):
@@ -68,18 +68,18 @@ def test_a_stopped_rank_is_named_then_the_job_ends(name, env):
         assert ' in %s#0.mean_grads #2; not arrived: rank 1 (no answer: ' \
             'stopped' % name in warning, warning
         assert 'arrived: rank 0, rank 2. Still waiting; the job is aborted ' \
-            'after 8 s' in warning
+            'after 5 s' in warning
         waited = float(warning.split('has waited ')[1].split(' s')[0])
         # At the warning time (a 0.2 s tick; margin for a loaded machine).
         assert 2.0 <= waited < 2.0 + slack(1.5), warning
-        assert 'Timeout (8 s, MNOPT_TIMEOUT): aborting the MPI job' in final
+        assert 'Timeout (5 s, MNOPT_TIMEOUT): aborting the MPI job' in final
         waited = float(final.split('has waited ')[1].split(' s')[0])
-        assert 8.0 <= waited < 8.0 + slack(1.5), final
-    assert elapsed < 8 + slack(15), elapsed  # start-up, the report, the abort
+        assert 5.0 <= waited < 5.0 + slack(1.5), final
+    assert elapsed < 5 + slack(15), elapsed  # start-up, the report, the abort
 
 
 def test_a_busy_rank_is_told_from_a_stopped_one():
-    proc, _ = stalled_job(2, 'flat', 'busy', 2, 0, '5')
+    proc, _ = stalled_job(2, 'flat', 'busy', 1, 0, '3')
     assert proc.returncode == 0, proc.stderr[-3000:]   # timeout 0: no abort
     assert proc.stdout.count('finished') == 2
     (warning,) = reports(proc, 0)
@@ -88,7 +88,7 @@ def test_a_busy_rank_is_told_from_a_stopped_one():
 
 
 def test_a_desynchronised_rank_says_where_it_is():
-    proc, _ = stalled_job(2, 'naive', 'desync', 2, 5)
+    proc, _ = stalled_job(2, 'naive', 'desync', 1, 3)
     assert proc.returncode != 0
     warning = reports(proc, 0)[0]
     assert 'in naive#0.mean_grads #2; not arrived: rank 1 (in ' \
@@ -99,7 +99,7 @@ def test_a_desynchronised_rank_says_where_it_is():
 
 
 def test_background_averaging_is_watched():
-    proc, _ = stalled_job(2, 'flat', 'async', 2, 5)
+    proc, _ = stalled_job(2, 'flat', 'async', 1, 3)
     assert proc.returncode != 0
     warning = reports(proc, 0)[0]
     assert 'in flat#0.mean_grads_async #1; not arrived: rank 1 (no ' \
@@ -125,7 +125,7 @@ def test_reduction_server_job_names_a_stopped_process(who, monkeypatch):
                             'name, how = "reduction_server", %r'
                             % ('stop' if who == 'worker' else 'none'))
     monkeypatch.setenv('MNOPT_STALL_WARNING', '2')
-    monkeypatch.setenv('MNOPT_TIMEOUT', '6')
+    monkeypatch.setenv('MNOPT_TIMEOUT', '4')
     proc = run_job(2, 1, worker_code=worker, timeout=60, worker_args=[],
                    server_code=SERVER_STOPS_AFTER_ONE_REDUCTION
                    if who == 'server' else None)
@@ -144,7 +144,7 @@ def test_reduction_server_job_names_a_stopped_process(who, monkeypatch):
         assert 'in job.mean_grads #2; every rank has arrived (worker 0, ' \
             'worker 1): it waits on the servers' in lines[0], lines[0]
         assert 'servers: server 0 (no answer' in lines[0]
-    assert 'Timeout (6 s, MNOPT_TIMEOUT): aborting' in lines[-1]
+    assert 'Timeout (4 s, MNOPT_TIMEOUT): aborting' in lines[-1]
 
 
 def test_settings_from_arguments_then_environment(monkeypatch):
