@@ -79,7 +79,7 @@ def test_a_stopped_rank_is_named_then_the_job_ends(name, env):
 
 
 def test_a_busy_rank_is_told_from_a_stopped_one():
-    proc, _ = stalled_job(2, 'flat', 'busy', 1, 0, '3')
+    proc, _ = stalled_job(2, 'flat', 'busy', 2, 0, '4')
     assert proc.returncode == 0, proc.stderr[-3000:]   # timeout 0: no abort
     assert proc.stdout.count('finished') == 2
     (warning,) = reports(proc, 0)
@@ -88,7 +88,7 @@ def test_a_busy_rank_is_told_from_a_stopped_one():
 
 
 def test_a_desynchronised_rank_says_where_it_is():
-    proc, _ = stalled_job(2, 'naive', 'desync', 1, 3)
+    proc, _ = stalled_job(2, 'naive', 'desync', 2, 4)
     assert proc.returncode != 0
     warning = reports(proc, 0)[0]
     assert 'in naive#0.mean_grads #2; not arrived: rank 1 (in ' \
@@ -99,7 +99,7 @@ def test_a_desynchronised_rank_says_where_it_is():
 
 
 def test_background_averaging_is_watched():
-    proc, _ = stalled_job(2, 'flat', 'async', 1, 3)
+    proc, _ = stalled_job(2, 'flat', 'async', 2, 4)
     assert proc.returncode != 0
     warning = reports(proc, 0)[0]
     assert 'in flat#0.mean_grads_async #1; not arrived: rank 1 (no ' \
