@@ -26,6 +26,7 @@ the simulated nodes share them) that was idle while the case ran.
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -69,13 +70,49 @@ def raw_mpi(comm, n, chunk):
     return run
 
 
-def run_cases(cases, world, reps, warmup):
-    """Per case: the slowest rank's times and rank 0's CPU idle shares."""
+def _proc_net(path, prefix):
+    """One protocol's counters from /proc/net/snmp or /proc/net/netstat
+    (a header line and a value line per protocol)."""
+    with open(path) as f:
+        header, values = [line.split() for line in f
+                          if line.startswith(prefix)]
+    return dict(zip(header[1:], (int(v) for v in values[1:])))
+
+
+def tcp_and_scheduling():
+    """This rank's counters: its network namespace's TCP segments sent
+    and retransmitted so far, retransmission timeouts and tail loss probes
+    (each simulated node is a namespace of its own: /proc/net is per
+    namespace), and the process's voluntary and involuntary context
+    switches (waits, and preemptions by another process wanting the
+    core)."""
+    tcp = _proc_net('/proc/net/snmp', 'Tcp:')
+    ext = _proc_net('/proc/net/netstat', 'TcpExt:')
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return numpy.array([tcp['OutSegs'], tcp['RetransSegs'],
+                        ext['TCPTimeouts'], ext['TCPLossProbes'],
+                        usage.ru_nvcsw, usage.ru_nivcsw], numpy.int64)
+
+
+COUNTERS = ('TCP segments sent', 'TCP segments retransmitted',
+            'TCP retransmission timeouts', 'TCP tail loss probes',
+            'voluntary context switches', 'involuntary context switches')
+
+
+def run_cases(cases, world, reps, warmup, counters=None):
+    """Per case: the slowest rank's times and rank 0's CPU idle shares;
+    with ``counters`` (a function returning this rank's counters as an
+    array, e.g. ``tcp_and_scheduling``) also a dict of every rank's time,
+    shape (cases, reps, ranks), and its counters' growth over each case,
+    shape (cases, reps, ranks, counters)."""
     times = numpy.zeros((len(cases), reps))
     idle = numpy.zeros((len(cases), reps))
+    rank_times = numpy.zeros((len(cases), reps, world.size))
+    grown = None
     for rep in range(warmup + reps):
         for i, (label, fn) in enumerate(cases):
             world.Barrier()
+            c0 = counters() if counters else None
             i0, t0 = cpu_times()
             start = time.perf_counter()
             fn()
@@ -84,11 +121,22 @@ def run_cases(cases, world, reps, warmup):
             if rep >= warmup:
                 times[i, rep - warmup] = dt
                 idle[i, rep - warmup] = (i1 - i0) / max(1, t1 - t0)
+                rank_times[i, rep - warmup, world.rank] = dt
+                if counters:
+                    delta = counters() - c0
+                    if grown is None:
+                        grown = numpy.zeros((len(cases), reps, world.size,
+                                             len(delta)), numpy.int64)
+                    grown[i, rep - warmup, world.rank] = delta
         if world.rank == 0:
             sys.stderr.write('repetition %d/%d done\n' % (rep + 1,
                                                            warmup + reps))
     world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return times, idle
+    if counters is None:
+        return times, idle
+    world.Allreduce(MPI.IN_PLACE, rank_times, op=MPI.SUM)
+    world.Allreduce(MPI.IN_PLACE, grown, op=MPI.SUM)
+    return times, idle, {'rank_times': rank_times, 'counters': grown}
 
 
 def spread(values):
