@@ -98,6 +98,7 @@ from ring_bench import raw_mpi, run_cases, spread  # NOQA
 
 FIRST_BUCKET_BYTES = 1 << 20   # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 << 20        # DDP's bucket_cap_mb=25
+DDP_BUCKETS = [FIRST_BUCKET_BYTES, BUCKET_BYTES]   # Gloo.case's limits
 CHECK_STRIDE = 97              # the results checked at every 97th element
 
 
@@ -201,6 +202,16 @@ class Gloo:
         return run, arrays, [f.numel() * 4 for f, _ in buckets]
 
 
+def gloo_here(world, addr=None, iface=None):
+    """A Gloo group of ``world``'s ranks, rendezvous at ``addr`` over
+    ``iface``: by default netsim's node 0 over eth0 inside a simulated
+    cluster (``python -m mnopt.netsim``), else this host over lo."""
+    inside = MPI.Get_processor_name().startswith(netsim.PREFIX)
+    return Gloo(world,
+                addr or (netsim.node_address(0) if inside else '127.0.0.1'),
+                iface or ('eth0' if inside else 'lo'))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--rate-mbit', type=float, required=True,
@@ -290,16 +301,11 @@ def main():
         except ImportError as e:
             gloo_note = 'gloo cases skipped: no torch (%s)' % e
     if gloo_note is None:
-        inside = MPI.Get_processor_name().startswith(netsim.PREFIX)
-        addr = args.gloo_addr or (netsim.node_address(0) if inside
-                                  else '127.0.0.1')
-        iface = args.gloo_iface or ('eth0' if inside else 'lo')
-        gloo = Gloo(world, addr, iface)
-        ddp = [FIRST_BUCKET_BYTES, BUCKET_BYTES]
+        gloo = gloo_here(world, args.gloo_addr, args.gloo_iface)
         for label, limits, wire in (
-                ("gloo, DDP's buckets", ddp, 'float32'),
+                ("gloo, DDP's buckets", DDP_BUCKETS, 'float32'),
                 ('gloo, one bucket', [sys.maxsize], 'float32'),
-                ("gloo fp16 hook, DDP's buckets", ddp, 'float16')):
+                ("gloo fp16 hook, DDP's buckets", DDP_BUCKETS, 'float16')):
             if not chosen(label):
                 continue
             fn, grads, sizes = gloo.case([g for _, g in working_copy()],

@@ -29,13 +29,12 @@ import os
 import sys
 
 import numpy
-from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..'))
 import mnopt  # NOQA
-from mnopt import netsim, ring  # NOQA
+from mnopt import ring  # NOQA
 from mnopt.benchmark import grad_list, resnet50_grad_shapes  # NOQA
 from ring_bench import run_cases, spread  # NOQA
 
@@ -89,12 +88,9 @@ def main():
     gloo = None
     if args.gloo:
         import gloo_bench
-        inside = MPI.Get_processor_name().startswith(netsim.PREFIX)
-        gloo = gloo_bench.Gloo(world, netsim.node_address(0) if inside
-                               else '127.0.0.1', 'eth0' if inside else 'lo')
+        gloo = gloo_bench.gloo_here(world)
         fn, _, _ = gloo.case([g for _, g in grads_of(world.rank)],
-                             [gloo_bench.FIRST_BUCKET_BYTES,
-                              gloo_bench.BUCKET_BYTES])
+                             gloo_bench.DDP_BUCKETS)
         cases.append(("gloo, DDP's buckets", fn))
     times, idle = run_cases(cases, world, args.reps, 1)
     if gloo is not None:

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(HERE, '..'))
 import numpy
 from mpi4py import MPI
 import mnopt
-from mnopt import ring, netsim, _mpi
+from mnopt import ring, _mpi
 from ring_bench import run_cases, spread
 import gloo_bench
 from mnopt.benchmark import grad_list, resnet50_grad_shapes
@@ -35,9 +35,8 @@ buf = numpy.ones(n, numpy.float32)
 cases = [('flat, division spread over the ring', lambda: lazy.mean_grads(grads)),
          ('flat, division in one pass first', lambda: first.mean_grads(grads)),
          ('raw ring, one packed buffer', lambda: ring.allreduce_sum(world, buf, 'float32'))]
-inside = MPI.Get_processor_name().startswith(netsim.PREFIX)
-g = gloo_bench.Gloo(world, netsim.node_address(0) if inside else '127.0.0.1', 'eth0' if inside else 'lo')
-fn, _, _ = g.case([b for _, b in base], [gloo_bench.FIRST_BUCKET_BYTES, gloo_bench.BUCKET_BYTES])
+g = gloo_bench.gloo_here(world)
+fn, _, _ = g.case([b for _, b in base], gloo_bench.DDP_BUCKETS)
 cases.append(("gloo, DDP's buckets", fn))
 times, idle = run_cases(cases, world, int(sys.argv[1]), 1)
 if world.rank == 0:

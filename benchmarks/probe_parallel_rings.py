@@ -17,7 +17,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..'))
 import numpy
 from mpi4py import MPI
-from mnopt import ring, netsim
+from mnopt import ring
 from ring_bench import run_cases, spread
 import gloo_bench
 from mnopt.benchmark import grad_list, resnet50_grad_shapes
@@ -37,9 +37,8 @@ def k_rings(k):
     return run
 cases = [('%d ring(s) at once' % k, k_rings(k)) for k in (1, 2, 4)]
 base = grad_list(resnet50_grad_shapes(), world.rank)
-inside = MPI.Get_processor_name().startswith(netsim.PREFIX)
-g = gloo_bench.Gloo(world, netsim.node_address(0) if inside else '127.0.0.1', 'eth0' if inside else 'lo')
-fn, _, _ = g.case([b for _, b in base], [gloo_bench.FIRST_BUCKET_BYTES, gloo_bench.BUCKET_BYTES])
+g = gloo_bench.gloo_here(world)
+fn, _, _ = g.case([b for _, b in base], gloo_bench.DDP_BUCKETS)
 cases.append(("gloo DDP buckets", fn))
 fn1, _, _ = g.case([b.copy() for _, b in base], [sys.maxsize])
 cases.append(("gloo one bucket", fn1))

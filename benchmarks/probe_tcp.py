@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..'))
 import mnopt  # NOQA
-from mnopt import netsim, ring  # NOQA
+from mnopt import ring  # NOQA
 from mnopt.benchmark import grad_list, resnet50_grad_shapes  # NOQA
 import gloo_bench  # NOQA
 from ring_bench import (COUNTERS, run_cases, spread,  # NOQA
@@ -42,11 +42,8 @@ def main():
     grads = [(name, g.copy()) for name, g in base]
     flat = mnopt.create_communicator('flat')
     packed = numpy.ones(sum(g.size for _, g in base), numpy.float32)
-    inside = MPI.Get_processor_name().startswith(netsim.PREFIX)
-    gloo = gloo_bench.Gloo(world, netsim.node_address(0) if inside
-                           else '127.0.0.1', 'eth0' if inside else 'lo')
-    ddp, _, _ = gloo.case([g for _, g in base], [
-        gloo_bench.FIRST_BUCKET_BYTES, gloo_bench.BUCKET_BYTES])
+    gloo = gloo_bench.gloo_here(world)
+    ddp, _, _ = gloo.case([g for _, g in base], gloo_bench.DDP_BUCKETS)
     cases = [('raw ring, one packed buffer', lambda: ring.allreduce_sum(
                   world, packed, 'float32', check=False)),
              ('mnopt flat float32', lambda: flat.mean_grads(grads)),
