@@ -22,6 +22,7 @@ from mpi4py import MPI
 from mnopt import _env
 from mnopt import _mpi
 from mnopt import _sched
+from mnopt import agreement
 from mnopt import cores
 from mnopt import grad_buffer
 from mnopt import overflow
@@ -663,6 +664,32 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         """Whether the stall-detection Monitor is this communicator's own
         (freed with it), not shared with others."""
         return True
+
+    # ----------------------------------------------------------- agreement
+    # mnopt's own decisions that every rank must make alike (mnopt/
+    # agreement.py), over mnopt's private duplicate of the user's
+    # communicator: never in the user's message or tag space.
+    def everyone(self, value, what):
+        """``[rank 0's value, rank 1's, ...]`` on every rank."""
+        return agreement.everyone(self._sync_group.comm, value, what,
+                                  **self._stall_settings)
+
+    def raise_together(self, problem, what):
+        """Raise on every rank if any rank's ``problem`` is an exception
+        (agreement.raise_together)."""
+        agreement.raise_together(self._sync_group.comm, problem, what,
+                                 **self._stall_settings)
+
+    def same(self, settings, what):
+        """ValueError on every rank unless every rank's ``settings`` dict
+        is equal, naming what differs (agreement.same)."""
+        return agreement.same(self._sync_group.comm, settings, what,
+                              **self._stall_settings)
+
+    def common(self, items, what):
+        """The items every rank holds, sorted (agreement.common)."""
+        return agreement.common(self._sync_group.comm, items, what,
+                                **self._stall_settings)
 
     # ----------------------------------------------------------- collectives
     @watched('split')

@@ -1,0 +1,105 @@
+"""Agreement: ranks decide alike because each sees what every rank said.
+
+Multi-rank code goes wrong where each rank decides on its own about shared
+state: which snapshot files to keep, which write to load, which settings
+are in force, whether to go on after one rank's argument was bad.  The
+remedy is always the same: exchange what each rank knows, then let every
+rank compute the same decision from the same list.  This module is that
+exchange (``everyone``) and the decisions built on it; every "same error
+on every rank" check and every shared choice goes through here.
+
+The exchange is two non-blocking collectives (the sizes, then the pickled
+values), waited for with stall detection (``stall.wait_or_abort``): a rank
+that never arrives is reported and, after the timeout, ends the job.
+Collectives never match a user's point-to-point receive, whatever its tag
+or source.
+"""
+
+import pickle
+
+import numpy
+from mpi4py import MPI
+
+from mnopt import stall
+
+_MISSING = object()
+
+
+def everyone(comm, value, what, stall_warning=None, timeout=None):
+    """``[rank 0's value, rank 1's value, ...]`` on every rank of the
+    mpi4py communicator ``comm``.  ``value`` must pickle; ``what`` names
+    the exchange in a stall report."""
+    data = numpy.frombuffer(pickle.dumps(value, pickle.HIGHEST_PROTOCOL),
+                            numpy.uint8)
+    sizes = numpy.empty(comm.size, numpy.int64)
+    stall.wait_or_abort(
+        [comm.Iallgather(numpy.array([data.size], numpy.int64), sizes)],
+        what, stall_warning, timeout)
+    counts = [int(n) for n in sizes]
+    displacements = [sum(counts[:r]) for r in range(comm.size)]
+    gathered = numpy.empty(sum(counts), numpy.uint8)
+    stall.wait_or_abort(
+        [comm.Iallgatherv([data, MPI.BYTE],
+                          [gathered, (counts, displacements), MPI.BYTE])],
+        what, stall_warning, timeout)
+    return [pickle.loads(gathered[d:d + n].tobytes())
+            for d, n in zip(displacements, counts)]
+
+
+def describe(problem):
+    """One line for an exception (or None)."""
+    if problem is None:
+        return None
+    return '%s: %s' % (type(problem).__name__, problem)
+
+
+def raise_together(comm, problem, what, stall_warning=None, timeout=None):
+    """Every rank learns every rank's ``problem`` (an exception or None);
+    if any rank had one, every rank raises: that rank its own exception,
+    the others a RuntimeError naming each rank's problem.  ``what`` is
+    the operation, as the error says it ("create_communicator('flat')
+    failed on rank 1: ...")."""
+    said = everyone(comm, describe(problem), what, stall_warning, timeout)
+    if problem is not None:
+        raise problem
+    failed = ['rank %d: %s' % (r, p) for r, p in enumerate(said)
+              if p is not None]
+    if failed:
+        raise RuntimeError('%s failed on %s' % (what, '; '.join(failed)))
+
+
+def disagreement(values, what):
+    """The message for settings dicts (one per rank) that differ, naming
+    each differing setting and every rank's value of it; None when they
+    agree."""
+    names = sorted(set().union(*values), key=str)
+    differ = [k for k in names
+              if any(v.get(k, _MISSING) != values[0].get(k, _MISSING)
+                     for v in values)]
+    if not differ:
+        return None
+    return 'ranks disagree on %s: %s' % (what, '; '.join(
+        '%s (%s)' % (k, ', '.join(
+            'rank %d: %s' % (r, repr(v[k]) if k in v else 'not set')
+            for r, v in enumerate(values)))
+        for k in differ))
+
+
+def same(comm, settings, what, stall_warning=None, timeout=None):
+    """Raise ValueError on every rank unless every rank passed equal
+    ``settings`` (a dict); the error names each setting that differs and
+    every rank's value.  Returns ``settings``."""
+    message = disagreement(
+        everyone(comm, dict(settings), what, stall_warning, timeout), what)
+    if message:
+        raise ValueError(message)
+    return settings
+
+
+def common(comm, items, what, stall_warning=None, timeout=None):
+    """The items (hashable) that every rank holds, sorted: a choice among
+    things some ranks may lack (snapshot files, checkpoints) that every
+    rank makes alike."""
+    held = everyone(comm, sorted(set(items)), what, stall_warning, timeout)
+    shared = set(held[0]).intersection(*held[1:])
+    return sorted(shared)
