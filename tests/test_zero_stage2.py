@@ -25,7 +25,8 @@ class Net(chainer.Chain):
     tests/test_overlap.py's), with the cases backward order cannot vouch
     for as options."""
 
-    def __init__(self, share=False, direct_every=0, skip_every=0):
+    def __init__(self, share=False, direct_every=0, skip_every=0,
+                 width=4 * 6 * 6):
         super(Net, self).__init__()
         self.share, self.direct_every = share, direct_every
         self.skip_every = skip_every
@@ -34,8 +35,8 @@ class Net(chainer.Chain):
             self.conv1 = L.Convolution2D(2, 4, 3, pad=1)
             self.bn1 = L.BatchNormalization(4)
             self.conv2 = L.Convolution2D(4, 4, 3, pad=1)
-            self.extra = L.Linear(4 * 6 * 6, 4 * 6 * 6)
-            self.fc = L.Linear(4 * 6 * 6, 5)
+            self.extra = L.Linear(4 * 6 * 6, width)
+            self.fc = L.Linear(width, 5)
 
     def forward(self, x, t):
         self.calls += 1
@@ -69,8 +70,9 @@ OPTIMIZERS = {
 
 
 def train(comm_name, optimizer='Adam', shard_state=True, overlap=True,
-          net_options=None, steps=STEPS, check=None, **comm_options):
-    comm = mnopt.create_communicator(comm_name, bucket_bytes=600,
+          net_options=None, steps=STEPS, check=None, bucket_bytes=600,
+          **comm_options):
+    comm = mnopt.create_communicator(comm_name, bucket_bytes=bucket_bytes,
                                      **comm_options)
     try:
         numpy.random.seed(comm.rank)   # rank 0's values are broadcast
@@ -110,19 +112,49 @@ def only_owned_gradients(comm, model, opt):
         assert (param.grad is not None) == (name in owned), name
 
 
+def assert_stage2_is_stage1(comm_name, optimizer, stage1, stage2):
+    """What holds between the stages (docs/zero.md, "Exact"): bit for bit
+    where each element's summation order is fixed by the ranks alone
+    (mnopt's ring on flat and among hierarchical's leaders; one a + b at
+    N <= 2), within rounding on naive at N >= 3, whose MPI
+    Reduce_scatter picks its algorithm, and so each element's order, by
+    the size of the call: stage 1 makes one call of the whole buffer,
+    stage 2 one per bucket."""
+    if comm_name != 'naive' or WORLD.size <= 2:
+        assert_same(stage1, stage2)
+    elif optimizer == 'Adam':   # the last bit decides a step's sign
+        assert worst(stage1, stage2) <= 0.01 * (STEPS - 1)
+    else:
+        assert worst(stage1, stage2) < 1e-6
+
+
 @pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
-def test_stage2_is_stage1_bit_for_bit(comm_name, optimizer):
-    """Each element is summed by its owner's share of one reduce-scatter
-    in both (per bucket in stage 2, over the whole buffer in stage 1):
-    the same order, the same bits, on every communicator and N."""
+def test_stage2_is_stage1(comm_name, optimizer):
+    """Each element is summed by its owner's share of a reduce-scatter
+    in both (per bucket in stage 2, over the whole buffer in stage 1)."""
     stage1, _ = train(comm_name, optimizer, overlap=False)
     stage2, stats = train(comm_name, optimizer,
                           check=only_owned_gradients)
-    assert_same(stage1, stage2)
+    assert_stage2_is_stage1(comm_name, optimizer, stage1, stage2)
     # From the third update on (the first broadcasts, the second makes
     # the plan) every bucket leaves during backward.
     assert stats[3]['buckets'] > 3
     assert stats[3]['during_backward'] == stats[3]['buckets']
+
+
+@pytest.mark.parametrize('comm_name', ['naive', 'flat', 'hierarchical'])
+def test_stage2_is_stage1_when_the_model_outgrows_the_buckets(comm_name):
+    """A model of 590 KB in 64 KiB buckets: MPICH's Reduce_scatter sums
+    a call above 512 KiB by pairwise exchange, below it by recursive
+    halving, so naive's stage 1 (one call) and stage 2 (a call per
+    bucket) sum rank 0's and rank 2's shares in other orders at N = 3
+    (measured: 7,575 elements differ, by up to 6e-8, after 6
+    MomentumSGD steps); the ring's order does not depend on the size."""
+    for optimizer in sorted(OPTIMIZERS):
+        runs = [train(comm_name, optimizer, overlap=overlap,
+                      net_options={'width': 1024}, bucket_bytes=1 << 16)[0]
+                for overlap in (False, True)]
+        assert_stage2_is_stage1(comm_name, optimizer, *runs)
 
 
 @pytest.mark.parametrize('optimizer', sorted(OPTIMIZERS))
