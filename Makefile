@@ -33,7 +33,7 @@ OPENMPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 LAUNCH_openmpi := env $(OPENMPI_ENV) mpiexec
 PRE_openmpi := openmpi-system
 
-.PHONY: setup run run-cluster test bench convergence experiments clean openmpi-system \
+.PHONY: setup run run-cluster test conformance bench convergence experiments clean openmpi-system \
     gpu-check gpu-wheels
 # The stamps of built stacks are kept (make would delete them as the
 # intermediate files of a pattern rule, and rebuild every stack each time).
@@ -123,7 +123,19 @@ experiments: setup
 ON_EVERY_STACK := not spawn or every_stack
 OWN_MPI_openmpi := or every_mpi
 
-test: $(addprefix test-,$(STACKS))
+test: $(addprefix test-,$(STACKS)) conformance
+
+# ChainerMN's own tests against mnopt (tests/conformance.py), on the first
+# stack with Chainer, where the kit is beside the checkout (as in CI);
+# elsewhere it says it did not run.
+CONFORMANCE_STACK ?= $(firstword $(filter-out core,$(STACKS)))
+conformance: $(if $(CONFORMANCE_STACK),.venv/$(CONFORMANCE_STACK)/.installed)
+	@if [ -z "$(CONFORMANCE_STACK)" ]; then \
+	    echo "== conformance: not run: no stack with Chainer in STACKS"; \
+	else \
+	    .venv/$(CONFORMANCE_STACK)/bin/python tests/conformance.py \
+	        $(CURDIR)/.venv/$(CONFORMANCE_STACK)/bin/python; \
+	fi
 
 test-%: .venv/%/.installed
 	@.venv/$*/bin/python -c 'import sys, numpy; from mpi4py import MPI; \

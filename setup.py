@@ -90,7 +90,9 @@ setup(
         # with PIP_CONSTRAINT pointing at a file that says so
         # (constraints/*.txt).
         'chainer': ['chainer>=7.8'],
-        'test': ['pytest>=7', 'pytest-timeout>=2'],
+        # allpairspy: the pairwise combination matrix
+        # (tests/test_combinations.py).
+        'test': ['pytest>=7', 'pytest-timeout>=2', 'allpairspy>=2.5'],
         # The ImageNet example (images, plots) and the digits example.
         'examples': ['chainer>=7.8', 'Pillow', 'matplotlib', 'scikit-learn'],
         # GPUs: CUDA 12 with CuPy 13 (NumPy 1.x or 2.x) ...

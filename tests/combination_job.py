@@ -1,0 +1,181 @@
+"""One phase of the combination matrix (tests/test_combinations.py), run
+under mpiexec: every case of a JSON list in turn, in this one job.
+
+    python -m mpi4py tests/combination_job.py CASES.json PHASE OUT
+
+PHASE ``first``: train each case from scratch (to the end for a case
+without resume, else to the last snapshot).  PHASE ``second``: resume each
+case from its snapshots (at this job's number of ranks) and finish, and
+train the uninterrupted reference beside it where one is promised.
+
+Rank 0 prints one ``CASE {json}`` line per case: each rank's error (or
+None), what it resumed from, the digest of its parameters, the samples it
+saw twice within an epoch.  The test decides; this script only observes.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import traceback
+
+import numpy
+from mpi4py import MPI
+
+import mnopt  # before Chainer: Chainer's NumPy 2 names
+import chainer
+import chainer.links as L
+
+WORLD = MPI.COMM_WORLD
+SNAPSHOTS = [3, 5]     # iterations a snapshot is written at
+STOP = 7               # every case ends here
+N_SAMPLES, BATCH = 48, 4   # 12 / 8 iterations an epoch at 2 / 3 ranks
+MODES = {
+    'sync': {},
+    'double_buffering': {'double_buffering': True},
+    'overlap': {'overlap': True},
+    'shard_state': {'shard_state': True},
+    'stage2': {'shard_state': True, 'overlap': True},
+    'sign': {},
+}
+
+
+def dataset():
+    """Samples that carry their own index (the third column)."""
+    rng = numpy.random.RandomState(7)
+    x = rng.standard_normal((N_SAMPLES, 8)).astype(numpy.float32)
+    t = ((x[:, 0] > 0).astype(numpy.int32) + (x[:, 1] > 0)
+         + (x[:, 2] > 0)).astype(numpy.int32)
+    return chainer.datasets.TupleDataset(x, t, numpy.arange(N_SAMPLES))
+
+
+def communicator(case):
+    kwargs = {'allreduce_grad_dtype': case['wire']}
+    if case['mode'] == 'sign':
+        kwargs['compression'] = 'sign'
+    base = mnopt.create_communicator(case['comm'], **kwargs)
+    if not case['split']:
+        return base, [base]
+    # The same ranks, as a communicator of the same kind made by split():
+    # it must keep every setting of the one it came from.
+    sub = base.split(0, base.rank)
+    return sub, [sub, base]
+
+
+class Recorder(object):
+    """The converter: drops the index column and records, per epoch, the
+    indices this rank trained on."""
+
+    def __init__(self, iterator):
+        self.iterator, self.seen = iterator, {}
+
+    def __call__(self, batch, device=None):
+        it = self.iterator
+        # next() has run: a batch that ended an epoch belongs to it.
+        epoch = it.epoch - 1 if it.is_new_epoch else it.epoch
+        self.seen.setdefault(epoch, []).extend(int(b[2]) for b in batch)
+        return chainer.dataset.concat_examples([b[:2] for b in batch], device)
+
+    def twice(self):
+        """{epoch: indices seen more than once in it}, for epochs with any."""
+        out = {}
+        for epoch, indices in self.seen.items():
+            counts = numpy.bincount(indices, minlength=N_SAMPLES)
+            if (counts > 1).any():
+                out[epoch] = numpy.flatnonzero(counts > 1).tolist()
+        return out
+
+
+def train(case, out, stop, snapshots):
+    """Train ``case`` to ``stop`` with snapshots (autoloaded) in ``out``;
+    returns (iteration resumed from, parameter digest, samples seen twice,
+    whether the parameters moved after the resume)."""
+    comm, made = communicator(case)
+    iterator = None
+    try:
+        numpy.random.seed(case['seed'])   # initial weights, orders
+        model = L.Classifier(chainer.Sequential(
+            L.Linear(8, 16), chainer.functions.relu, L.Linear(16, 4)))
+        shuffled = case['data'] != 'plain+serial'
+        train_set = mnopt.scatter_dataset(dataset(), comm, shuffle=shuffled,
+                                          seed=case['seed'])
+        if case['data'] == 'shuffled+multiprocess':
+            iterator = chainer.iterators.MultiprocessIterator(
+                train_set, BATCH, shuffle=True, n_processes=1)
+        else:
+            iterator = chainer.iterators.SerialIterator(
+                train_set, BATCH, shuffle=shuffled)
+        actual = chainer.optimizers.MomentumSGD(lr=0.05)
+        optimizer = mnopt.create_multi_node_optimizer(
+            actual, comm, **MODES[case['mode']])
+        optimizer.setup(model)
+        recorder = Recorder(iterator)
+        trainer = chainer.training.Trainer(
+            chainer.training.StandardUpdater(iterator, optimizer,
+                                             converter=recorder),
+            (stop, 'iteration'), out=out)
+        if snapshots:
+            snap = mnopt.extensions.multi_node_snapshot(
+                comm, chainer.training.extensions.snapshot(autoload=True))
+            trainer.extend(snap, trigger=chainer.training.triggers.
+                           ManualScheduleTrigger(snapshots, 'iteration'))
+            snap.initialize(trainer)   # the autoload (run() does it again)
+        resumed = trainer.updater.iteration
+        before = [p.array.copy() for _, p in sorted(model.namedparams())]
+        trainer.run()
+        after = [p.array for _, p in sorted(model.namedparams())]
+        digest = hashlib.sha1(b''.join(a.tobytes() for a in after))
+        moved = any((a != b).any() for a, b in zip(after, before))
+        return resumed, digest.hexdigest(), recorder.twice(), moved
+    finally:
+        if isinstance(iterator, chainer.iterators.MultiprocessIterator):
+            iterator.finalize()
+        for c in made:
+            c.finalize()
+
+
+def run_case(case, phase, root):
+    here = os.path.join(root, case['id'])
+    report = {'id': case['id'], 'phase': phase, 'size': WORLD.size}
+    if phase == 'first':
+        if case['resume'] == 'none':
+            report['run'] = train(case, os.path.join(here, 'run'), STOP, [])
+        else:
+            report['run'] = train(case, os.path.join(here, 'run'),
+                                  SNAPSHOTS[-1], SNAPSHOTS)
+            if case['resume'] == 'stale':
+                # Another write of the same snapshots, whose file the test
+                # puts among the first write's.
+                report['other'] = train(case, os.path.join(here, 'other'),
+                                        SNAPSHOTS[-1], SNAPSHOTS)
+    else:
+        report['run'] = train(case, os.path.join(here, 'run'), STOP,
+                              SNAPSHOTS)
+        if case['resume'] in ('same', 'lost', 'stale'):
+            report['reference'] = train(case, os.path.join(here, 'ref'),
+                                        STOP, [])
+    return report
+
+
+def main():
+    cases_path, phase, root = sys.argv[1:4]
+    with open(cases_path) as f:
+        cases = json.load(f)
+    for case in cases:
+        try:
+            report, error = run_case(case, phase, root), None
+        except Exception as e:
+            report = {'id': case['id'], 'phase': phase}
+            error = '%s: %s' % (type(e).__name__, e)
+            if os.environ.get('COMBINATION_TRACEBACKS'):
+                traceback.print_exc()
+        reports = WORLD.allgather((report, error))
+        if WORLD.rank == 0:
+            print('CASE ' + json.dumps({
+                'id': case['id'], 'phase': phase,
+                'errors': [e for _, e in reports],
+                'ranks': [r for r, _ in reports]}), flush=True)
+
+
+if __name__ == '__main__':
+    main()

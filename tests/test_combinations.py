@@ -1,0 +1,197 @@
+"""Where features meet: a pairwise combination matrix.
+
+Each feature's own tests exercise it alone; the defects found lately sat
+where two meet (snapshots x several ranks, ZeRO x resume on another rank
+count, split() x compression...).  Every pair of values of every factor
+below appears in at least one case (allpairspy; the full product would be
+thousands of cases), and each case checks what a user would:
+
+- no error on any rank, unless the combination is one mnopt refuses; then
+  the same clear error on every rank (REFUSED says which and why);
+- no hang (a stuck case aborts its job through MNOPT_TIMEOUT);
+- every replica ends with the same parameters, bit for bit;
+- a resume at the same number of ranks (``same``; ``lost``: one file of the
+  newest snapshot deleted; ``stale``: one file replaced by the same file of
+  another write) ends bit-identical to an uninterrupted run, having
+  resumed from the newest snapshot every rank can load consistently;
+- a resume at another number of ranks (``grow`` 2 -> 3, ``shrink`` 3 -> 2)
+  resumes from the newest snapshot and trains on;
+- no rank sees a sample twice within an epoch.
+
+The cases run in four mpiexec jobs (tests/combination_job.py): the first
+halves at 2 and at 3 ranks, then the files are damaged as each case says,
+then the second halves at 2 and at 3 ranks.  Add a feature's values to
+FACTORS when it lands.
+"""
+
+import collections
+import glob
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import REPO, mpiexec, python_path, run_job
+
+pytestmark = pytest.mark.spawn
+pytest.importorskip('chainer', reason='the matrix trains Chainer models')
+allpairspy = pytest.importorskip('allpairspy')
+
+FACTORS = collections.OrderedDict([
+    ('mode', ['sync', 'double_buffering', 'overlap', 'shard_state',
+              'stage2', 'sign']),
+    ('resume', ['none', 'same', 'grow', 'shrink', 'lost', 'stale']),
+    ('comm', ['naive', 'flat', 'hierarchical', 'reduction_server']),
+    ('wire', [None, 'float16', 'bfloat16']),
+    ('data', ['shuffled+serial', 'plain+serial', 'shuffled+multiprocess']),
+    ('split', [False, True]),
+    ('ranks', [2, 3]),   # where the case starts
+])
+
+
+def _allowed(row):
+    """allpairspy's filter: grow starts at 2 ranks, shrink at 3."""
+    values = dict(zip(FACTORS, row))
+    if values.get('resume') == 'grow' and values.get('ranks') == 3:
+        return False
+    if values.get('resume') == 'shrink' and values.get('ranks') == 2:
+        return False
+    return True
+
+
+def refused(case):
+    """Why mnopt refuses this combination (the error must say so on every
+    rank), or None."""
+    sharded = case['mode'] in ('shard_state', 'stage2')
+    if sharded and case['comm'] == 'reduction_server':
+        return 'reduction_server'
+    return None
+
+
+def cases():
+    out = []
+    for i, row in enumerate(allpairspy.AllPairs(list(FACTORS.values()),
+                                                filter_func=_allowed)):
+        case = dict(zip(FACTORS, row))
+        case['id'], case['seed'] = 'case%02d' % i, 100 + i
+        out.append(case)
+    return out
+
+
+def final_ranks(case):
+    return {'grow': 3, 'shrink': 2}.get(case['resume'], case['ranks'])
+
+
+def run_phase(tmp_path, phase, n, todo):
+    """Run ``todo`` (cases) in one job at ``n`` ranks; {id: report}."""
+    if not todo:
+        return {}
+    path = tmp_path / ('%s_%d.json' % (phase, n))
+    path.write_text(json.dumps(todo))
+    env = dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS='1',
+               MNOPT_STALL_WARNING='20', MNOPT_TIMEOUT='60')
+    proc = run_job(mpiexec() + ['-n', str(n), os.sys.executable, '-m',
+                                'mpi4py', os.path.join(REPO, 'tests',
+                                                       'combination_job.py'),
+                                str(path), phase, str(tmp_path / 'runs')],
+                   60 + 15 * len(todo), env)
+    reports = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith('CASE '):
+            report = json.loads(line[5:])
+            reports[report['id']] = report
+    missing = [c['id'] for c in todo if c['id'] not in reports]
+    assert not missing, ('job %s at %d ranks ended (%d) before %s:\n%s'
+                         % (phase, n, proc.returncode, missing,
+                            proc.stderr[-4000:]))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return reports
+
+
+def newest_files(tmp_path, case):
+    """The files of the newest snapshot the first half wrote."""
+    run = tmp_path / 'runs' / case['id'] / 'run'
+    return sorted(glob.glob(str(run / ('snapshot_iter_%d*' % 5))))
+
+
+def damage(tmp_path, case):
+    """Lose or replace one file of the newest snapshot; returns the
+    iteration the resume must start from."""
+    files = newest_files(tmp_path, case)
+    assert files, (case, 'no snapshot written')
+    if case['resume'] == 'lost':
+        os.remove(files[-1])
+        return 3
+    if case['resume'] == 'stale':
+        other = files[-1].replace(os.sep + 'run' + os.sep,
+                                  os.sep + 'other' + os.sep)
+        shutil.copyfile(other, files[-1])
+        # One file is a whole write of its own; several are one write only
+        # together, and a set mixing two writes is not loadable.
+        return 5 if len(files) == 1 else 3
+    return 5
+
+
+def problems_of(case, report, phase):
+    """What is wrong with one phase of one case, as readable lines."""
+    errors = report['errors']
+    why = refused(case)
+    if why is not None:
+        if not all(e and why in e for e in errors):
+            return ['%s: refused combination (%s) expected on every rank, '
+                    'got %s' % (phase, why, errors)]
+        return []
+    if any(errors):
+        return ['%s: %s' % (phase, errors)]
+    out = []
+    runs = [r['run'] for r in report['ranks']]
+    if len({digest for _, digest, _, _ in runs}) != 1:
+        out.append('%s: replicas differ' % phase)
+    for rank, (_, _, twice, moved) in enumerate(runs):
+        if twice:
+            out.append('%s: rank %d saw samples twice in an epoch: %s'
+                       % (phase, rank, twice))
+        if not moved:
+            out.append('%s: rank %d did not train' % (phase, rank))
+    return out
+
+
+def test_pairwise_combinations(tmp_path):
+    todo = cases()
+    first = {}
+    for n in (2, 3):
+        first.update(run_phase(tmp_path, 'first', n,
+                               [c for c in todo if c['ranks'] == n]))
+    failures, expected_start = [], {}
+    for case in todo:
+        bad = problems_of(case, first[case['id']], 'first')
+        if bad:
+            failures.append((case, bad))
+        elif case['resume'] != 'none' and refused(case) is None:
+            expected_start[case['id']] = damage(tmp_path, case)
+    second = {}
+    for n in (2, 3):
+        second.update(run_phase(
+            tmp_path, 'second', n, [c for c in todo if c['id'] in
+                                    expected_start and final_ranks(c) == n]))
+    for case in todo:
+        if case['id'] not in second:
+            continue
+        report = second[case['id']]
+        bad = problems_of(case, report, 'second')
+        if not bad:
+            ranks = report['ranks']
+            resumed = {r['run'][0] for r in ranks}
+            if resumed != {expected_start[case['id']]}:
+                bad.append('resumed from %s, expected %d' % (
+                    sorted(resumed), expected_start[case['id']]))
+            if 'reference' in ranks[0] and \
+                    ranks[0]['run'][1] != ranks[0]['reference'][1]:
+                bad.append('not bit-identical to the uninterrupted run')
+        if bad:
+            failures.append((case, bad))
+    assert not failures, '%d of %d cases failed:\n%s' % (
+        len(failures), len(todo), '\n'.join(
+            '%s %s\n    %s' % (c['id'], {k: c[k] for k in FACTORS},
+                               '\n    '.join(b)) for c, b in failures))
