@@ -13,9 +13,10 @@ the cores it may run on: cores // ranks on the node (at least 1), or the
 cores a binding left it.  The user's own choice stands: nothing changes
 where OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS or
 MNOPT_BLAS_THREADS is set (MNOPT_BLAS_THREADS=0 keeps the library's
-default).  The limit is applied with threadpoolctl, at run time (the BLAS
-library read its environment when NumPy was imported); without
-threadpoolctl nothing changes.
+default), nor where the script limited the threads itself (threadpoolctl)
+before the communicator was made.  The limit is applied with
+threadpoolctl, at run time (the BLAS library read its environment when
+NumPy was imported); without threadpoolctl nothing changes.
 """
 
 import os
@@ -53,10 +54,26 @@ def blas_threads_setting():
     return _env.whole_number('MNOPT_BLAS_THREADS', None, 0)
 
 
+#: The limit mnopt applied last in this process (None: none yet).
+_applied = None
+
+
+def _limited_by_the_script(pools):
+    """Whether the script itself limited a BLAS pool (threadpoolctl's
+    ``threadpool_limits``, or the library's own call): it runs neither the
+    library's default, one thread per core this process may run on
+    (OpenBLAS counts the affinity mask), nor the limit mnopt set.  A
+    library whose default is another count (MKL counts physical cores)
+    reads as limited, and is left as it is."""
+    return any(p['num_threads'] not in (usable_cores(), _applied)
+               for p in pools)
+
+
 def limit_blas_threads(ranks_on_node):
     """Limit this process's BLAS threads to its share of the node's cores
     (see the module's docstring); returns the limit applied, or None where
     nothing changed."""
+    global _applied
     setting = blas_threads_setting()
     if setting == 0 or (setting is None and any(
             os.environ.get(name) for name in USER_SETTINGS)):
@@ -68,8 +85,10 @@ def limit_blas_threads(ranks_on_node):
         return None
     pools = [p for p in threadpoolctl.threadpool_info()
              if p.get('user_api') == 'blas']
-    if not pools or (setting is None and all(
-            p['num_threads'] <= threads for p in pools)):
+    if not pools or (setting is None and (
+            all(p['num_threads'] <= threads for p in pools)
+            or _limited_by_the_script(pools))):
         return None
     threadpoolctl.threadpool_limits(limits=threads, user_api='blas')
+    _applied = threads
     return threads

@@ -314,8 +314,11 @@ def test_layout_mismatch_raises_on_every_rank(comm):
 def test_wire_dtype_mismatch_raises_on_every_rank():
     if WORLD.size == 1:
         pytest.skip('a mismatch needs two ranks (also run spawned below)')
-    c = mnopt.create_communicator(
-        'flat', allreduce_grad_dtype='float16' if WORLD.rank else 'float32')
+    # Set apart after creation: create_communicator refuses different
+    # wires itself (tests/test_settings_agreement.py).
+    c = mnopt.create_communicator('flat')
+    c.set_config('allreduce_grad_dtype',
+                 'float16' if WORLD.rank else 'float32')
     model = make_model([(3,)])
     model.p000.grad = numpy.zeros(3, numpy.float32)
     with pytest.raises(mnopt.LayoutMismatchError, match='wire dtype'):

@@ -87,3 +87,19 @@ def test_netsim_shares_the_machines_cores(no_user_setting, monkeypatch):
         ('MNOPT_BLAS_THREADS', str(cores.share(4)))]
     monkeypatch.setenv('OMP_NUM_THREADS', '3')
     assert netsim.blas_threads_env(4) == []
+
+
+def test_a_limit_the_script_set_stands(no_user_setting,
+                                        restored_blas_threads):
+    if not blas_threads():
+        pytest.skip('NumPy runs on no BLAS that threadpoolctl knows')
+    # Neither the library's default (a thread per usable core) nor a
+    # share mnopt would set: the script's own choice.
+    mine = cores.usable_cores() + 1
+    threadpoolctl.threadpool_limits(limits=mine, user_api='blas')
+    assert cores.limit_blas_threads(64) is None
+    comm = mnopt.create_communicator('flat')
+    try:
+        assert blas_threads() == [mine] * len(blas_threads())
+    finally:
+        comm.finalize()

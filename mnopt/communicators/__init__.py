@@ -77,6 +77,13 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
             server, 6), ``server_memory`` (staging bytes per
             channel of a colocated server, 64 MiB) and ``stats`` (collect
             per-phase timings in ``comm.stats``).
+
+    Every rank must pass the settings the ranks share (communicator kind,
+    wire, bucket and chunk sizes, compression, ..., $MNOPT_ALLREDUCE: see
+    ``SHARED_SETTINGS`` in mnopt/communicators/settings.py) alike: a
+    difference is a ValueError on every rank naming the setting and each
+    rank's value.  The communicator keeps its settings (``comm.settings``);
+    ``comm.split`` makes one of the same kind with the same.
     """
     if abort_on_exception:
         # First: whatever fails below (a bad setting on one rank) must end
@@ -90,33 +97,52 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
                    'compression': compression,
                    'error_feedback': error_feedback,
                    'warmup_steps': warmup_steps, 'vote': vote,
-                   'on_overflow': on_overflow}, **options)
+                   'on_overflow': on_overflow,
+                   'batched_copy': batched_copy}, **options)
     if stall_warning is not None or timeout is not None:
         kwargs.update(stall_warning=stall_warning, timeout=timeout)
     if bucket_bytes is not None:
         kwargs['bucket_bytes'] = bucket_bytes
+    # Every setting, keyword or MNOPT_*, is checked before the first
+    # collective: a bad one on one rank is reported by the exchange below.
+    cls = settings = shared = None
     try:
         cls = communicator_class(communicator_name)
-        cls.check_arguments(**kwargs)
+        settings = cls.check_arguments(**kwargs)
+        shared = cls.shared_settings(settings)
         problem = None
     except (TypeError, ValueError, RuntimeError) as e:
-        cls, problem = None, e
+        problem = e
     from mnopt import server
     servers = server.job(stall_warning=stall_warning, timeout=timeout).servers \
         if mpi_comm == MPI.COMM_WORLD else []
-    # Every rank learns every rank's problem before any collective that
-    # needs the arguments: the same error everywhere, never a hang.
+    if servers and problem is None:
+        problem = _problem_with_servers(cls, servers, kwargs)
+    # The start-up exchange, this call's first collective of its own (the
+    # job's, above, is watched too): every rank learns every rank's problem
+    # and shared settings before any collective that needs them.
     _agree_to_start(server.job().channels()[0] if servers else mpi_comm,
-                    problem, communicator_name, stall_warning, timeout)
-    if servers and cls.name != 'reduction_server':
-        raise ValueError(
+                    problem, shared, communicator_name, stall_warning,
+                    timeout)
+    return cls(mpi_comm, **settings)
+
+
+def _problem_with_servers(cls, servers, kwargs):
+    """What is wrong with making a ``cls`` communicator in a job launched
+    with reduction ``servers`` (a ValueError), or None."""
+    if cls.name != 'reduction_server':
+        return ValueError(
             'this job was launched with %d reduction server process(es) '
             '(python -m mnopt.server) but asks for the %r communicator: '
             "use 'reduction_server', or launch without servers"
             % (len(servers), cls.name))
-    comm = cls(mpi_comm, **kwargs)
-    comm.set_config('batched_copy', batched_copy)
-    return comm
+    if kwargs.get('stall_warning') is not None or \
+            kwargs.get('timeout') is not None:
+        return ValueError(
+            'with reduction servers, stall detection covers the whole '
+            'job: set MNOPT_STALL_WARNING / MNOPT_TIMEOUT in the '
+            'environment of every process instead')
+    return None
 
 
 def _intracommunicator(mpi_comm):
@@ -128,34 +154,30 @@ def _intracommunicator(mpi_comm):
     return mpi_comm
 
 
-#: Bytes of each rank's problem report in the start-up exchange.
-_PROBLEM_BYTES = 1024
-
-
-def _agree_to_start(comm, problem, name, stall_warning, timeout):
-    """Exchange each rank's problem (an exception, or None) over ``comm``,
-    waited for with stall detection; raise on every rank if any rank had
-    one (that rank its own exception, the others a RuntimeError naming
-    it)."""
-    import numpy
-    from mpi4py import MPI
-    from mnopt import stall
-    text = b'' if problem is None else (
-        '%s: %s' % (type(problem).__name__, problem)).encode()
-    mine = numpy.frombuffer(text[:_PROBLEM_BYTES].ljust(_PROBLEM_BYTES,
-                                                        b'\0'), numpy.uint8)
-    everyone = numpy.empty((comm.size, _PROBLEM_BYTES), numpy.uint8)
-    request = comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])
-    stall.wait_or_abort([request], 'create_communicator(%r) (waiting for '
-                        'every rank to create it)' % (name,),
-                        stall_warning, timeout)
+def _agree_to_start(comm, problem, shared, name, stall_warning, timeout):
+    """The start-up exchange over ``comm``: each rank's problem (an
+    exception, or None) and its shared settings (``shared_settings``), in
+    one exchange waited for with stall detection.  If any rank had a
+    problem, every rank raises (that rank its own exception, the others a
+    RuntimeError naming it); else if the shared settings differ, every
+    rank raises the same ValueError naming each setting and every rank's
+    value."""
+    from mnopt import agreement
+    what = 'create_communicator(%r)' % (name,)
+    said = agreement.everyone(
+        comm, (agreement.describe(problem), shared),
+        '%s (waiting for every rank to create it)' % what, stall_warning,
+        timeout)
     if problem is not None:
         raise problem
-    problems = ['rank %d: %s' % (r, row.tobytes().rstrip(b'\0').decode(
-        errors='replace')) for r, row in enumerate(everyone) if row.any()]
-    if problems:
-        raise RuntimeError('create_communicator(%r) failed on %s'
-                           % (name, '; '.join(problems)))
+    failed = ['rank %d: %s' % (r, p) for r, (p, _) in enumerate(said)
+              if p is not None]
+    if failed:
+        raise RuntimeError('%s failed on %s' % (what, '; '.join(failed)))
+    message = agreement.disagreement([s for _, s in said],
+                                     'the settings of %s' % what)
+    if message:
+        raise ValueError(message)
 
 
 def __getattr__(name):

@@ -32,6 +32,8 @@ from mnopt import stall
 from mnopt.arrays import array_module, named_grads, to_host
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
+from mnopt.communicators.settings import SHARED_SETTINGS
+from mnopt.communicators.settings import environment_settings
 from mnopt.communicators.sharded import ShardedCollectives
 from mnopt.stall import watched
 
@@ -296,44 +298,59 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
                         bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
                         compression=None, error_feedback=True,
                         warmup_steps=0, vote=None, stall_warning=None,
-                        timeout=None, on_overflow='warn', **options):
+                        timeout=None, on_overflow='warn', batched_copy=True,
+                        **options):
         """Raise ValueError/TypeError for arguments (and MNOPT_* settings)
         this communicator would refuse, without communicating: the
         factory checks them on every rank before any collective, so a bad
-        setting is an error on every rank, never a hang.  Subclasses with
-        options of their own check those and pass the rest up."""
+        setting is an error on every rank, never a hang.
+
+        Returns the settings: every keyword argument, checked, normalized
+        and with its default filled in.  A communicator keeps them
+        (``settings``) and ``split`` makes its sub-communicators from
+        exactly them.  Subclasses with options of their own check those,
+        pass the rest up and add theirs to what comes back."""
         if options:
             raise TypeError('%s communicator: unknown option(s) %s'
                             % (cls.name, ', '.join(sorted(options))))
-        grad_buffer.normalize_wire_dtype(allreduce_grad_dtype)
-        whole_argument('bucket_bytes', bucket_bytes, 1)
         compression = sign.normalize_compression(compression)
-        if whole_argument('warmup_steps', warmup_steps, 0) and \
-                compression is None:
+        settings = {
+            'allreduce_grad_dtype': grad_buffer.normalize_wire_dtype(
+                allreduce_grad_dtype),
+            'bucket_bytes': whole_argument('bucket_bytes', bucket_bytes, 1),
+            'compression': compression,
+            'error_feedback': bool(error_feedback),
+            'warmup_steps': whole_argument('warmup_steps', warmup_steps, 0),
+            'vote': vote, 'stall_warning': stall_warning,
+            'timeout': timeout, 'on_overflow': overflow.normalize(on_overflow),
+            'batched_copy': bool(batched_copy)}
+        if settings['warmup_steps'] and compression is None:
             raise ValueError("warmup_steps=%r only applies with "
                              "compression='sign' (it counts the averagings "
                              "before compression starts)" % (warmup_steps,))
-        if vote is not None:
-            if compression is None:
-                raise ValueError("vote=%r only applies with "
-                                 "compression='sign'" % (vote,))
-            sign.normalize_vote(vote)
+        if vote is not None and compression is None:
+            raise ValueError("vote=%r only applies with compression='sign'"
+                             % (vote,))
+        if compression is not None:  # None is the default vote, 'ring'
+            settings['vote'] = sign.normalize_vote(vote)
         stall.settings(stall_warning, timeout)
-        overflow.normalize(on_overflow)
-        _env.flag('MNOPT_SINGLE_RANK_AVERAGING', False)
-        _env.whole_number('MNOPT_RANKS_PER_NODE', None, 1)
-        _mpi.allreduce_algorithm()
-        _sched.slice_us()
+        environment_settings()
+        return settings
 
-    def __init__(self, mpi_comm, allreduce_grad_dtype=None,
-                 bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
-                 compression=None, error_feedback=True, warmup_steps=0,
-                 vote=None, stall_warning=None, timeout=None,
-                 on_overflow='warn'):
-        CommunicatorBase.check_arguments.__func__(
-            type(self), allreduce_grad_dtype, bucket_bytes, compression,
-            error_feedback, warmup_steps, vote, stall_warning, timeout,
-            on_overflow)
+    @classmethod
+    def shared_settings(cls, settings):
+        """What every rank must share (SHARED_SETTINGS) of ``settings``
+        (check_arguments' result), the kind and the environment; the
+        start-up exchange compares them.  Unset ones are left out."""
+        everything = dict(settings, communicator=cls.name,
+                          **environment_settings())
+        return {name: everything[name] for name in SHARED_SETTINGS
+                if everything.get(name) is not None}
+
+    def __init__(self, mpi_comm, **settings):
+        #: The keyword arguments it was made with, checked and normalized
+        #: (check_arguments): a split is made from exactly these.
+        self.settings = settings = self.check_arguments(**settings)
         release_collected()
         _start_janitor()
         self.mpi_comm = mpi_comm
@@ -343,15 +360,14 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         #: benchmarks and tests on one GPU.
         self.skip_single_rank = not _env.flag('MNOPT_SINGLE_RANK_AVERAGING',
                                               False)
-        self._overflow = overflow.Reporter(on_overflow)
-        self._stall_settings = {'stall_warning': stall_warning,
-                                'timeout': timeout}
-        self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(
-            allreduce_grad_dtype)
-        self.compression = sign.normalize_compression(compression)
-        self.error_feedback = bool(error_feedback)
-        self.warmup_steps = int(warmup_steps)
-        self.vote = sign.normalize_vote(vote)
+        self._overflow = overflow.Reporter(settings['on_overflow'])
+        self._stall_settings = {'stall_warning': settings['stall_warning'],
+                                'timeout': settings['timeout']}
+        self.allreduce_grad_dtype = settings['allreduce_grad_dtype']
+        self.compression = settings['compression']
+        self.error_feedback = settings['error_feedback']
+        self.warmup_steps = settings['warmup_steps']
+        self.vote = sign.normalize_vote(settings['vote'])
         self.steps = 0  # averagings so far (warm-up, and the votes' coin)
         #: Seconds spent averaging (in the caller or in the background),
         #: all averagings so far: against the time a caller was blocked,
@@ -360,8 +376,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         self._averaging_lock = threading.Lock()
         #: Bytes this rank sent for its last vote (sign compression).
         self.vote_stats = {}
-        self.bucket_bytes = int(bucket_bytes)
-        self.batched_copy = True  # ChainerMN's setting (set_config)
+        self.bucket_bytes = settings['bucket_bytes']
+        self.batched_copy = settings['batched_copy']  # ChainerMN's
         #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
         self.allreduce_algorithm = _mpi.allreduce_algorithm()
         #: The MPI communicators and thread this communicator holds: freed
@@ -375,8 +391,6 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
         cores.limit_blas_threads(_mpi.ranks_on_node(mpi_comm))
-
-    # ChainerMN's array and object collectives: chainermn_collectives.py.
         if self._owns_monitor():
             self._resources.monitor = self._monitor
         intra, leaders, node, n_nodes = node_split(mpi_comm)
@@ -443,10 +457,12 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         always packs in one batched pass, which gives the same bits)."""
         self.get_config(name)  # an unknown name raises
         value = kwargs.get('dtype', value)
+        # Kept in ``settings`` too: a split takes what is in force now.
         if name == 'allreduce_grad_dtype':
-            self.allreduce_grad_dtype = grad_buffer.normalize_wire_dtype(value)
+            self.allreduce_grad_dtype = self.settings[name] = \
+                grad_buffer.normalize_wire_dtype(value)
         else:
-            self.batched_copy = bool(value)
+            self.batched_copy = self.settings[name] = bool(value)
 
     def get_config(self, name=None):
         """The setting ``name`` (a numpy dtype, or the string 'bfloat16',
@@ -696,12 +712,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
     def split(self, color, key):
         """A communicator of the same kind over ``mpi_comm.Split``."""
         sub = self.mpi_comm.Split(color, key)
-        return type(self)(sub, **self._init_kwargs())
-
-    def _init_kwargs(self):
-        return dict({'allreduce_grad_dtype': self.allreduce_grad_dtype,
-                     'bucket_bytes': self.bucket_bytes,
-                     'on_overflow': self._overflow.on_overflow},
-                    **self._stall_settings)
+        # Every setting, from the one record of them: a new setting
+        # cannot be forgotten here.
+        return type(self)(sub, **self.settings)
 
     # ChainerMN's array and object collectives: chainermn_collectives.py.

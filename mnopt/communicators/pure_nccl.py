@@ -21,7 +21,7 @@ class PureNcclCommunicator(CommunicatorBase):
     @classmethod
     def check_arguments(cls, **kwargs):
         _cuda.require_gpu(cls.name)
-        super(PureNcclCommunicator, cls).check_arguments(**kwargs)
+        return super(PureNcclCommunicator, cls).check_arguments(**kwargs)
 
     def __init__(self, mpi_comm, **kwargs):
         _cuda.require_gpu(self.name)

@@ -37,19 +37,20 @@ class ReductionServerCommunicator(CommunicatorBase):
             raise ValueError('the reduction_server communicator counts votes '
                              'on its servers; vote=%r is for ring '
                              'communicators' % (vote,))
-        whole_argument('chunk_bytes', chunk_bytes, 1)
-        whole_argument('window', window, 1)
-        # Any bound makes progress: a server always has one chunk's slot.
-        whole_argument('server_memory', server_memory, 1)
-        super(ReductionServerCommunicator, cls).check_arguments(**kwargs)
+        settings = super(ReductionServerCommunicator, cls).check_arguments(
+            **kwargs)
+        settings.update(
+            chunk_bytes=whole_argument('chunk_bytes', chunk_bytes, 1),
+            window=whole_argument('window', window, 1),
+            # Any bound makes progress: a server always has one chunk's slot.
+            server_memory=whole_argument('server_memory', server_memory, 1),
+            stats=bool(stats), vote=None)
+        return settings
 
-    def __init__(self, mpi_comm, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
-                 window=rs.DEFAULT_WINDOW, server_memory=rs.DEFAULT_MEMORY,
-                 stats=False, vote=None, **kwargs):
-        self.check_arguments(chunk_bytes, window, server_memory, stats,
-                             vote, **kwargs)
-        job = rs.job(stall_warning=kwargs.get('stall_warning'),
-                     timeout=kwargs.get('timeout'))
+    def __init__(self, mpi_comm, **kwargs):
+        settings = self.check_arguments(**kwargs)
+        job = rs.job(stall_warning=settings['stall_warning'],
+                     timeout=settings['timeout'])
         if job.servers:
             if mpi_comm != MPI.COMM_WORLD:
                 raise ValueError('with reduction servers in the job, the '
@@ -67,14 +68,16 @@ class ReductionServerCommunicator(CommunicatorBase):
             self._workers = list(range(mpi_comm.size))
         self._channels = channels
         self._unused_channels = list(channels)  # sync group, then async
-        self._chunk_bytes = int(chunk_bytes)
-        self._window = int(window)
-        self.stats = rs.Stats() if stats else None
+        self._chunk_bytes = settings['chunk_bytes']
+        self._window = settings['window']
+        self.stats = rs.Stats() if settings['stats'] else None
         self._colocated = None  # with servers, the job says goodbye at exit
-        super(ReductionServerCommunicator, self).__init__(mpi_comm, **kwargs)
+        super(ReductionServerCommunicator, self).__init__(mpi_comm,
+                                                          **settings)
         if not job.servers:  # colocated: this worker serves shard `rank`
             self._colocated = _ColocatedServers(
-                channels, mpi_comm.rank, server_memory, self._monitor)
+                channels, mpi_comm.rank, settings['server_memory'],
+                self._monitor)
             # Garbage collection stops them too (after it, as it frees
             # the rest: release_after_collection): nothing here holds
             # the communicator.

@@ -1,0 +1,62 @@
+"""A communicator's settings: which every rank must share, and the ones
+read from the environment.
+
+``create_communicator`` checks every setting on every rank before its
+first collective, then compares the shared ones in the start-up exchange
+(mnopt/agreement.py): a setting that differs is a ValueError on every
+rank naming it and each rank's value, not a hang or a truncated message
+later.  The others are each rank's own (how long it waits before a stall
+report, its BLAS threads, a colocated server's memory, ...).
+"""
+
+from mnopt import _env
+from mnopt import _mpi
+from mnopt import _sched
+from mnopt import cores
+
+#: The settings every rank must share, and why: a mix would hang or
+#: corrupt the averaging.  Keyword arguments by name, environment
+#: variables as MNOPT_*.  Not here, each rank's own: stall_warning,
+#: timeout, batched_copy (no effect on the bits), the reduction server's
+#: window (flow control of one worker's pushes), server_memory (a
+#: colocated server's staging) and stats, MNOPT_BLAS_THREADS,
+#: MNOPT_THREAD_SLICE_US and MNOPT_SINGLE_RANK_AVERAGING (one rank only).
+SHARED_SETTINGS = {
+    'communicator': 'each kind makes collectives of its own: a mix of '
+                    'kinds hangs',
+    'allreduce_grad_dtype': 'the wire dtype: ranks sending different '
+                            'dtypes send messages of different sizes',
+    'bucket_bytes': 'the bytes of each reduction call: different sizes '
+                    'truncate messages (MPI aborts the job)',
+    'compression': 'a vote of signs on some ranks against a sum on others '
+                   'hangs',
+    'error_feedback': 'the vote is one vote only if every rank carries (or '
+                      'drops) its compression error alike',
+    'warmup_steps': 'the averaging at which the votes begin: ranks that '
+                    'begin at different ones make different collectives',
+    'vote': 'how the votes travel: a ring against an all-to-all hangs',
+    'on_overflow': "'ignore' skips the exchange with which 'warn' and "
+                   "'error' tell an overflow from an inf that came in",
+    'chunk_bytes': 'reduction_server: every worker cuts its shards into '
+                   'the same chunks, which the servers check',
+    'MNOPT_ALLREDUCE': "the algorithm: mnopt's ring against MPI's "
+                       'Allreduce hangs',
+    'MNOPT_RANKS_PER_NODE': "which ranks form a node: the node split's "
+                            'collectives differ otherwise',
+}
+
+
+def environment_settings():
+    """Every MNOPT_* setting a communicator reads, checked (ValueError
+    naming the variable otherwise): None where it is unset and has no
+    default.  Read before the start-up exchange, so that a bad one is an
+    error on every rank."""
+    return {
+        'MNOPT_ALLREDUCE': _mpi.allreduce_algorithm(),
+        'MNOPT_RANKS_PER_NODE': _env.whole_number('MNOPT_RANKS_PER_NODE',
+                                                  None, 1),
+        'MNOPT_SINGLE_RANK_AVERAGING': _env.flag(
+            'MNOPT_SINGLE_RANK_AVERAGING', False),
+        'MNOPT_BLAS_THREADS': cores.blas_threads_setting(),
+        'MNOPT_THREAD_SLICE_US': _sched.slice_us(),
+    }

@@ -1,0 +1,210 @@
+"""Settings and start-up: a split keeps every setting; every setting is
+checked before the first collective; the settings every rank must share
+are compared at start-up, naming the setting and the ranks.  Runs serially
+and under mpiexec -n 2/3 (the spawned job: serially)."""
+
+import inspect
+
+import numpy
+import pytest
+from mpi4py import MPI
+
+import mnopt
+from mnopt import communicators
+from conftest import run_mpi
+
+WORLD = MPI.COMM_WORLD
+
+#: A value other than the default for every keyword a communicator takes.
+#: A keyword missing here fails test_every_keyword_is_known: add it, and
+#: the split test checks it too.
+NON_DEFAULT = {
+    'allreduce_grad_dtype': 'float64', 'bucket_bytes': 4096,
+    'compression': 'sign', 'error_feedback': False, 'warmup_steps': 3,
+    'vote': 'alltoall', 'stall_warning': 45.0, 'timeout': 450.0,
+    'on_overflow': 'ignore', 'batched_copy': False,
+    # reduction_server's own
+    'chunk_bytes': 1024, 'window': 2, 'server_memory': 1 << 20,
+    'stats': True,
+}
+#: create_communicator's keywords that say how to create, not what.
+CREATION_ONLY = ('communicator_name', 'mpi_comm', 'abort_on_exception')
+KINDS = ('naive', 'flat', 'hierarchical', 'reduction_server')
+
+
+def keywords(function):
+    return [name for name, p in inspect.signature(function).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and name not in ('self', 'cls') + CREATION_ONLY]
+
+
+def class_keywords(cls):
+    """Every keyword of the class's check_arguments, and its bases'."""
+    names = []
+    for klass in cls.__mro__:
+        if 'check_arguments' in vars(klass):
+            names += keywords(vars(klass)['check_arguments'].__func__)
+    return set(names)
+
+
+def non_default(name):
+    settings = {k: v for k, v in NON_DEFAULT.items()
+                if k in class_keywords(communicators.communicator_class(name))
+                or k in keywords(communicators.create_communicator)}
+    if name == 'reduction_server':
+        del settings['vote']   # it votes on its servers
+    return settings
+
+
+@pytest.mark.parametrize('name', KINDS)
+def test_every_keyword_is_known(name):
+    cls = communicators.communicator_class(name)
+    unknown = (class_keywords(cls) | set(keywords(
+        communicators.create_communicator))) - set(NON_DEFAULT)
+    assert not unknown, 'add a non-default value to NON_DEFAULT'
+
+
+@pytest.mark.parametrize('name', KINDS)
+def test_a_split_keeps_every_setting(name):
+    given = non_default(name)
+    comm = mnopt.create_communicator(name, **given)
+    sub = comm.split(comm.rank % 2, comm.rank)
+    try:
+        assert type(sub) is type(comm)
+        for key in (class_keywords(type(comm)) | set(keywords(
+                communicators.create_communicator))):
+            assert key in comm.settings, key
+            assert sub.settings[key] == comm.settings[key], key
+        for key, value in given.items():
+            assert comm.settings[key] == value, key
+        # What the settings do, on the split one.
+        assert (sub.compression, sub.error_feedback, sub.warmup_steps,
+                sub.allreduce_grad_dtype, sub.bucket_bytes) == (
+            'sign', False, 3, 'float64', 4096)
+        assert sub.get_config('batched_copy') is False
+        if name == 'reduction_server':
+            assert sub.stats is not None
+        else:
+            assert sub.vote == 'alltoall'
+    finally:
+        sub.finalize()
+        comm.finalize()
+
+
+def test_a_split_keeps_a_wire_set_later():
+    comm = mnopt.create_communicator('flat')
+    comm.set_config('allreduce_grad_dtype', numpy.float16)
+    sub = comm.split(0, comm.rank)
+    try:
+        assert sub.allreduce_grad_dtype == 'float16'
+    finally:
+        sub.finalize()
+        comm.finalize()
+
+
+@pytest.mark.parametrize('name', ['flat', 'reduction_server'])
+def test_a_split_sign_compressed_communicator_votes(name):
+    comm = mnopt.create_communicator(name, compression='sign',
+                                     error_feedback=False)
+    sub = comm.split(comm.rank % 2, comm.rank)
+    try:
+        pattern = numpy.array([1, -1, 2, -2], numpy.float32)
+        grads = [('/g', pattern * (comm.rank + 1))]
+        sub.mean_grads(grads)
+        peers = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+        # every rank's signs agree: the majority is the pattern's sign,
+        # times the mean of the scales mean(|g|) = 1.5 (r + 1)
+        scale = numpy.mean([1.5 * (r + 1) for r in peers])
+        numpy.testing.assert_allclose(grads[0][1],
+                                      numpy.sign(pattern) * scale, rtol=1e-6)
+    finally:
+        sub.finalize()
+        comm.finalize()
+
+
+def needs_two_ranks():
+    if WORLD.size == 1:
+        pytest.skip('a disagreement needs two ranks (the spawned job below '
+                    'runs it serially)')
+
+
+def test_bucket_bytes_that_differ_are_an_error_on_every_rank():
+    needs_two_ranks()
+    with pytest.raises(ValueError, match=r'bucket_bytes \(rank 0: 4096, '
+                                         r'rank 1: 8192'):
+        mnopt.create_communicator(
+            'flat', bucket_bytes=4096 if WORLD.rank == 0 else 8192)
+
+
+def test_an_algorithm_that_differs_is_an_error_on_every_rank(monkeypatch):
+    needs_two_ranks()
+    monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring' if WORLD.rank else 'mpi')
+    with pytest.raises(ValueError, match=r"MNOPT_ALLREDUCE \(rank 0: 'mpi', "
+                                         r"rank 1: 'ring'"):
+        mnopt.create_communicator('flat')
+
+
+def test_settings_of_ones_own_may_differ(monkeypatch):
+    if WORLD.rank % 2:
+        monkeypatch.setenv('MNOPT_BLAS_THREADS', '0')  # the library's own
+    comm = mnopt.create_communicator('reduction_server', window=1 + WORLD.rank,
+                                     stall_warning=30 + WORLD.rank)
+    try:
+        grads = [('/g', numpy.full(5, WORLD.rank, numpy.float32))]
+        comm.mean_grads(grads)
+        numpy.testing.assert_allclose(grads[0][1], (WORLD.size - 1) / 2.0)
+    finally:
+        comm.finalize()
+
+
+PER_RANK_SETTINGS = '''
+import os, sys
+from mpi4py import MPI
+import mnopt
+rank = MPI.COMM_WORLD.rank
+cases = [('MNOPT_BLAS_THREADS', 'two'), ('MNOPT_RANKS_PER_NODE', 'x'),
+         ('MNOPT_ALLREDUCE', 'mpi'), ('MNOPT_RANKS_PER_NODE', '1')]
+for name, value in cases:
+    if rank == 1:
+        os.environ[name] = value
+    try:
+        comm = mnopt.create_communicator('hierarchical')
+        print('rank %d %s=%s: no error' % (rank, name, value), flush=True)
+    except Exception as e:
+        print('rank %d %s=%s: %s: %s' % (rank, name, value,
+                                         type(e).__name__, e), flush=True)
+    os.environ.pop(name, None)
+try:
+    mnopt.create_communicator('flat', bucket_bytes=4096 << rank)
+except ValueError as e:
+    print('rank %d bucket_bytes: %s' % (rank, e), flush=True)
+print('rank %d done' % rank, flush=True)
+'''
+
+
+@pytest.mark.spawn
+def test_a_setting_one_rank_gets_wrong_is_an_error_on_every_rank():
+    proc = run_mpi(2, PER_RANK_SETTINGS, timeout=90,
+                   env={'MNOPT_TIMEOUT': '0', 'MNOPT_STALL_WARNING': '0'})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for rank in (0, 1):
+        assert 'rank %d done' % rank in lines
+        assert 'rank %d bucket_bytes: ranks disagree on the settings of ' \
+            "create_communicator('flat'): bucket_bytes (rank 0: 4096, " \
+            'rank 1: 8192)' % rank in lines
+        said = dict(line.split(': ', 1) for line in lines
+                    if line.startswith('rank %d MNOPT' % rank))
+        # the bad value: that rank's own error, the other's names it
+        for case in ('MNOPT_BLAS_THREADS=two', 'MNOPT_RANKS_PER_NODE=x'):
+            assert case.split('=')[0] in said['rank %d %s' % (rank, case)]
+            assert said['rank %d %s' % (rank, case)].startswith(
+                'ValueError' if rank == 1 else 'RuntimeError: create_')
+        # good values that differ: the same ValueError on both ranks
+        for case, value in (('MNOPT_ALLREDUCE=mpi', "'auto', rank 1: 'mpi'"),
+                            ('MNOPT_RANKS_PER_NODE=1',
+                             "not set, rank 1: 1")):
+            message = said['rank %d %s' % (rank, case)]
+            assert message.startswith('ValueError: ranks disagree'), message
+            assert '%s (rank 0: %s)' % (case.split('=')[0], value) \
+                in message, message
