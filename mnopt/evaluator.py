@@ -4,6 +4,8 @@ import types
 
 import numpy
 
+from mnopt import any_communicator
+
 
 def _check_same_keys(results):
     keys = results[0].keys()
@@ -51,7 +53,8 @@ def create_multi_node_evaluator(actual_evaluator, communicator):
     local_evaluate = actual_evaluator.evaluate
 
     def evaluate(self):
-        return _mean_over_ranks(communicator.allgather_obj(local_evaluate()))
+        return _mean_over_ranks(any_communicator.everyone(
+            communicator, local_evaluate(), 'the multi-node evaluator'))
 
     actual_evaluator.evaluate = types.MethodType(evaluate, actual_evaluator)
     return actual_evaluator

@@ -125,7 +125,8 @@ class _MultiNodeOptimizer(object):
         current = self._current_param_set()
         changed = not loaded and current != self._param_set
         object.__setattr__(self, '_param_set', current)
-        votes = self.communicator.allgather_obj((loaded, changed))
+        votes = self.communicator.everyone(
+            (loaded, changed), 'the multi-node optimizer\'s next step')
         if any(v_loaded for v_loaded, _ in votes):
             return _RESUME
         if any(v_changed != changed for _, v_changed in votes):
@@ -148,7 +149,7 @@ class _MultiNodeOptimizer(object):
         comm = self.communicator
         state = _state_of(self._serialize_state)
         mine = (_digest(self._named_params()), _digest(sorted(state.items())))
-        digests = comm.allgather_obj(mine)
+        digests = comm.everyone(mine, 'the digests of the replicas')
         same_params = all(d[0] == digests[0][0] for d in digests)
         if not same_params:
             comm.bcast_data(self.target)
@@ -158,7 +159,8 @@ class _MultiNodeOptimizer(object):
         problem = None
         if comm.rank != 0:
             problem = self._load_state(state, digests[0][1])
-        problems = comm.allgather_obj(problem)
+        problems = comm.everyone(problem, 'loading rank 0\'s optimizer '
+                                 'state')
         bad = ['rank %d: %s' % (r, p) for r, p in enumerate(problems) if p]
         if bad:
             raise RuntimeError(

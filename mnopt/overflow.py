@@ -21,7 +21,7 @@ together (one small allgather, only when some mean is not finite).
 import sys
 import time
 
-from mnopt import _mpi
+from mnopt import agreement
 
 CHOICES = ('warn', 'error', 'ignore')
 WARNING_INTERVAL_S = 60.0
@@ -65,8 +65,9 @@ class Reporter(object):
         suspects = [i for i, n in enumerate(buffer.nonfinite_out) if n]
         if not suspects:
             return
-        had = _mpi.allgather_obj(comm, [bool(buffer.nonfinite_in[i])
-                                        for i in suspects])
+        had = agreement.everyone(
+            comm, [bool(buffer.nonfinite_in[i]) for i in suspects],
+            'the overflow check')
         overflowed = [i for k, i in enumerate(suspects)
                       if not any(flags[k] for flags in had)]
         if not overflowed:

@@ -276,7 +276,7 @@ class Overlap(object):
                 size = 0
             plan[-1].append(name)
             size += nbytes
-        plans = self.comm.allgather_obj(plan)
+        plans = self.comm.everyone(plan, 'the overlapped buckets')
         if any(p != plan for p in plans):
             bad = [r for r, p in enumerate(plans) if p != plans[0]]
             raise RuntimeError(

@@ -195,7 +195,8 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
         problem = optimizer_problem(self.actual_optimizer)
         if loaded and problem is None and self._loaded_share is not None:
             problem = self._loaded_share[1]
-        votes = self.communicator.allgather_obj((loaded, changed, problem))
+        votes = self.communicator.everyone(
+            (loaded, changed, problem), 'the sharded optimizer\'s next step')
         bad = ['rank %d: %s' % (r, p) for r, (_, _, p) in enumerate(votes)
                if p]
         if bad:
@@ -225,7 +226,7 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
         owners = self._loaded_share[0] if self._loaded_share else {}
         mine = (_digest(self._named_params()),
                 repr(sorted(owners.items())))
-        digests = comm.allgather_obj(mine)
+        digests = comm.everyone(mine, 'the digests of the replicas')
         if any(d[1] != digests[0][1] for d in digests):
             raise RuntimeError(
                 'the loaded snapshots were written by different shardings '

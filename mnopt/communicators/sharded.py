@@ -49,6 +49,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt import _mpi
+from mnopt import agreement
 from mnopt import grad_buffer
 from mnopt.arrays import array_module
 from mnopt.communicators.background import caller_ready, on_side_stream
@@ -159,7 +160,8 @@ def _agree(comm, shards, problem):
     comm.Allgather(mine, everyone)
     if not everyone[:, 0].any() and (everyone[:, 1] == everyone[0, 1]).all():
         return
-    details = _mpi.allgather_obj(comm, (problem, shards))
+    details = agreement.everyone(comm, (problem, shards),
+                                 'the sharded collective\'s check')
     bad = ['rank %d: %s' % (r, p) for r, (p, _) in enumerate(details) if p]
     if bad:
         raise ValueError('sharded collective: bad arguments on %s'

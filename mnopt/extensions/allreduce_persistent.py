@@ -3,6 +3,7 @@ statistics) averaged over ranks."""
 
 import numpy
 
+from mnopt import any_communicator
 from mnopt.arrays import as_array_like, to_host
 
 
@@ -35,7 +36,8 @@ class AllreducePersistent(object):
                     arrays.append((link_name + '/' + name, link, name,
                                    value))
         layout = [(n, tuple(v.shape)) for n, _, _, v in arrays]
-        layouts = self.comm.allgather_obj(layout)
+        layouts = any_communicator.everyone(
+            self.comm, layout, 'AllreducePersistent (the persistent values)')
         bad = [r for r, lay in enumerate(layouts) if lay != layouts[0]]
         if bad:
             raise ValueError('AllreducePersistent: the persistent values of '

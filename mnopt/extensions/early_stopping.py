@@ -3,6 +3,7 @@ alike, on the monitored value averaged over ranks."""
 
 from chainer.training import triggers
 
+from mnopt import any_communicator
 from mnopt.extensions._values import to_float
 
 
@@ -26,8 +27,9 @@ class MultiNodeEarlyStoppingTrigger(object):
     def __call__(self, trainer):
         observation = trainer.observation
         value = observation.get(self.monitor)
-        values = self.comm.allgather_obj(
-            None if value is None else to_float(value))
+        values = any_communicator.everyone(
+            self.comm, None if value is None else to_float(value),
+            'MultiNodeEarlyStoppingTrigger (%s)' % self.monitor)
         present = [v is not None for v in values]
         if any(present) and not all(present):
             raise ValueError(

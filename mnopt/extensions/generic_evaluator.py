@@ -7,6 +7,8 @@ from chainer import function
 from chainer.dataset import convert
 from chainer.training import extension
 
+from mnopt import any_communicator
+
 
 class GenericMultiNodeEvaluator(extension.Extension):
     """ChainerMN's evaluation that is not a mean: each rank runs
@@ -84,15 +86,9 @@ class GenericMultiNodeEvaluator(extension.Extension):
             results = self._local_results()
         except Exception as e:
             results, error = None, e
-        errors = self.comm.allgather_obj(
-            None if error is None else '%s: %s' % (type(error).__name__,
-                                                   error))
-        if error is not None:
-            raise error
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise RuntimeError('GenericMultiNodeEvaluator failed on %s' % (
-                '; '.join('rank %d: %s' % f for f in failed)))
+        any_communicator.raise_together(self.comm, error,
+                                        'GenericMultiNodeEvaluator')
+        # The results go to root as ChainerMN's do: the user's gather_obj.
         gathered = self.comm.gather_obj(results, root=self.root)
         if self.comm.rank != self.root:
             return None

@@ -1,0 +1,30 @@
+"""Agreements for the pieces that take any ChainerMN-like communicator
+(evaluators, extensions): over mnopt's private duplicate where the
+communicator is mnopt's (``comm.everyone``, mnopt/agreement.py), so they
+never share the user's communicator; over the communicator's own
+``allgather_obj`` otherwise, as ChainerMN's versions do.  Every rank holds
+the same kind of communicator, so every rank takes the same path."""
+
+from mnopt import agreement
+
+
+def everyone(comm, value, what):
+    """``[rank 0's value, rank 1's, ...]`` on every rank."""
+    if hasattr(comm, 'everyone'):
+        return comm.everyone(value, what)
+    return comm.allgather_obj(value)
+
+
+def raise_together(comm, problem, what):
+    """If any rank's ``problem`` is an exception, raise on every rank:
+    that rank its own, the others a RuntimeError naming each rank's
+    (agreement.raise_together)."""
+    if hasattr(comm, 'raise_together'):
+        return comm.raise_together(problem, what)
+    said = comm.allgather_obj(agreement.describe(problem))
+    if problem is not None:
+        raise problem
+    failed = ['rank %d: %s' % (r, p) for r, p in enumerate(said)
+              if p is not None]
+    if failed:
+        raise RuntimeError('%s failed on %s' % (what, '; '.join(failed)))
