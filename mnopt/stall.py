@@ -45,8 +45,10 @@ TICK_S = 0.2
 #: answers come back within a tick or two; a stopped rank never answers).
 ANSWER_WAIT_S = 2.0
 TAG_QUESTION, TAG_ANSWER = 0x57A1, 0x57A2
-#: A rank's last word, sent as its process exits: how many of each
-#: operation it entered.
+#: A rank's last word on a monitor, sent as its process exits or as it
+#: frees the monitor (its communicator was finalized or collected): why
+#: ('exited', 'finalized') and how many of each operation it entered.
+#: Nothing is ever sent on a monitor after it (see ``_Watchdog``).
 TAG_EXIT = 0x57A3
 #: How long an exiting rank lets its last words leave (seconds).
 EXIT_SEND_S = 2.0
@@ -141,13 +143,23 @@ class Monitor(object):
         self._counts = {}
         self._counts_lock = threading.Lock()  # threads share a monitor
         self._active = {}
-        #: Ranks whose process has exited: rank -> {operation: count it
-        #: entered}.  An operation they never entered can never finish.
+        #: Ranks that said their last word (exited, or freed this
+        #: monitor): rank -> {operation: count it entered}.  An operation
+        #: they never entered can never finish.
         self.exited = {}
-        self.enabled = (self.warning or self.timeout) is not None \
-            and self.size > 1 and _watchdog().start()
+        self.why_gone = {}   # rank -> 'exited' or 'finalized'
+        self.said_last_word = False
+        #: Whether stall reports are on (else the watchdog only runs the
+        #: last-word protocol, which every rank must run alike whatever
+        #: its settings).
+        self.reports = (self.warning or self.timeout) is not None
+        self.enabled = self.size > 1 and _watchdog().start(self.reports)
         if self.enabled:
             _watchdog().add(self)
+
+    def heard_everyone(self):
+        """Whether every other rank has said its last word."""
+        return len(self.exited) >= self.size - 1
 
     def name_of(self, rank):
         return self._names(rank) if self._names else 'rank %d' % rank
@@ -167,7 +179,11 @@ class Monitor(object):
                 for o in list(self._active.values())]
 
     def free(self):
-        _watchdog().remove(self)
+        """Give the monitor up: its communicator is freed once every other
+        rank has said its last word on it (at once where none will)."""
+        _watchdog().leave(self)
+
+    def free_comm(self):
         if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
             self.comm.Free()
         self.comm = MPI.COMM_NULL
@@ -238,23 +254,37 @@ def _tail(timeout, timed_out):
 # ----------------------------------------------------------- the watchdog
 
 class _Watchdog(object):
-    """The one thread per process that looks after every Monitor."""
+    """The one thread per process that looks after every Monitor.
+
+    The last-word protocol: a rank's last message on a monitor says that
+    it is gone (its process exits, or it freed the monitor) and how far it
+    got; the others' watchdogs abort the job when they wait in an
+    operation it never entered.  A rank sends nothing on a monitor after
+    its last word (questions are then received and dropped), and keeps
+    receiving on it until every other rank's last word has come; MPI
+    keeps one sender's messages in order (all are received with any tag),
+    so then nothing sent to it is left unreceived.  A freed monitor's
+    communicator is freed after that; an exiting process waits for it
+    (every rank exits, and MPI_Finalize waits for every rank anyway)."""
 
     def __init__(self):
         self._monitors = []
+        self._leaving = []   # freed monitors not yet heard out
+        self._stopped = False
         self._lock = threading.Lock()
         self._thread = None
         self._stop = threading.Event()
         self._questions = 0
         self._pending = []  # isend requests not yet known complete
 
-    def start(self):
+    def start(self, say_if_off=True):
         """True once the thread runs (False without THREAD_MULTIPLE)."""
         if self._thread is not None:
             return True
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            warnings.warn('mnopt: MPI was initialised without '
-                          'MPI_THREAD_MULTIPLE; stall detection is off')
+            if say_if_off:
+                warnings.warn('mnopt: MPI was initialised without '
+                              'MPI_THREAD_MULTIPLE; stall detection is off')
             return False
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name='mnopt-watchdog')
@@ -263,53 +293,90 @@ class _Watchdog(object):
         return True
 
     def stop(self):
-        """At exit: tell the other ranks, then end the thread."""
-        self._say_exiting()
+        """At exit: end the thread, say this process's last word on every
+        monitor, and hear the others' (``_Watchdog``): a rank still waiting
+        for this one (sys.exit on one rank, a script that ends early)
+        aborts the job at once instead of at the timeout, and a healthy
+        job leaves no message unreceived."""
         self._stop.set()
         if self._thread is not None and \
                 self._thread is not threading.current_thread():
             self._thread.join()
-
-    def _say_exiting(self):
-        """Send every other rank of every monitor this process's counts:
-        a rank still waiting for it (sys.exit on one rank, a script that
-        ends early) aborts the job at once instead of at the timeout.
-        MPI_Finalize waits for every rank, so the others are there to
-        hear it."""
         if MPI.Is_finalized():
             return
         with self._lock:
-            sends = []
+            self._stopped = True
             for m in self._monitors:
-                with m._counts_lock:
-                    counts = dict(m._counts)
-                sends += [m.comm.isend(counts, dest=r, tag=TAG_EXIT)
+                self._say_last_word(m, 'exited')
+            self._hear_everyone(self._monitors + self._leaving)
+            deadline = time.monotonic() + EXIT_SEND_S
+            while not MPI.Request.Testall(self._pending) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    def _say_last_word(self, m, why):
+        """Send every other rank of ``m`` this rank's counts (and why)."""
+        with m._counts_lock:
+            counts = dict(m._counts)
+        m.said_last_word = True
+        self._pending += [m.comm.isend((why, counts), dest=r, tag=TAG_EXIT)
                           for r in range(m.size) if r != m.rank]
-        deadline = time.monotonic() + EXIT_SEND_S
-        while not MPI.Request.Testall(sends) and \
-                time.monotonic() < deadline:
-            time.sleep(0.001)
+
+    def _hear_everyone(self, monitors):
+        """Receive on ``monitors`` until every other rank's last word has
+        come; after a monitor's timeout (or the default one) say who is
+        missing and go on."""
+        start = time.monotonic()
+        waiting = list(monitors)
+        while waiting:
+            for m in waiting:
+                self._receive(m)
+            waiting = [m for m in waiting if not m.heard_everyone()]
+            late = [m for m in waiting
+                    if time.monotonic() - start > (m.timeout or
+                                                   DEFAULT_TIMEOUT_S)]
+            for m in late:
+                sys.stderr.write(
+                    'mnopt: %s exits without the last word of %s on %s '
+                    '(waited %.0f s)\n' % (
+                        m.name_of(m.rank), ', '.join(
+                            m.name_of(r) for r in range(m.size)
+                            if r != m.rank and r not in m.exited),
+                        m.label, time.monotonic() - start))
+                waiting.remove(m)
+            time.sleep(0.002)
 
     def add(self, monitor):
         with self._lock:
             self._monitors.append(monitor)
 
-    def remove(self, monitor):
+    def leave(self, monitor):
+        """``monitor`` is freed: say its last word now; its communicator
+        is freed once the others' have come (at once if it never joined
+        the protocol, or the process is past it)."""
         with self._lock:
-            if monitor in self._monitors:
+            joined = monitor in self._monitors
+            if joined:
                 self._monitors.remove(monitor)
+            if joined and not self._stopped and not MPI.Is_finalized():
+                self._say_last_word(monitor, 'finalized')
+                self._leaving.append(monitor)
+                return
+        monitor.free_comm()
 
     def _run(self):
         while not self._stop.wait(TICK_S):
             with self._lock:
-                monitors = list(self._monitors)
                 try:
-                    for m in monitors:
-                        self._answer_questions(m)
-                        self._collect_answers(m)
-                        self._collect_exits(m)
+                    for m in self._monitors + self._leaving:
+                        self._receive(m)
+                    for m in self._monitors:
                         for op in list(m._active.values()):
                             self._look_after(m, op)
+                    for m in [m for m in self._leaving
+                              if m.heard_everyone()]:
+                        self._leaving.remove(m)
+                        m.free_comm()
                     self._pending = [r for r in self._pending
                                      if not r.Test()]
                 except Exception as e:  # never let the watchdog die silently
@@ -317,29 +384,26 @@ class _Watchdog(object):
                                      % (e,))
                     return
 
-    def _answer_questions(self, m):
-        while m.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_QUESTION):
-            status = MPI.Status()
-            qid = m.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_QUESTION,
-                              status=status)
-            self._pending.append(m.comm.isend(
-                (qid, m.state()), dest=status.Get_source(), tag=TAG_ANSWER))
-
-    def _collect_answers(self, m):
-        while m.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_ANSWER):
-            status = MPI.Status()
-            qid, state = m.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_ANSWER,
-                                     status=status)
-            for op in list(m._active.values()):
-                if op.asked is not None and op.asked[0] == qid:
-                    op.answers[status.Get_source()] = state
-
-    def _collect_exits(self, m):
-        while m.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_EXIT):
-            status = MPI.Status()
-            counts = m.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_EXIT,
-                                 status=status)
-            m.exited[status.Get_source()] = counts
+    def _receive(self, m):
+        """Every message waiting on ``m``'s communicator, in the order each
+        rank sent them (any tag: TAG_QUESTION, TAG_ANSWER, TAG_EXIT)."""
+        status = MPI.Status()
+        while True:
+            message = m.comm.improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if message is None:
+                return
+            source, tag = status.Get_source(), status.Get_tag()
+            content = message.recv()
+            if tag == TAG_QUESTION and not m.said_last_word:
+                self._pending.append(m.comm.isend(
+                    (content, m.state()), dest=source, tag=TAG_ANSWER))
+            elif tag == TAG_ANSWER:
+                qid, state = content
+                for op in list(m._active.values()):
+                    if op.asked is not None and op.asked[0] == qid:
+                        op.answers[source] = state
+            elif tag == TAG_EXIT:
+                m.why_gone[source], m.exited[source] = content
 
     def _ask(self, m, op):
         self._questions += 1
@@ -355,13 +419,17 @@ class _Watchdog(object):
         and again at the timeout (then abort)."""
         now = time.monotonic()
         waited = now - op.since
+        if not m.reports:
+            return
         gone = never_arriving(m, op)
         if gone:
             sys.stderr.write(
-                'mnopt: %s has waited %.1f s in %s; %s exited without '
-                'entering it, so it cannot finish. Aborting the MPI job.\n'
-                % (m.name_of(m.rank), waited, op.label(),
-                   ', '.join(m.name_of(r) for r in gone)))
+                'mnopt: %s has waited %.1f s in %s; %s without entering '
+                'it, so it cannot finish. Aborting the MPI job.\n'
+                % (m.name_of(m.rank), waited, op.label(), ', '.join(
+                    '%s %s' % (m.name_of(r), 'exited' if m.why_gone.get(r)
+                               == 'exited' else 'finalized its communicator')
+                    for r in gone)))
             sys.stderr.flush()
             _abort()
         if not op.warned and m.warning is not None and (
