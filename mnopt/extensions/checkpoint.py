@@ -1,6 +1,11 @@
 """create_multi_node_checkpointer: every rank checkpoints its own trainer;
 ``maybe_load`` resumes every rank from the newest checkpoint all of them
-hold whole (ChainerMN's API, as its ImageNet example uses it)."""
+hold whole (ChainerMN's API, as its ImageNet example uses it).
+
+A save is one step of every rank: a rank whose write fails raises its
+error and the others one naming it, and the clean-up keeps the newest
+checkpoints *every* rank holds (as ChainerMN's), so a rank behind never
+loses the last checkpoint the others can resume with."""
 
 import numbers
 import os
@@ -10,6 +15,8 @@ import chainer
 from chainer.training import extension
 
 from mnopt.extensions.multi_node_snapshot import newest_loadable, npz_problem
+from mnopt.extensions.retention import agreed_retention
+from mnopt.iterators.resize import load_resizing_iterators
 
 
 def _positive(name, value, meaning):
@@ -69,13 +76,34 @@ class _MultiNodeCheckpointer(extension.Extension):
         os.makedirs(outdir, exist_ok=True)
         path = self._file(outdir, iteration)
         tmp = path + '.tmp%d' % os.getpid()
-        chainer.serializers.save_npz(tmp, target)
-        os.replace(tmp, path)   # never a half file under the final name
+        problem = None
+        try:
+            chainer.serializers.save_npz(tmp, target)
+            os.replace(tmp, path)   # never a half file under the final name
+        except Exception as e:
+            problem = e
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self.comm.raise_together(problem, 'checkpoint %d' % iteration)
         self.stats['saved'] += 1
         self._saves += 1
         if self._saves % self.gc_interval == 0:
-            for old in self._mine(outdir)[:-self.cp_interval]:
-                os.remove(self._file(outdir, old))
+            self._clean_up(outdir, iteration)
+
+    def _clean_up(self, outdir, iteration):
+        """Keep the ``cp_interval`` newest checkpoints every rank holds;
+        remove this rank's others, and its checkpoints newer than the one
+        just saved (an earlier run's, which this run resumed before: never
+        loadable beside this run's)."""
+        mine = self._mine(outdir)
+        for newer in (i for i in mine if i > iteration):
+            os.remove(self._file(outdir, newer))
+        mine = [i for i in mine if i <= iteration]
+        _, stale = agreed_retention(
+            self.comm, mine, self.cp_interval, key=int,
+            what='checkpoint clean-up', keep_newer=False)
+        for old in set(stale) & set(mine):
+            os.remove(self._file(outdir, old))
 
     def maybe_load(self, trainer, optimizer=None, path=None):
         """Load, on every rank, the newest checkpoint every rank holds
@@ -90,7 +118,8 @@ class _MultiNodeCheckpointer(extension.Extension):
                                     what='checkpoint')
         if iteration is None:
             return
-        chainer.serializers.load_npz(self._file(outdir, iteration), trainer)
+        load_resizing_iterators(self._file(outdir, iteration), trainer,
+                                self.comm, 'checkpoint %d' % iteration)
         self.stats['loaded'] = iteration
 
     def get_stats(self):

@@ -1,0 +1,32 @@
+"""Which snapshots to keep, decided once from what every rank holds.
+
+Pruning per rank (each rank keeps its own newest files) goes wrong where
+one rank's newest write failed or is late: the others delete the last
+snapshot it holds, and no snapshot is left that every rank can load.  So
+every rank says what it holds, and all of them keep the newest that
+*every* writing rank holds (ChainerMN's checkpointer keeps the newest
+iterations all ranks have)."""
+
+
+def agreed_retention(comm, held, n_keep, key, what, keep_newer):
+    """``(kept, stale)``, the same on every rank.
+
+    ``held``: the snapshots (names or iterations) this rank holds a file
+    of, or None on a rank that writes none (its vote does not count).
+    ``kept``: the ``n_keep`` newest (by ``key``) that every writing rank
+    holds; ``stale``: the others, except, with ``keep_newer``, those newer
+    than the newest kept (a write still in flight on some rank).  Nothing
+    is stale while no snapshot is held by every writer."""
+    said = comm.everyone(None if held is None else sorted(held, key=key),
+                         what)
+    writers = [set(h) for h in said if h is not None]
+    if not writers:
+        return [], []
+    complete = sorted(set.intersection(*writers), key=key)
+    kept = complete[-n_keep:]
+    if not kept:
+        return [], []
+    newest = key(kept[-1])
+    stale = [s for s in sorted(set().union(*writers), key=key)
+             if s not in kept and not (keep_newer and key(s) > newest)]
+    return kept, stale

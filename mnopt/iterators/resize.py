@@ -1,0 +1,109 @@
+"""Loading a snapshot whose iterators read shards of another length (a
+resume on another number of ranks: ``scatter_dataset`` gave each rank
+another share of the data).
+
+A shuffled iterator's saved ``order`` is a permutation of its old shard's
+positions: it means nothing for the new shard (and Chainer cannot load it
+into an order of another length).  Such an iterator goes on in the same
+epoch, at the same fraction of it (its position scaled to the new shard:
+``epoch_detail`` continues, so epoch triggers and schedules do), in a new
+order drawn by its own order sampler; the examples that new order puts
+before that position are not read again until the next epoch, so no
+example is read twice in an epoch on a rank.  Every rank learns which
+ranks' iterators were rebuilt, and rank 0 warns once.
+
+Iterators that save no order (``shuffle=False``) load as Chainer loads
+them.  Only iterators at Chainer's serialization paths are found: a
+trainer's ``updater/iterator:NAME`` or an updater's ``iterator:NAME``.
+"""
+
+import warnings
+
+import numpy
+from chainer.serializers import NpzDeserializer
+
+
+class _Overlay(object):
+    """A snapshot's arrays with some replaced and some hidden (as if not
+    saved: Chainer then works them out itself)."""
+
+    def __init__(self, npz, replaced, hidden):
+        self.npz, self.replaced, self.hidden = npz, replaced, hidden
+
+    def __contains__(self, key):
+        return key in self.replaced or (key in self.npz and
+                                        key not in self.hidden)
+
+    def __getitem__(self, key):
+        if key in self.replaced:
+            return self.replaced[key]
+        if key in self.hidden:
+            raise KeyError(key)
+        return self.npz[key]
+
+
+def _live_iterator(target, group):
+    """The iterator of ``target`` that serializes to ``group`` (a key
+    prefix ending in '/'), or None."""
+    parts = group.strip('/').split('/')
+    obj = target
+    if parts[0] == 'updater' and hasattr(obj, 'updater'):
+        obj, parts = obj.updater, parts[1:]
+    if len(parts) != 1 or not parts[0].startswith('iterator:') or \
+            not hasattr(obj, 'get_iterator'):
+        return None
+    try:
+        return obj.get_iterator(parts[0][len('iterator:'):])
+    except KeyError:
+        return None
+
+
+def _rebuilt(npz, target):
+    """(replaced, hidden, descriptions) for the iterators whose saved
+    order is of another length than their dataset now."""
+    replaced, hidden, notes = {}, set(), []
+    for key in npz.files:
+        if not key.endswith('/order'):
+            continue
+        group = key[:-len('order')]
+        if group + 'current_position' not in npz.files:
+            continue
+        order = npz[key]
+        live = _live_iterator(target, group)
+        dataset = getattr(live, 'dataset', None)
+        if order.ndim != 1 or dataset is None or len(dataset) == len(order):
+            continue
+        n_old, n = len(order), len(dataset)
+        saved = int(npz[group + 'current_position'])
+        position = saved * n // n_old
+        sampler = getattr(live, 'order_sampler', None)
+        new_order = sampler(numpy.arange(n), position) if sampler else \
+            numpy.random.permutation(n)
+        replaced[group + 'current_position'] = numpy.asarray(position)
+        replaced[key] = numpy.asarray(new_order)
+        # Chainer guesses it from the position, as for an older file.
+        hidden.add(group + 'previous_epoch_detail')
+        notes.append('%s: %d examples saved at %d, %d now, resumed at %d'
+                     % (group.rstrip('/'), n_old, saved, n, position))
+    return replaced, hidden, notes
+
+
+def load_resizing_iterators(path, target, comm, what):
+    """``chainer.serializers.load_npz(path, target)``, with each iterator
+    whose shard changed length rebuilt as the module says.  Collective:
+    every rank calls it (with its own file); rank 0 warns, naming each
+    rank's rebuilt iterators.  Returns this rank's notes."""
+    with numpy.load(path) as npz:
+        replaced, hidden, notes = _rebuilt(npz, target)
+        NpzDeserializer(_Overlay(npz, replaced, hidden)).load(target)
+    said = comm.everyone(notes, what + ': iterators rebuilt')
+    rebuilt = ['rank %d: %s' % (r, n) for r, ns in enumerate(said)
+               for n in ns]
+    if rebuilt and comm.rank == 0:
+        warnings.warn(
+            '%s: the iterators read shards of another length than when it '
+            'was saved (another number of ranks); each goes on in the same '
+            'epoch at the same fraction of it, in a new order of its shard '
+            '(mnopt.iterators.resize): %s' % (what, '; '.join(rebuilt)),
+            RuntimeWarning)
+    return notes
