@@ -348,14 +348,17 @@ class ShardedStateOptimizer(_MultiNodeOptimizer):
                     rule.serialize(serializer[name])
             return
         try:
-            size = int(meta('size', None))
-            rank = int(meta('rank', None))
-            names = [str(n) for n in meta('names', None)]
-            owner_list = [int(o) for o in meta('owners', None)]
-        except KeyError:
+            size = meta('size', None)
+        except KeyError:   # strict: an unsharded optimizer's snapshot
+            size = None
+        if size is None:   # (not strict: the key's absence reads as None)
             object.__setattr__(self, '_loaded_shape', None)
             self._load_unsharded(serializer, params)
             return
+        size = int(size)
+        rank = int(meta('rank', None))
+        names = [str(n) for n in meta('names', None)]
+        owner_list = [int(o) for o in meta('owners', None)]
         object.__setattr__(self, '_loaded_path', getattr(serializer, 'path',
                                                          None))
         problem = None
