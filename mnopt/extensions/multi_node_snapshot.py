@@ -27,10 +27,31 @@ snapshot of another number of ranks is loadable only where every rank's
 file is whole: after the load each rank re-shards, reading the state of
 the parameters it now owns from their previous owners' files
 (``mnopt.zero.load_shards``; docs/zero.md).
+
+A snapshot is one write: every file of it records the same write id (the
+job's, agreed at ``initialize``, and the iteration), and a snapshot whose
+files a resume would read together carry different ids (one rank's write
+was lost, and an older run's file of the same name is still there) is
+not loadable: skipped with a warning, as a damaged one.  Files written
+before mnopt recorded ids have none, and load as before.  A set's file
+beyond the sets that wrote a snapshot (as set 0's file records) is an
+earlier run's: set 0's file stands in for it.
+
+After a resume on another number of ranks, iterators whose shard changed
+length are rebuilt (``mnopt.iterators.resize``: the same epoch and
+fraction of it, a new order of the new shard, a warning).
+
+``n_retains`` (of ``extensions.snapshot``) is applied by every rank alike:
+after each snapshot the ranks keep the ``n_retains`` newest (by the
+numbers in their names) that every writing rank holds, and remove older
+ones; a write still in flight (an asynchronous writer) is never removed.
+A rank whose write fails raises its error, every other rank one naming
+it.
 """
 
 import os
 import re
+import secrets
 import string
 import warnings
 import zipfile
@@ -38,6 +59,9 @@ import zipfile
 import chainer
 import numpy
 from chainer.training import extension
+
+from mnopt.extensions.retention import agreed_retention
+from mnopt.iterators.resize import load_resizing_iterators
 
 
 def parse_replica_sets(replica_sets, size):
@@ -115,21 +139,34 @@ def npz_is_whole(path):
     return npz_problem(path) is None
 
 
-def newest_loadable(comm, problems, key, what='snapshot'):
+def newest_loadable(comm, problems, key, what='snapshot', writes=None):
     """The newest candidate (by ``key``) that every rank can load, the
     same on every rank, or None.
 
     ``problems`` maps each candidate this rank found to None (it can load
     it) or why it cannot.  A candidate another rank did not find is not
-    loadable there.  Rank 0 warns about each newer candidate skipped,
-    naming every rank's reason, so a damaged newest snapshot costs the
-    work since the one before it, never the run."""
-    everyone = comm.allgather_obj(problems)
+    loadable there.  ``writes`` maps candidates to the write id of the
+    files this rank would read (None: not recorded); where ranks' ids
+    differ the candidate mixes two writes and is not loadable.  Rank 0
+    warns about each newer candidate skipped, naming every rank's reason,
+    so a damaged newest snapshot costs the work since the one before it,
+    never the run."""
+    writes = writes or {}
+    said = comm.everyone({c: (p, writes.get(c)) for c, p in problems.items()},
+                         'which %s to load' % what)
+    everyone = [{c: p for c, (p, _) in d.items()} for d in said]
 
     def reasons(candidate):
-        return ['rank %d: %s' % (r, p.get(candidate, 'no file found'))
-                for r, p in enumerate(everyone)
-                if p.get(candidate, 'no file found') is not None]
+        found = ['rank %d: %s' % (r, p.get(candidate, 'no file found'))
+                 for r, p in enumerate(everyone)
+                 if p.get(candidate, 'no file found') is not None]
+        if found:
+            return found
+        ids = [d[candidate][1] for d in said]
+        if any(i != ids[0] for i in ids):
+            found = ['its files are of different writes (%s)' % ', '.join(
+                'rank %d: write %s' % (r, i) for r, i in enumerate(ids))]
+        return found
 
     found = set().union(*everyone)
     usable = [c for c in found if not reasons(c)]
@@ -145,6 +182,16 @@ def newest_loadable(comm, problems, key, what='snapshot'):
 
 #: Where each set's file records how many replica sets wrote the snapshot.
 N_SETS_KEY = 'multi_node_snapshot/n_replica_sets'
+#: Where each file records the write it belongs to (the same in every file
+#: of one snapshot).
+WRITE_ID_KEY = 'multi_node_snapshot/write_id'
+
+
+def write_id(path):
+    """The write id recorded in the snapshot file ``path`` (a whole file),
+    or None where it records none (written before mnopt recorded ids)."""
+    with numpy.load(path) as f:
+        return str(f[WRITE_ID_KEY]) if WRITE_ID_KEY in f.files else None
 
 
 def sets_that_wrote(path):
@@ -153,6 +200,15 @@ def sets_that_wrote(path):
     it)."""
     with numpy.load(path) as f:
         return int(f[N_SETS_KEY]) if N_SETS_KEY in f.files else None
+
+
+def _recorded_sets(path):
+    """``sets_that_wrote(path)``, or None where the file cannot say (cut
+    short or damaged: its own writer's check reports that)."""
+    try:
+        return sets_that_wrote(path)
+    except Exception:
+        return None
 
 
 def _shard_size(path):
@@ -167,17 +223,20 @@ def _shard_size(path):
 
 
 class _RecordingSets(object):
-    """A snapshot writer that adds the number of replica sets to what it
-    writes (so that autoload tells a resize from a set's missing file),
-    then hands it to the snapshot's own writer."""
+    """A snapshot writer that adds the number of replica sets (so that
+    autoload tells a resize from a set's missing file) and the write id to
+    what it writes, then hands it to the snapshot's own writer."""
 
     def __init__(self, writer, n_sets):
         self.writer, self.n_sets = writer, n_sets
+        self.write_id = None   # set before each write
 
     def __call__(self, filename, outdir, target):
         # Chainer 7's snapshot hands its writer npz.serialize's dict.
         target = dict(target)
         target[N_SETS_KEY] = numpy.asarray(self.n_sets)
+        if self.write_id is not None:
+            target[WRITE_ID_KEY] = numpy.asarray(self.write_id)
         self.writer(filename, outdir, target)
 
     def __getattr__(self, name):
@@ -198,7 +257,7 @@ class _MultiNodeSnapshot(extension.Extension):
         sets = parse_replica_sets(
             [] if replica_sets is None else replica_sets, comm.size)
         self.sets = [sorted(s) for s in sets]
-        everyone = comm.allgather_obj(self.sets)
+        everyone = comm.everyone(self.sets, 'multi_node_snapshot replica_sets')
         if any(s != self.sets for s in everyone):
             raise ValueError('ranks passed different replica_sets: %s'
                              % ', '.join('rank %d: %r' % rs
@@ -216,6 +275,10 @@ class _MultiNodeSnapshot(extension.Extension):
         else:
             snapshot.filename = '{}.{}'.format(snapshot.filename, comm.rank)
         snapshot.writer = _RecordingSets(snapshot.writer, len(self.sets))
+        # Kept here: every rank prunes alike (Chainer's clean-up runs per
+        # rank, after each write).
+        self.n_retains, snapshot.n_retains = snapshot.n_retains, -1
+        self.job = None   # the job's part of write ids, agreed at initialize
         # This extension does the loading, for every rank alike.
         self.autoload, snapshot.autoload = snapshot.autoload, False
         if self.autoload and callable(self.base):
@@ -248,7 +311,10 @@ class _MultiNodeSnapshot(extension.Extension):
         own file."""
         from mnopt import zero
         sharded = bool(zero.sharded_optimizers(self._target(trainer)))
-        everyone = self.comm.allgather_obj(sharded)
+        said = self.comm.everyone(
+            (sharded, secrets.token_hex(6)), 'multi_node_snapshot start')
+        everyone = [s for s, _ in said]
+        self.job = said[0][1]   # rank 0's: one job id for every rank
         if any(s != sharded for s in everyone):
             raise ValueError('multi_node_snapshot: the optimizer is sharded '
                              '(shard_state=True) on ranks %s only'
@@ -276,12 +342,46 @@ class _MultiNodeSnapshot(extension.Extension):
             self.snapshot.initialize(trainer)
 
     def __call__(self, trainer):
+        iteration = trainer.updater.iteration
+        problem = None
         if self.is_master:
-            self.snapshot(trainer)
+            self.snapshot.writer.write_id = '%s.%d' % (self.job, iteration)
+            try:
+                self.snapshot(trainer)
+            except Exception as e:
+                problem = e
+        self.comm.raise_together(problem, 'multi_node_snapshot at '
+                                 'iteration %d' % iteration)
+        if self.n_retains > 0 and not callable(self.base):
+            self._prune(trainer.out)
 
     def on_error(self, trainer, exc, tb):
         if self.is_master:
+            # Written by this rank alone: its own write id, so it is never
+            # taken for one write with the other sets' files.
+            self.snapshot.writer.write_id = '%s.%d.error-rank%d' % (
+                self.job, trainer.updater.iteration, self.comm.rank)
             self.snapshot.on_error(trainer, exc, tb)
+
+    def _prune(self, outdir):
+        """Keep the ``n_retains`` newest snapshots every writing rank
+        holds; every writer removes its file of each older one, and rank 0
+        the files of ranks that write none now (an earlier run's)."""
+        names = os.listdir(outdir) if os.path.isdir(outdir) else []
+        regex = re.compile('(%s)\\.(\\d+)$' % _pattern(self.base))
+        found = [(m.group(1), int(m.group(2)))
+                 for m in map(regex.match, names) if m]
+        held = [n for n, r in found if r == self.comm.rank] \
+            if self.is_master else None
+        _, stale = agreed_retention(
+            self.comm, held, self.n_retains, key=_natural_key,
+            what='multi_node_snapshot clean-up', keep_newer=True)
+        stale = set(stale)
+        writers = {s[0] for s in self.sets}
+        for name, r in found:
+            if name in stale and (r == self.comm.rank and self.is_master or
+                                  self.comm.rank == 0 and r not in writers):
+                os.remove(os.path.join(outdir, '%s.%d' % (name, r)))
 
     def finalize(self):
         if self.is_master:
@@ -291,47 +391,63 @@ class _MultiNodeSnapshot(extension.Extension):
         """The file this rank loads for snapshot ``name`` and None, or None
         and why it has none."""
         mine = '%s.%d' % (name, self.master)
+        # The first set's file, for a set beyond those that wrote the
+        # snapshot (a resize, which that file records): this set's own
+        # file, if any, is an earlier run's.  Where the first file does
+        # not say so, this set's file is needed.
+        first = '%s.%d' % (name, self.sets[0][0])
+        if self.set_index > 0 and first in names:
+            written_by = _recorded_sets(os.path.join(outdir, first))
+            if written_by is not None and self.set_index >= written_by:
+                return os.path.join(outdir, first), None
         if mine in names:
             return os.path.join(outdir, mine), None
-        # The first set's file, only for a snapshot that fewer sets wrote:
-        # where that file does not say so, this set's file is missing.
-        first = os.path.join(outdir, '%s.%d' % (name, self.sets[0][0]))
-        if self.set_index > 0 and npz_is_whole(first):
-            written_by = sets_that_wrote(first)
-            if written_by is not None and self.set_index >= written_by:
-                return first, None
         return None, '%s is missing' % mine
 
     def _problem(self, outdir, name, names):
-        """None if this rank can load snapshot ``name``, else why not: a
-        sharded optimizer's snapshot of another number of ranks also needs
-        every rank's file whole (their shares are re-sharded)."""
+        """``(None, write id)`` if this rank can load snapshot ``name``,
+        else ``(why not, None)``: a sharded optimizer's snapshot of another
+        number of ranks also needs every rank's file whole and of the same
+        write (their shares are re-sharded)."""
         path, problem = self._my_file(outdir, name, names)
-        problem = problem if path is None else npz_problem(path)
-        if problem is not None or not self.sharded:
-            return problem
+        if path is None:
+            return problem, None
+        problem = npz_problem(path)
+        if problem is not None:
+            return problem, None
+        mine = write_id(path)
+        if not self.sharded:
+            return None, mine
         size = _shard_size(path)
         if size is None or size == self.comm.size:
-            return None
+            return None, mine
         for r in range(size):
-            problem = npz_problem(os.path.join(outdir, '%s.%d' % (name, r)))
+            share = os.path.join(outdir, '%s.%d' % (name, r))
+            problem = npz_problem(share)
             if problem is not None:
-                return problem
-        return None
+                return problem, None
+            if write_id(share) != mine:
+                return ('its files are of different writes (%s: write %s, '
+                        '%s: write %s)' % (
+                            os.path.basename(path), mine,
+                            os.path.basename(share), write_id(share))), None
+        return None, mine
 
     def _autoload(self, trainer):
         outdir = trainer.out
         names = set(os.listdir(outdir)) if os.path.isdir(outdir) else set()
         regex = re.compile('(%s)\\.\\d+$' % _pattern(self.base))
         candidates = {m.group(1) for m in map(regex.match, names) if m}
+        found = {c: self._problem(outdir, c, names) for c in candidates}
         newest = newest_loadable(
-            self.comm, {c: self._problem(outdir, c, names)
-                        for c in candidates}, key=_natural_key)
+            self.comm, {c: p for c, (p, _) in found.items()},
+            key=_natural_key, writes={c: w for c, (_, w) in found.items()})
         if newest is None:
             return
         target = self._target(trainer)
         path, _ = self._my_file(outdir, newest, names)
-        chainer.serializers.load_npz(path, target)
+        load_resizing_iterators(path, target, self.comm,
+                                'snapshot %s' % newest)
         if self.sharded:
             # Another number of ranks wrote it: every rank's share is
             # re-sharded (problems are raised on every rank at the next
