@@ -152,7 +152,10 @@ def test_n_retains_under_multi_node_snapshot_keeps_what_every_rank_holds(
     auto = mnopt.extensions.multi_node_snapshot(
         comm, chainer.training.extensions.snapshot(autoload=True),
         list(range(comm.size)))
-    auto.initialize(again)
+    with warns_on_rank_0(comm, r'skipping snapshot snapshot_iter_4\b.*'
+                         r'is missing') if comm.size > 1 \
+            else contextlib.nullcontext():
+        auto.initialize(again)
     assert auto.loaded == 'snapshot_iter_2'
     # And without a failure: each rank keeps the one newest snapshot.
     trainer = make_trainer(comm, outdir, 6)
