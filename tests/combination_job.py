@@ -115,8 +115,14 @@ def train(case, out, stop, snapshots):
                                              converter=recorder),
             (stop, 'iteration'), out=out)
         if snapshots:
+            # ChainerMN's default, one replica set, writes rank 0's file
+            # only (its iterator stands for every rank's); a set per rank
+            # keeps every rank's own iterator.
+            sets = [[r] for r in range(comm.size)] \
+                if case['sets'] == 'per_rank' else []
             snap = mnopt.extensions.multi_node_snapshot(
-                comm, chainer.training.extensions.snapshot(autoload=True))
+                comm, chainer.training.extensions.snapshot(autoload=True),
+                sets)
             trainer.extend(snap, trigger=chainer.training.triggers.
                            ManualScheduleTrigger(snapshots, 'iteration'))
             snap.initialize(trainer)   # the autoload (run() does it again)
@@ -152,8 +158,11 @@ def run_case(case, phase, root):
         report['run'] = train(case, os.path.join(here, 'run'), STOP,
                               SNAPSHOTS)
         if case['resume'] in ('same', 'lost', 'stale'):
+            # Uninterrupted, but writing the same snapshots: saving an
+            # iterator is part of the run (Chainer's MultiprocessIterator
+            # drops its prefetched batches, and redraws, when saved).
             report['reference'] = train(case, os.path.join(here, 'ref'),
-                                        STOP, [])
+                                        STOP, SNAPSHOTS)
     return report
 
 

@@ -12,8 +12,9 @@ thousands of cases), and each case checks what a user would:
 - every replica ends with the same parameters, bit for bit;
 - a resume at the same number of ranks (``same``; ``lost``: one file of the
   newest snapshot deleted; ``stale``: one file replaced by the same file of
-  another write) ends bit-identical to an uninterrupted run, having
-  resumed from the newest snapshot every rank can load consistently;
+  another write) resumes from the newest snapshot every rank can load
+  consistently and ends bit-identical to an uninterrupted run (with one
+  replica set, where the ranks' iterators agree: bit_identical_promised);
 - a resume at another number of ranks (``grow`` 2 -> 3, ``shrink`` 3 -> 2)
   resumes from the newest snapshot and trains on;
 - no rank sees a sample twice within an epoch.
@@ -46,6 +47,7 @@ FACTORS = collections.OrderedDict([
     ('wire', [None, 'float16', 'bfloat16']),
     ('data', ['shuffled+serial', 'plain+serial', 'shuffled+multiprocess']),
     ('split', [False, True]),
+    ('sets', ['one', 'per_rank']),   # multi_node_snapshot's replica sets
     ('ranks', [2, 3]),   # where the case starts
 ])
 
@@ -77,6 +79,18 @@ def cases():
         case['id'], case['seed'] = 'case%02d' % i, 100 + i
         out.append(case)
     return out
+
+
+def bit_identical_promised(case):
+    """Whether a same-size resume must end bit-identical.  With one
+    replica set every rank resumes with rank 0's iterator, which is its
+    own only where the ranks drew the same orders: a MultiprocessIterator
+    draws from numpy's global generator in its prefetch thread, and
+    saving it drops and redraws what it prefetched, at moments that
+    differ from rank to rank (plain Chainer, one process, shows the
+    redraw: docs/reliability.md)."""
+    return case['sets'] == 'per_rank' or \
+        case['data'] != 'shuffled+multiprocess'
 
 
 def final_ranks(case):
@@ -186,8 +200,8 @@ def test_pairwise_combinations(tmp_path):
             if resumed != {expected_start[case['id']]}:
                 bad.append('resumed from %s, expected %d' % (
                     sorted(resumed), expected_start[case['id']]))
-            if 'reference' in ranks[0] and \
-                    ranks[0]['run'][1] != ranks[0]['reference'][1]:
+            if 'reference' in ranks[0] and bit_identical_promised(case) \
+                    and ranks[0]['run'][1] != ranks[0]['reference'][1]:
                 bad.append('not bit-identical to the uninterrupted run')
         if bad:
             failures.append((case, bad))
