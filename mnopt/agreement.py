@@ -29,12 +29,25 @@ def everyone(comm, value, what, stall_warning=None, timeout=None):
     """``[rank 0's value, rank 1's value, ...]`` on every rank of the
     mpi4py communicator ``comm``.  ``value`` must pickle; ``what`` names
     the exchange in a stall report."""
-    data = numpy.frombuffer(pickle.dumps(value, pickle.HIGHEST_PROTOCOL),
-                            numpy.uint8)
+    try:
+        data = numpy.frombuffer(
+            pickle.dumps(value, pickle.HIGHEST_PROTOCOL), numpy.uint8)
+        problem = None
+    except Exception as e:   # pickling runs the value's own code
+        data, problem = numpy.empty(0, numpy.uint8), e
+    # A size of -1 says "mine does not pickle": every rank learns it in
+    # the first exchange and raises, instead of waiting in the second.
     sizes = numpy.empty(comm.size, numpy.int64)
     stall.wait_or_abort(
-        [comm.Iallgather(numpy.array([data.size], numpy.int64), sizes)],
+        [comm.Iallgather(numpy.array([-1 if problem else data.size],
+                                     numpy.int64), sizes)],
         what, stall_warning, timeout)
+    if problem is not None:
+        raise problem
+    unpicklable = [r for r, n in enumerate(sizes) if n < 0]
+    if unpicklable:
+        raise RuntimeError('%s: the value of rank(s) %s could not be pickled'
+                           % (what, ', '.join(map(str, unpicklable))))
     counts = [int(n) for n in sizes]
     displacements = [sum(counts[:r]) for r in range(comm.size)]
     gathered = numpy.empty(sum(counts), numpy.uint8)

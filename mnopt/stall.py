@@ -336,13 +336,16 @@ class _Watchdog(object):
                     if time.monotonic() - start > (m.timeout or
                                                    DEFAULT_TIMEOUT_S)]
             for m in late:
+                # Not a failure: the others may still be working (a long
+                # last evaluation); this rank just stops waiting for them.
                 sys.stderr.write(
-                    'mnopt: %s exits without the last word of %s on %s '
-                    '(waited %.0f s)\n' % (
-                        m.name_of(m.rank), ', '.join(
-                            m.name_of(r) for r in range(m.size)
-                            if r != m.rank and r not in m.exited),
-                        m.label, time.monotonic() - start))
+                    'mnopt: %s exits after waiting %.0f s (MNOPT_TIMEOUT) '
+                    'for the last word of %s on %s, which may still be '
+                    'working\n' % (
+                        m.name_of(m.rank), time.monotonic() - start,
+                        ', '.join(m.name_of(r) for r in range(m.size)
+                                  if r != m.rank and r not in m.exited),
+                        m.label))
                 waiting.remove(m)
             time.sleep(0.002)
 
@@ -427,8 +430,11 @@ class _Watchdog(object):
                 'mnopt: %s has waited %.1f s in %s; %s without entering '
                 'it, so it cannot finish. Aborting the MPI job.\n'
                 % (m.name_of(m.rank), waited, op.label(), ', '.join(
+                    # Under ``python -m mpi4py`` a script's end collects
+                    # its communicators before the process exits.
                     '%s %s' % (m.name_of(r), 'exited' if m.why_gone.get(r)
-                               == 'exited' else 'finalized its communicator')
+                               == 'exited' else 'finalized or dropped its '
+                               'communicator (or its script ended)')
                     for r in gone)))
             sys.stderr.flush()
             _abort()

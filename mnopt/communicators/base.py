@@ -109,6 +109,19 @@ class _Group(object):
         self.sign_codec = codec
         return codec
 
+    def sign_residuals(self):
+        """{parameter names: residual} of this group's sign codecs (error
+        feedback on), the arrays themselves."""
+        return {key[0]: codec.residual
+                for key, codec in self._sign_codecs.items()
+                if codec.residual is not None}
+
+    def forget_sign_codecs(self):
+        """Drop the sign codecs: the next averaging of each layout builds
+        a new one (residuals zero, unless a loaded snapshot has them)."""
+        self.sign_codec = None
+        self._sign_codecs = {}
+
     def _checked_layout(self, named, wire, holder):
         """``holder``'s layout (a buffer's or codec's) while it still fits
         ``named`` and ``wire``, else a new one; checked across ranks."""
@@ -369,6 +382,9 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         self.warmup_steps = settings['warmup_steps']
         self.vote = sign.normalize_vote(settings['vote'])
         self.steps = 0  # averagings so far (warm-up, and the votes' coin)
+        #: Residuals from a loaded snapshot ({('sync' or 'async', parameter
+        #: names): numpy array}) kept until their codec is built.
+        self._loaded_residuals = {}
         #: Seconds spent averaging (in the caller or in the background),
         #: all averagings so far: against the time a caller was blocked,
         #: what double buffering or overlap hid.
@@ -603,6 +619,12 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         """The sign-compressed 'mean': majority vote times the mean scale
         (mnopt/sign.py).  Runs at N=1 too: one worker's vote is its sign."""
         codec = group.sign_codec_for(named, xp, self.error_feedback)
+        if self._loaded_residuals:
+            residual = self._loaded_residuals.pop(
+                (self._group_label(group), tuple(n for n, _ in named)), None)
+            if residual is not None and codec.residual is not None \
+                    and residual.size == codec.total:
+                codec.residual[...] = xp.asarray(residual)
         arrays = [a for _, a in named]
         bits, scales = codec.encode(arrays, step)
         bits = codec.bits_to_host(bits)
@@ -610,6 +632,84 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         self.vote_stats = {}
         majority = self._vote(group, bits, codec.total, step)
         codec.decode(codec.majority_to_device(majority), scales, arrays)
+
+    def _group_label(self, group):
+        return 'sync' if group is self._sync_group else 'async'
+
+    def serialize_compression(self, serializer, shared=True, local=True):
+        """Save (a Chainer Serializer) or load (a Deserializer) the state
+        of gradient compression, so that a run resumed from a snapshot
+        continues bit for bit.  Nothing without ``compression='sign'``.
+        Waits for a background averaging first.
+
+        ``shared``: the averaging counter ``steps`` (warm-up, and the
+        votes' coin), the same on every rank.  ``local``: with
+        ``error_feedback``, this rank's residuals, one per gradient layout
+        averaged (per bucket with overlap; those averaged in the
+        background apart).  The multi-node optimizer's snapshot holds both;
+        the state its replicas agree on after a load, the shared part only.
+
+        Residuals are rank-local: a rank takes them only from a snapshot
+        this rank wrote in a job of this size, and otherwise starts them
+        at zero.  So an exact resume needs a snapshot per rank (e.g.
+        ``multi_node_snapshot`` with a replica set per rank); with one
+        replica set, where every rank loads rank 0's file, only rank 0
+        keeps its residuals.  A snapshot without this state (older mnopt,
+        ChainerMN) loads and changes nothing.  Loaded residuals wait until
+        the first averaging of their layout builds its codec.
+        """
+        if self.compression != 'sign':
+            return
+        import chainer   # the Chainer layer's call
+        self._in_flight.wait()
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            self._load_compression(serializer, shared, local)
+            return
+        if shared:
+            serializer('steps', numpy.int64(self.steps))
+        if not local:
+            return
+        entries = dict(self._loaded_residuals)   # loaded, not yet used
+        for group in self._groups():
+            label = self._group_label(group)
+            for names, residual in group.sign_residuals().items():
+                entries[(label, names)] = numpy.array(to_host(residual),
+                                                      numpy.float32)
+        serializer('rank', numpy.int64(self.rank))
+        serializer('size', numpy.int64(self.size))
+        serializer('n_residuals', numpy.int64(len(entries)))
+        for i, (label, names) in enumerate(sorted(entries)):
+            serializer('group%d' % i, numpy.array(label))
+            serializer('names%d' % i, numpy.array(names, dtype=str))
+            serializer('residual%d' % i, entries[(label, names)])
+
+    def _load_compression(self, serializer, shared, local):
+        def read(key):   # None where absent (a strict one raises KeyError)
+            try:
+                return serializer(key, None)
+            except KeyError:
+                return None
+
+        steps = read('steps') if shared else None
+        if steps is not None:
+            self.steps = int(steps)
+        rank, size = (read('rank'), read('size')) if local else (None, None)
+        if rank is None or size is None:
+            return   # a snapshot without it: nothing changes
+        loaded = {}
+        if (int(rank), int(size)) == (self.rank, self.size):
+            for i in range(int(serializer('n_residuals', None))):
+                key = (str(serializer('group%d' % i, None)),
+                       tuple(str(n) for n in serializer('names%d' % i, None)))
+                loaded[key] = numpy.array(serializer('residual%d' % i, None),
+                                          numpy.float32).reshape(-1)
+        self._loaded_residuals = loaded
+        for group in self._groups():
+            group.forget_sign_codecs()
+
+    def _groups(self):
+        return [g for g in (self._sync_group, self._async_group)
+                if g is not None]
 
     def _vote(self, group, bits, n_elements, step):
         """Element-wise majority of every rank's packed sign bits over the
@@ -684,24 +784,30 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
     # ----------------------------------------------------------- agreement
     # mnopt's own decisions that every rank must make alike (mnopt/
     # agreement.py), over mnopt's private duplicate of the user's
-    # communicator: never in the user's message or tag space.
+    # communicator: never in the user's message or tag space.  Watched
+    # like every collective, so a rank that exited or finalized is seen
+    # at once (one name for all four: ranks call them in the same order).
+    @watched('agreement')
     def everyone(self, value, what):
         """``[rank 0's value, rank 1's, ...]`` on every rank."""
         return agreement.everyone(self._sync_group.comm, value, what,
                                   **self._stall_settings)
 
+    @watched('agreement')
     def raise_together(self, problem, what):
         """Raise on every rank if any rank's ``problem`` is an exception
         (agreement.raise_together)."""
         agreement.raise_together(self._sync_group.comm, problem, what,
                                  **self._stall_settings)
 
+    @watched('agreement')
     def same(self, settings, what):
         """ValueError on every rank unless every rank's ``settings`` dict
         is equal, naming what differs (agreement.same)."""
         return agreement.same(self._sync_group.comm, settings, what,
                               **self._stall_settings)
 
+    @watched('agreement')
     def common(self, items, what):
         """The items every rank holds, sorted (agreement.common)."""
         return agreement.common(self._sync_group.comm, items, what,
