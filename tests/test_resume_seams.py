@@ -263,17 +263,30 @@ def test_an_unsharded_snapshot_loads_into_a_sharded_optimizer_not_strict(
 
 # Another number of ranks: scatter_dataset(shuffle=True) gives each rank
 # 48 / size examples (24 at 2 ranks, 16 at 3), each read by a shuffled
-# SerialIterator of batch 4.  x[:, 0] is an example's index, so the job
-# sees which examples its iterator yields.
-RESIZE_JOB = r'''
+# iterator of batch 4 (a SerialIterator or a MultiprocessIterator).
+# x[:, 0] is an example's index, so the job sees which examples its
+# iterator yields: a copy of the loaded iterator, and the training itself
+# (the converter records each batch under the epoch it belongs to: a batch
+# that ended an epoch belongs to it).
+RESIZE_JOB = r"""
 import os, sys
 import numpy
 import chainer
 import chainer.links as L
 import mnopt
 
-out, stop, resumed_at, mode = (sys.argv[1], int(sys.argv[2]),
-                               int(sys.argv[3]), sys.argv[4])
+out, stop, resumed_at, mode, kind = (sys.argv[1], int(sys.argv[2]),
+                                     int(sys.argv[3]), sys.argv[4],
+                                     sys.argv[5])
+
+
+def iterator(data):
+    if kind == 'multiprocess':
+        return chainer.iterators.MultiprocessIterator(
+            data, 4, shuffle=True, n_processes=1)
+    return chainer.iterators.SerialIterator(data, 4, shuffle=True)
+
+
 comm = mnopt.create_communicator('flat')
 numpy.random.seed(0)
 model = L.Classifier(chainer.Sequential(L.Linear(3, 4), L.Linear(4, 2)))
@@ -282,71 +295,105 @@ x[:, 0] = numpy.arange(48)
 t = (x[:, 1] > 0).astype(numpy.int32)
 shard = mnopt.scatter_dataset(chainer.datasets.TupleDataset(x, t), comm,
                               shuffle=True, seed=7)
-it = chainer.iterators.SerialIterator(shard, 4, shuffle=True)
+it = iterator(shard)
+trained = {}
+
+
+def converter(batch, device=None):
+    epoch = it.epoch - 1 if it.is_new_epoch else it.epoch
+    trained.setdefault(epoch, []).extend(int(e[0][0]) for e in batch)
+    return chainer.dataset.concat_examples(batch, device)
+
+
 opt = mnopt.create_multi_node_optimizer(
     chainer.optimizers.Adam(), comm, shard_state=(mode == 'sharded'))
 opt.setup(model)
 trainer = chainer.training.Trainer(
-    chainer.training.StandardUpdater(it, opt), (stop, 'iteration'), out=out)
+    chainer.training.StandardUpdater(it, opt, converter=converter),
+    (stop, 'iteration'), out=out)
 snap = mnopt.extensions.multi_node_snapshot(
     comm, chainer.training.extensions.snapshot(autoload=True))
 trainer.extend(snap, trigger=(stop, 'iteration'))
 
 snap.initialize(trainer)   # the autoload (trainer.run does it again)
 assert trainer.updater.iteration == resumed_at, trainer.updater.iteration
+n = len(shard)
 if resumed_at:
-    # The epoch and how far into it, as saved; the position scaled to
-    # this rank's shard.
     with numpy.load(os.path.join(out, 'snapshot_iter_%d.0' % resumed_at)) \
             as f:
         epoch = int(f['updater/iterator:main/epoch'])
         old_n = len(f['updater/iterator:main/order'])
         old_position = int(f['updater/iterator:main/current_position'])
-    n = len(shard)
     assert old_n != n, (old_n, n)
-    assert it.epoch == epoch and it.current_position == \
-        old_position * n // old_n, (it.epoch, it.current_position)
-    assert it.epoch_detail == epoch + old_position / old_n
-    # A copy of the loaded state: the rest of this epoch has no example
-    # twice, the next epoch every example of the shard once.
+    # A copy of the loaded state: the rest of this epoch (up to and with
+    # the batch that ends it) has no example twice, the next epoch every
+    # example of the shard once.
     state = {}
     chainer.serializers.DictionarySerializer(state).save(it)
-    copy = chainer.iterators.SerialIterator(shard, 4, shuffle=True)
+    copy = iterator(shard)
     chainer.serializers.NpzDeserializer(state).load(copy)
     seen = []
     while copy.epoch == epoch:
         seen += [int(e[0][0]) for e in copy.next()]
-    assert len(seen) == n - it.current_position, (len(seen), n)
     assert len(set(seen)) == len(seen), seen
+    assert len(seen) == n - it.current_position, (len(seen), n)
     assert set(seen) <= {int(e[0][0]) for e in shard}
     whole = []
     while copy.epoch == epoch + 1:
         whole += [int(e[0][0]) for e in copy.next()]
     assert sorted(whole) == sorted(int(e[0][0]) for e in shard), whole
+    if kind == 'multiprocess':
+        copy.finalize()
+    # The same epoch; the position scaled to this rank's shard, moved back
+    # by less than a batch to where the rest of the epoch is whole
+    # batches; epoch_detail as saved but for that step back.
+    scaled = old_position * n // old_n
+    assert it.epoch == epoch and scaled - 4 < it.current_position <= \
+        scaled and (n - it.current_position) % 4 == 0, \
+        (it.epoch, it.current_position, scaled)
+    assert 0 <= epoch + old_position / old_n - it.epoch_detail < 4 / n
     if comm.rank == 0:
         print('RESUMED epoch %d at %d of %d (%d of %d saved)'
               % (epoch, it.current_position, n, old_position, old_n),
               flush=True)
+    resumed_epoch, resumed_position = epoch, it.current_position
 trainer.run()
 assert trainer.updater.iteration == stop
+if kind == 'multiprocess':
+    it.finalize()
+# What training read: no example twice in an epoch; after a resize, the
+# rest of the resumed epoch, then whole epochs of the new shard.
+for e, got in sorted(trained.items()):
+    assert len(set(got)) == len(got), (comm.rank, e, sorted(got))
+    if resumed_at and e == resumed_epoch:
+        assert len(got) == n - resumed_position, (comm.rank, e, len(got))
+    elif e < max(trained):
+        assert len(got) == n, (comm.rank, e, len(got))
 if comm.rank == 0:
     print('DONE at %d' % stop, flush=True)
-'''
+"""
 
 
 @pytest.mark.spawn
-@pytest.mark.parametrize('mode', ['plain', 'sharded'])
+@pytest.mark.parametrize('mode,kind', [('plain', 'serial'),
+                                       ('sharded', 'serial'),
+                                       ('plain', 'multiprocess'),
+                                       ('sharded', 'multiprocess')])
 def test_a_resize_rebuilds_each_ranks_iterator_for_its_new_shard(
-        tmp_path, mode):
-    # 2 ranks to iteration 9 (1.5 epochs of 24), 3 ranks to 13 (epoch 2
-    # at 8 of 16), 2 ranks to 15.
+        tmp_path, mode, kind):
+    # 2 ranks to iteration 5 (20 of 24), 3 ranks to 9 (13 of 16 scaled,
+    # resumed at 12: one batch to the epoch's end, then epoch 1 to 12 of
+    # 16), 2 ranks to 15 (18 of 24 scaled, resumed at 16: two batches to
+    # the epoch's end, then epoch 2 to 16 of 24).  The resumed positions are not batch-aligned when scaled:
+    # a batch that ended the epoch would take the next epoch's first
+    # examples (from a new order, maybe one just read) as well.
     out = str(tmp_path)
     for n, stop, resumed_at, expect in (
-            (2, 9, 0, None),
-            (3, 13, 9, 'RESUMED epoch 1 at 8 of 16 (12 of 24 saved)'),
-            (2, 15, 13, 'RESUMED epoch 2 at 12 of 24 (8 of 16 saved)')):
+            (2, 5, 0, None),
+            (3, 9, 5, 'RESUMED epoch 0 at 12 of 16 (20 of 24 saved)'),
+            (2, 15, 9, 'RESUMED epoch 1 at 16 of 24 (12 of 16 saved)')):
         proc = run_mpi(n, RESIZE_JOB, timeout=120,
-                       args=[out, str(stop), str(resumed_at), mode])
+                       args=[out, str(stop), str(resumed_at), mode, kind])
         assert proc.returncode == 0, (n, proc.stderr[-3000:])
         assert 'DONE at %d' % stop in proc.stdout, proc.stdout[-2000:]
         if expect:

@@ -5,12 +5,20 @@ another share of the data).
 A shuffled iterator's saved ``order`` is a permutation of its old shard's
 positions: it means nothing for the new shard (and Chainer cannot load it
 into an order of another length).  Such an iterator goes on in the same
-epoch, at the same fraction of it (its position scaled to the new shard:
-``epoch_detail`` continues, so epoch triggers and schedules do), in a new
-order drawn by its own order sampler; the examples that new order puts
-before that position are not read again until the next epoch, so no
+epoch, at about the same fraction of it (its position scaled to the new
+shard: ``epoch_detail`` continues, so epoch triggers and schedules do), in
+a new order drawn by its own order sampler; the examples that new order
+puts before that position are not read again until the next epoch, so no
 example is read twice in an epoch on a rank.  Every rank learns which
 ranks' iterators were rebuilt, and rank 0 warns once.
+
+The scaled position is moved back (by less than a batch) to where the
+rest of the epoch is a whole number of batches: otherwise the batch that
+ends the epoch would also take the next epoch's first examples, from a
+newly drawn order that may repeat one just read, so that batch (the one
+``is_new_epoch`` marks as the epoch's last) would hold an example twice.
+Both of Chainer's iterators (``SerialIterator``, ``MultiprocessIterator``)
+step the same state machine and behave alike here.
 
 Iterators that save no order (``shuffle=False``) load as Chainer loads
 them.  Only iterators at Chainer's serialization paths are found: a
@@ -58,6 +66,18 @@ def _live_iterator(target, group):
         return None
 
 
+def _aligned(position, n, batch_size):
+    """The greatest position not after ``position`` from which the rest of
+    an epoch of ``n`` examples is whole batches of ``batch_size`` (the
+    epoch's last batch ends it exactly); ``position`` itself when there is
+    none (fewer examples before it than ``n % batch_size``) or no batch
+    size."""
+    if not batch_size or batch_size <= 0:
+        return position
+    back = (position - n) % batch_size
+    return position - back if position - back >= 0 else position
+
+
 def _rebuilt(npz, target):
     """(replaced, hidden, descriptions) for the iterators whose saved
     order is of another length than their dataset now."""
@@ -75,7 +95,8 @@ def _rebuilt(npz, target):
             continue
         n_old, n = len(order), len(dataset)
         saved = int(npz[group + 'current_position'])
-        position = saved * n // n_old
+        position = _aligned(saved * n // n_old, n,
+                            getattr(live, 'batch_size', None))
         sampler = getattr(live, 'order_sampler', None)
         new_order = sampler(numpy.arange(n), position) if sampler else \
             numpy.random.permutation(n)
