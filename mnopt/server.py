@@ -3,8 +3,9 @@
     mpiexec -n W python train.py : -n S python -m mnopt.server [--memory B]
 
 Workers (``create_communicator('reduction_server')``) pack their gradients
-divided by W (in the cast to the wire dtype, as every communicator does, so
-that a mean that fits cannot overflow), split them into one near-equal
+divided by W (in the cast to the wire dtype, as every communicator does;
+the servers' float32 sums then leave only gradient / W and the mean to fit
+a 16-bit wire), split them into one near-equal
 contiguous shard per server, cut each shard into chunks, and push them; a
 server sums each chunk's shares over the workers in float32, in worker
 order (bitwise deterministic), rounds once to the wire dtype and pushes
@@ -61,15 +62,6 @@ def shard_bounds(total, n_servers):
 
 def chunk_slices(length, chunk):
     return [slice(s, min(s + chunk, length)) for s in range(0, length, chunk)]
-
-
-def _role_of_this_process(default):
-    """Roles from MPI's APPNUM (0 for the first command of an MPMD launch);
-    launchers without it leave the entry point's own answer."""
-    appnum = MPI.COMM_WORLD.Get_attr(MPI.APPNUM)
-    if appnum is None or appnum == MPI.UNDEFINED:
-        return default
-    return 'worker' if appnum == 0 else 'server'
 
 
 _job = None
@@ -153,9 +145,19 @@ def job(default_role='worker', stall_warning=None, timeout=None):
     leaving the others waiting forever."""
     global _job
     if _job is None:
-        roles = _exchange_roles(_role_of_this_process(default_role),
-                                stall_warning, timeout)
+        # A process's role is its entry point's (mnopt.server serves, any
+        # other script works), not MPI's APPNUM: an MPMD launch also gives
+        # ranks of one script their own environments.
+        roles = _exchange_roles(default_role, stall_warning, timeout)
         the_job = Job(roles)
+        if the_job.servers and max(the_job.workers, default=-1) > \
+                min(the_job.servers):
+            # Every process sees the same roles: the same error everywhere.
+            raise ValueError(
+                'reduction servers must come after the workers in the '
+                'job (servers at ranks %s, workers at %s): launch as in '
+                'mpiexec -n W python train.py : -n S python -m mnopt.server'
+                % (the_job.servers, the_job.workers))
         if the_job.servers:
             # Straight after the exchange, which every process has passed:
             # these collectives cannot wait for a process that is not
@@ -459,11 +461,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     stall.settings()   # a bad MNOPT_STALL_WARNING / MNOPT_TIMEOUT raises
     world = MPI.COMM_WORLD
-    if _role_of_this_process('server') != 'server':
-        raise RuntimeError('mnopt.server started as a worker (APPNUM 0): '
-                           'launch it after the training script, as in '
-                           'mpiexec -n W python train.py : -n S python -m '
-                           'mnopt.server')
     the_job = job(default_role='server')
     # Mirror the workers' start-up: the split and the two channels.
     _, chans = the_job.channels()

@@ -4,11 +4,13 @@ colocated): a process that never arrives ends the job at the timeout, a
 bad setting ends it at once, a worker that finishes early is not a
 stall, and means that fit the wire come out finite."""
 
+import os
+import sys
 import time
 
 import pytest
 
-from conftest import slack
+from conftest import mpiexec, python_path, run_job as run_launcher, slack
 from test_reduction_server import run_job
 
 pytestmark = pytest.mark.spawn
@@ -179,3 +181,44 @@ def test_two_communicators_never_interleave_in_the_background(
             'reduction_server communicator per process averages in the ' \
             'background at a time' % w in proc.stdout, proc.stdout
         assert 'worker %d ok' % w in proc.stdout
+
+
+MPMD_SCRIPT = '''
+import os, mnopt
+comm = mnopt.create_communicator('flat')
+print('rank %d of %d, BLAS threads %s' % (
+    comm.rank, comm.size, os.environ['MNOPT_BLAS_THREADS']), flush=True)
+'''
+
+
+@pytest.mark.every_mpi
+def test_an_mpmd_launch_of_one_script_has_no_servers(tmp_path):
+    # The usual way to give ranks their own environments: each command of
+    # the launch runs the training script, so none is a reduction server.
+    script = tmp_path / 'train.py'
+    script.write_text(MPMD_SCRIPT)
+    cmd = []
+    for threads in ('1', '2'):
+        cmd += [':'] if cmd else []
+        cmd += ['-n', '1', 'env', 'MNOPT_BLAS_THREADS=' + threads,
+                sys.executable, '-m', 'mpi4py', str(script)]
+    proc = run_launcher(mpiexec() + cmd, 90,
+                        dict(os.environ, PYTHONPATH=python_path()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'rank 0 of 2, BLAS threads 1' in proc.stdout
+    assert 'rank 1 of 2, BLAS threads 2' in proc.stdout
+
+
+def test_servers_launched_before_the_workers_are_an_error_everywhere(
+        tmp_path):
+    script = tmp_path / 'train.py'
+    script.write_text("import mnopt\nmnopt.create_communicator("
+                      "'reduction_server')\n")
+    cmd = mpiexec() + ['-n', '1', sys.executable, '-m', 'mpi4py', '-m',
+                       'mnopt.server', ':', '-n', '2', sys.executable,
+                       '-m', 'mpi4py', str(script)]
+    proc = run_launcher(cmd, 90, dict(os.environ, PYTHONPATH=python_path()))
+    assert proc.returncode != 0
+    assert 'reduction servers must come after the workers in the job ' \
+        '(servers at ranks [0], workers at [1, 2])' in proc.stderr, \
+        proc.stderr[-3000:]
