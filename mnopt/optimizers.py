@@ -358,6 +358,33 @@ class _OverlapOptimizer(_MultiNodeOptimizer):
         self.actual_optimizer.update(None, *args, **kwds)
 
 
+def _check_actual_optimizer(actual_optimizer):
+    """A clear error now for what would fail (or average twice) later.
+    Every rank passes the same kind of argument, so each raises alike
+    before any collective."""
+    if isinstance(actual_optimizer, _MultiNodeOptimizer):
+        # Its update would average the already averaged gradients again
+        # (and its first update, a broadcast, would apply nothing).
+        raise TypeError(
+            'create_multi_node_optimizer got an optimizer it already '
+            'wrapped (%s around %s): pass the Chainer optimizer itself, '
+            'once' % (type(actual_optimizer).__name__,
+                      type(actual_optimizer.actual_optimizer).__name__))
+    if isinstance(actual_optimizer, type) and \
+            issubclass(actual_optimizer, chainer.Optimizer):
+        raise TypeError(
+            'create_multi_node_optimizer takes an optimizer instance, not '
+            'the class %s: pass %s(...)' % (
+                actual_optimizer.__name__, actual_optimizer.__name__))
+    if not isinstance(actual_optimizer, chainer.Optimizer):
+        raise TypeError(
+            'create_multi_node_optimizer takes a Chainer optimizer '
+            '(an instance of chainer.Optimizer, e.g. '
+            'chainer.optimizers.MomentumSGD()); got %s' % (
+                'None' if actual_optimizer is None else
+                'a %s object' % type(actual_optimizer).__name__))
+
+
 def create_multi_node_optimizer(actual_optimizer, communicator,
                                 double_buffering=False, zero_fill=True,
                                 overlap=False, shard_state=False):
@@ -390,6 +417,7 @@ def create_multi_node_optimizer(actual_optimizer, communicator,
             Not with double_buffering, the reduction_server
             communicator or compression='sign'.
     """
+    _check_actual_optimizer(actual_optimizer)
     if shard_state:
         if double_buffering:
             raise ValueError('shard_state does not combine with '

@@ -1,0 +1,149 @@
+"""What a user gets wrong, refused or said at once: an optimizer that is
+not a Chainer optimizer instance (or one already wrapped), and a script
+started without its launcher in a job of several processes.  Serially and
+under mpiexec -n 2 / -n 3, as every test module."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mnopt
+from mnopt import launched
+from conftest import REPO, WORLD, chainer, needs_chainer, python_path, slack
+
+
+# ------------------------------------------------- create_multi_node_optimizer
+
+@needs_chainer
+@pytest.mark.parametrize('options', [
+    {}, {'double_buffering': True}, {'overlap': True},
+    {'shard_state': True}])
+def test_an_optimizer_already_wrapped_is_refused(naive_comm, options):
+    """Wrapped twice, its first update would apply nothing and every later
+    one average the mean again."""
+    once = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.SGD(), naive_comm, **options)
+    with pytest.raises(TypeError, match='an optimizer it already wrapped '
+                                        r'\(\w+ around SGD\): pass the '
+                                        'Chainer optimizer itself, once'):
+        mnopt.create_multi_node_optimizer(once, naive_comm, **options)
+
+
+@needs_chainer
+def test_what_is_not_a_chainer_optimizer_is_refused(naive_comm):
+    with pytest.raises(TypeError, match=r'an optimizer instance, not the '
+                                        r'class MomentumSGD: pass '
+                                        r'MomentumSGD\(\.\.\.\)'):
+        mnopt.create_multi_node_optimizer(chainer.optimizers.MomentumSGD,
+                                          naive_comm)
+    for wrong, said in [(object(), 'a object object'), (None, 'None'),
+                        (chainer.links.Linear(2, 3), 'a Linear object'),
+                        ('Adam', 'a str object')]:
+        with pytest.raises(TypeError, match=r'takes a Chainer optimizer '
+                                            r'\(an instance of chainer\.'
+                                            r'Optimizer, e\.g\. .*; got '
+                                            + said):
+            mnopt.create_multi_node_optimizer(wrong, naive_comm)
+
+
+# ------------------------------------------------- started without mpiexec
+
+def test_alone_though_the_environment_says_several():
+    """A world of 1 beside any launcher's count above 1 is a problem; a
+    world of the size a launcher started (or any world of several: an
+    mpiexec -n 2 inside an allocation of 4 tasks) is not."""
+    for name in launched.SIZE_VARIABLES:
+        said = launched.problem({name: '4'}, 1)
+        assert said is not None and '(%s=4)' % name in said
+        assert 'rank 0 of 1' in said and 'mpiexec -n N' in said
+        assert launched.problem({name: '1'}, 1) is None
+        assert launched.problem({name: '4'}, 4) is None
+        assert launched.problem({name: '4'}, 2) is None
+    assert launched.problem({}, 1) is None
+    assert launched.problem({'SLURM_NTASKS': '', 'PMI_SIZE': 'x'}, 1) is None
+    both = launched.problem({'PMI_SIZE': '2', 'SLURM_NTASKS': '8'}, 1)
+    assert '(PMI_SIZE=2, SLURM_NTASKS=8)' in both
+
+
+def test_the_warning_goes_to_the_mnopt_logger_once(monkeypatch, caplog):
+    monkeypatch.setattr(launched, '_warned', False)
+    with caplog.at_level(logging.WARNING, logger='mnopt'):
+        for _ in range(2):
+            launched.warn_if_alone(1, {'OMPI_COMM_WORLD_SIZE': '2'})
+        launched.warn_if_alone(2, {'OMPI_COMM_WORLD_SIZE': '2'})
+    said = [r for r in caplog.records if r.name == 'mnopt']
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert 'OMPI_COMM_WORLD_SIZE=2' in said[0].getMessage()
+
+
+def test_a_launched_job_is_not_warned_about(caplog):
+    """mpiexec's own variables (Hydra's PMI_SIZE) agree with the world it
+    started: no warning, here where every rank was started by it."""
+    if WORLD.size == 1:
+        pytest.skip('a world of several processes, started by mpiexec')
+    assert launched.problem(os.environ, WORLD.size) is None
+    with caplog.at_level(logging.WARNING, logger='mnopt'):
+        mnopt.create_communicator('naive').finalize()
+    assert not [r for r in caplog.records if 'alone' in r.getMessage()]
+
+
+ALONE = '''
+import numpy, mnopt
+for _ in range(2):
+    comm = mnopt.create_communicator('flat')
+g = [('w', numpy.full(3, 5.0, numpy.float32))]
+comm.mean_grads(g)
+print('rank %d of %d, mean %s' % (comm.rank, comm.size, g[0][1][0]))
+'''
+
+
+@pytest.mark.spawn
+def test_started_without_mpiexec_in_a_job_of_several():
+    """Processes started bare whose environment names a job of several
+    (an sbatch script's SLURM_NTASKS, Open MPI's or Hydra's variables
+    with this MPICH): each trains as rank 0 of 1, warned once on stderr;
+    ``python -m mnopt.check`` fails with the reason.  MPICH's singleton
+    start is not disturbed by a PMI_SIZE without a process manager.  A
+    bare process in a clean environment checks OK."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in launched.SIZE_VARIABLES}
+    clean['PYTHONPATH'] = python_path()
+    runs = {
+        'check, SLURM_NTASKS=4': (['-m', 'mnopt.check'],
+                                  {'SLURM_NTASKS': '4'}),
+        'check, clean': (['-m', 'mnopt.check'], {}),
+        'train, OMPI_COMM_WORLD_SIZE=2': (['-c', ALONE],
+                                          {'OMPI_COMM_WORLD_SIZE': '2'}),
+        'train, PMI_SIZE=2': (['-c', ALONE], {'PMI_SIZE': '2'}),
+    }
+    procs = {what: subprocess.Popen(
+        [sys.executable] + argv, env=dict(clean, **extra), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for what, (argv, extra) in runs.items()}
+    done = {what: p.communicate(timeout=slack(120)) + (p.returncode,)
+            for what, p in procs.items()}
+
+    out, err, rc = done['check, SLURM_NTASKS=4']
+    assert rc == 1, (out, err)
+    assert 'PROBLEM: this process is alone in its MPI world, rank 0 of 1, ' \
+        'though its environment says the job has more processes ' \
+        '(SLURM_NTASKS=4)' in out
+    assert out.rstrip().endswith('mnopt check: 1 problem(s)')
+    assert err.count('mnopt: warning: this process is alone') == 1, err
+
+    out, err, rc = done['check, clean']
+    assert rc == 0 and out.rstrip().endswith('mnopt check: OK'), (out, err)
+    assert 'alone' not in err
+
+    for what in ('train, OMPI_COMM_WORLD_SIZE=2', 'train, PMI_SIZE=2'):
+        out, err, rc = done[what]
+        variable = what.split(', ')[1]
+        assert rc == 0, (what, err)
+        assert out.strip() == 'rank 0 of 1, mean 5.0', (what, out)
+        warnings = [line for line in err.splitlines()
+                    if line.startswith('mnopt: warning:')]
+        assert len(warnings) == 1 and '(%s)' % variable in warnings[0] \
+            and 'each such process will train alone' in warnings[0], err
