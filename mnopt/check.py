@@ -8,7 +8,9 @@ library, Chainer, CuPy, NCCL), then averages one small gradient on the
 ``flat`` communicator and checks the analytic mean.  It ends with
 ``mnopt check: OK`` (exit 0), or with a line per problem (exit 1): ranks
 running different versions, more ranks on a node than GPUs where GPUs are
-used, a wrong mean.
+used, a wrong mean, a process alone in its MPI world though its
+environment says the job has several (started without its launcher, or
+with another MPI library's: mnopt/launched.py).
 """
 
 import os
@@ -81,6 +83,7 @@ def problems(rows):
 
 def main(argv=None):
     import mnopt
+    from mnopt import launched
     world = MPI.COMM_WORLD
     comm = mnopt.create_communicator('flat')
     info = describe_process()
@@ -90,6 +93,9 @@ def main(argv=None):
     comm.mean_grads(grads)
     means = comm.allgather_obj(grads[0][1].tolist())
     found = problems(rows)
+    alone = launched.problem(os.environ, world.Get_size())
+    if alone is not None:
+        found.append(alone)
     want = (comm.size - 1) / 2.0
     if any(m != [want] * 3 for m in means):
         found.append('averaging gave %s, not %s on every rank' % (means, want))

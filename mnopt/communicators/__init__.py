@@ -91,6 +91,8 @@ def create_communicator(communicator_name='auto', mpi_comm=None,
         from mnopt import global_except_hook
         global_except_hook.add_hook()
     from mpi4py import MPI
+    from mnopt import launched
+    launched.warn_if_alone(MPI.COMM_WORLD.Get_size())
     mpi_comm = _intracommunicator(MPI.COMM_WORLD if mpi_comm is None
                                   else mpi_comm)
     kwargs = dict({'allreduce_grad_dtype': allreduce_grad_dtype,
