@@ -4,9 +4,11 @@ Every communicator averages gradients the same way:
 
 1. ``pack``: each gradient is divided by the world size and cast to the wire
    dtype in a single pass into one flat, persistent buffer.  Dividing *before*
-   summing means any mean that fits in the wire dtype cannot overflow
-   (ChainerMN's FP16 path sums first and returns inf for gradients of 60000
-   on 2 ranks).
+   summing keeps the mean finite wherever every rank's gradient / N and
+   every partial sum of those fit the wire dtype, as they do whenever the
+   gradients agree in sign (ChainerMN's FP16 path sums first and returns
+   inf for gradients of 60000 on 2 ranks); mixed signs can still overflow
+   a partial sum (mnopt/overflow.py).
 2. the communicator sums the buffer across ranks, bucket by bucket.
 3. ``unpack``: the summed buffer is cast back into each gradient's own dtype.
 

@@ -1,8 +1,16 @@
 """Overflow on 16-bit wires: reported, not silent.
 
 float16 holds at most 65504.  Dividing before summing (grad_buffer) keeps
-every mean that fits finite, but a mean beyond that range still turns into
-inf.  The codecs count, at no extra pass, how many gradient values
+a mean finite where every rank's gradient divided by the number of ranks
+fits, and so does every partial sum of those on the wire: always when
+the gradients agree in sign (each partial sum lies between 0 and the
+mean).  Gradients of mixed sign can overflow though their mean fits
+(140000 and -20000 on 2 ranks: 70000 does not fit before the sum; 180000,
+180000 and -180000 on 3: 60000 each, but two of them sum to 120000).
+The counts below are of what goes in and what comes out, not of the
+steps between, so a report names both causes.
+
+The codecs count, at no extra pass, how many gradient values
 were not finite going in and how many means are not finite coming out
 (per array): the host codec's C loops as they convert, the GPU kernels in
 device memory (read once per averaging, so a GPU averaging on a 16-bit
@@ -27,13 +35,16 @@ CHOICES = ('warn', 'error', 'ignore')
 WARNING_INTERVAL_S = 60.0
 
 
+#: The largest finite value of each 16-bit wire, as the report says it.
+LARGEST = {'float16': '65504', 'bfloat16': '3.4e38'}
+
 #: What to do about an overflow, per wire: bfloat16 has float32's range,
 #: so only float64 has more.
 ADVICE = {
-    'float16': "Use allreduce_grad_dtype='bfloat16' (float32's range) or "
-               "a smaller loss scale.",
-    'bfloat16': "These means are beyond float32's range too: use a smaller "
-                "loss scale (or allreduce_grad_dtype='float64').",
+    'float16': "Use allreduce_grad_dtype='bfloat16' or 'float32' "
+               "(float32's range), or a smaller loss scale.",
+    'bfloat16': "These values are beyond float32's range too: use a "
+                "smaller loss scale (or allreduce_grad_dtype='float64').",
 }
 
 
@@ -96,9 +107,10 @@ class Reporter(object):
         more = len(overflowed) - 1
         return (
             'averaging #%d on the %s wire overflowed: the mean of %r%s is '
-            'not finite though every rank\'s gradients were (%s holds at '
-            'most %s).  %s' % (
+            'not finite though every rank\'s gradients were: a rank\'s '
+            'gradient divided by the number of ranks, or a partial sum of '
+            'those, went past %s\'s largest value (%s); the mean itself '
+            'may be in range (gradients of mixed sign).  %s' % (
                 step, layout.wire, first,
                 ' and %d more parameter(s)' % more if more else '',
-                layout.wire, '65504' if layout.wire == 'float16'
-                else '3.4e38', ADVICE[layout.wire]))
+                layout.wire, LARGEST[layout.wire], ADVICE[layout.wire]))

@@ -512,7 +512,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
 
     def _pack_divisor(self):
         """Gradients are divided by this while packed (the world size:
-        divide before summing, so a mean that fits cannot overflow)."""
+        divide before summing, so that only each gradient / N and the
+        partial sums must fit the wire, not a sum of whole gradients)."""
         return self.size
 
     # ----------------------------------------------------------- gradients
