@@ -99,8 +99,16 @@ class _MultiNodeOptimizer(object):
         """The wrapped optimizer's state (with its target).  After a load
         the next update makes the replicas agree (see the class): a
         snapshot loaded on every rank resumes bit for bit, one loaded on
-        rank 0 alone (model, optimizer or both) is given to every rank."""
-        self._serialize_state(serializer)
+        rank 0 alone (model, optimizer or both) is given to every rank.
+
+        Also this rank's part of the communicator's compression state
+        (``serialize_compression``; with ``compression='sign'``, its
+        error-feedback residuals), apart from ``_serialize_state``: it
+        differs from rank to rank, so it is not part of the state the
+        replicas agree on."""
+        self._serialize_state(serializer)   # waits for double buffering
+        self.communicator.serialize_compression(
+            serializer['mnopt_compression'], shared=False)
         if isinstance(serializer, chainer.serializer.Deserializer):
             # Chainer's updater loads the optimizer before the model, so the
             # parameters may not have their data yet: the next update takes
@@ -108,8 +116,13 @@ class _MultiNodeOptimizer(object):
             object.__setattr__(self, '_param_set', _LOADED)
 
     def _serialize_state(self, serializer):
-        """What a snapshot of this optimizer holds."""
+        """What a snapshot of this optimizer holds, the same on every
+        rank: the wrapped optimizer's state and the communicator's shared
+        compression state (with ``compression='sign'``, its averaging
+        counter, which drives warm-up and the votes' coin)."""
         self.actual_optimizer.serialize(serializer)
+        self.communicator.serialize_compression(
+            serializer['mnopt_compression'], local=False)
 
     def _next_step(self):
         """What this update does (_BROADCAST, _RESUME or _AVERAGE), agreed
@@ -329,9 +342,39 @@ class _OverlapOptimizer(_MultiNodeOptimizer):
         return dict(self._overlap.stats)
 
     def serialize(self, serializer):
+        """With ``compression='sign'`` also the buckets (the plan): a vote
+        depends on them (each bucket is a layout of its own, with its own
+        residuals and its own turn of the counter), so a resumed run keeps
+        them to continue bit for bit.  Every rank must then load the same
+        snapshot (a rank that loaded none would average other buckets:
+        an error on every rank).  Without compression, or from a snapshot
+        without them, the plan is made again, as after a broadcast."""
         super(_OverlapOptimizer, self).serialize(serializer)
-        if isinstance(serializer, chainer.serializer.Deserializer):
-            self._overlap.forget_plan()
+        sign = self.communicator.compression == 'sign'
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        if not loading:
+            if sign:
+                plan = self._overlap.plan or []
+                serializer('mnopt_plan_names', numpy.array(
+                    [n for names in plan for n in names], dtype=str))
+                serializer('mnopt_plan_sizes', numpy.array(
+                    [len(names) for names in plan], numpy.int64))
+            return
+        self._overlap.forget_plan()
+        try:
+            names = serializer('mnopt_plan_names', None) if sign else None
+            sizes = serializer('mnopt_plan_sizes', None) if sign else None
+        except KeyError:
+            names = sizes = None
+        if names is None or sizes is None or not len(sizes):
+            return
+        names, plan = [str(n) for n in names], []
+        for size in (int(s) for s in sizes):
+            plan.append(names[:size])
+            names = names[size:]
+        if not names and set(n for b in plan for n in b) <= set(
+                n for n, _ in self.target.namedparams()):
+            self._overlap.plan = plan
 
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is None:

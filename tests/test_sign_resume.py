@@ -1,0 +1,170 @@
+"""Sign compression's state in a snapshot: a run stopped and resumed from
+the multi-node optimizer's snapshot (each rank its own file) continues bit
+for bit like the uninterrupted run: each rank's error-feedback residuals
+and the communicator's averaging counter (warm-up, the votes' coin) travel
+with it.  Plain, double-buffered and overlapped optimizers.
+
+Runs serially and under mpiexec -n 2 / -n 3."""
+
+import numpy
+import pytest
+
+import mnopt
+from conftest import WORLD, chainer, needs_chainer
+
+pytestmark = needs_chainer
+
+MODES = {'plain': {}, 'double_buffering': {'double_buffering': True},
+         'overlap': {'overlap': True}}
+STOP, MORE = 4, 4   # updates before the snapshot, and after it
+
+
+class _Holder(object):
+    """The model and the optimizer in one snapshot file."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def serialize(self, serializer):
+        self.model.serialize(serializer['model'])
+        self.optimizer.serialize(serializer['optimizer'])
+
+
+def _setup(mode, **comm_options):
+    import chainer.links as L
+    comm = mnopt.create_communicator('flat', compression='sign',
+                                     bucket_bytes=64, **comm_options)
+    numpy.random.seed(7 + WORLD.rank)   # replicas differ until broadcast
+    model = chainer.Sequential(L.Linear(5, 9), chainer.functions.relu,
+                               L.Linear(9, 3))
+    optimizer = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=0.05), comm, **MODES[mode])
+    optimizer.setup(model)
+    return comm, model, optimizer
+
+
+def _train(model, optimizer, first, count):
+    F = chainer.functions
+    for i in range(first, first + count):
+        rng = numpy.random.RandomState(1000 * i + WORLD.rank)
+        x = rng.standard_normal((6, 5)).astype(numpy.float32)
+        t = rng.randint(0, 3, 6).astype(numpy.int32)
+        optimizer.update(lambda x, t: F.softmax_cross_entropy(model(x), t),
+                         x, t)
+
+
+def _params(model):
+    return [(n, p.array.copy()) for n, p in sorted(model.namedparams())]
+
+
+def _snapshot_path(tmp_path, name):
+    # tmp_path differs per rank (one process each): broadcast rank 0's.
+    base = WORLD.bcast(str(tmp_path) if WORLD.rank == 0 else None, root=0)
+    return '%s/%s-rank%d.npz' % (base, name, WORLD.rank)
+
+
+def _run(mode, tmp_path, edit=None, **comm_options):
+    """(uninterrupted run's parameters, resumed run's)."""
+    comm, model, optimizer = _setup(mode, **comm_options)
+    _train(model, optimizer, 0, STOP)
+    path = _snapshot_path(tmp_path, mode)
+    chainer.serializers.save_npz(path, _Holder(model, optimizer))
+    _train(model, optimizer, STOP, MORE)
+    if hasattr(optimizer, 'wait'):
+        optimizer.wait()
+    straight = _params(model)
+    comm.finalize()
+
+    if edit is not None:
+        edit(path)
+    comm, model, optimizer = _setup(mode, **comm_options)
+    chainer.serializers.load_npz(path, _Holder(model, optimizer))
+    _train(model, optimizer, STOP, MORE)
+    if hasattr(optimizer, 'wait'):
+        optimizer.wait()
+    resumed = _params(model)
+    comm.finalize()
+    return straight, resumed
+
+
+def _differing(straight, resumed):
+    assert [n for n, _ in straight] == [n for n, _ in resumed]
+    return [n for (n, a), (_, b) in zip(straight, resumed)
+            if a.tobytes() != b.tobytes()]
+
+
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_resume_is_bit_identical(mode, tmp_path):
+    straight, resumed = _run(mode, tmp_path)
+    assert _differing(straight, resumed) == []
+
+
+@pytest.mark.parametrize('mode', ['plain'])
+def test_resume_with_warmup_is_bit_identical(mode, tmp_path):
+    # The snapshot falls inside the warm-up: the counter decides when
+    # compression starts.
+    straight, resumed = _run(mode, tmp_path, warmup_steps=STOP + 1)
+    assert _differing(straight, resumed) == []
+
+
+def test_old_snapshot_without_compression_state_loads(tmp_path):
+    """A snapshot without the compression state (older mnopt, ChainerMN)
+    still loads strictly; the residuals start at zero, as before."""
+    def strip(path):
+        with numpy.load(path) as npz:
+            kept = {k: npz[k] for k in npz.files
+                    if 'mnopt_compression' not in k}
+        assert len(kept) < len(numpy.load(path).files)
+        numpy.savez(path, **kept)
+
+    straight, resumed = _run('plain', tmp_path, edit=strip)
+    for _, a in resumed:
+        assert numpy.isfinite(a).all()
+
+
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_one_replica_set_resumes_with_rank_0s_file(mode, tmp_path):
+    """Every rank loads rank 0's file (one replica set): residuals are
+    rank-local, so only rank 0 takes its own; the others start theirs at
+    zero.  The run goes on, the replicas agreeing."""
+    def rank_0s(path):
+        mine = path.replace('-rank%d.npz' % WORLD.rank, '-rank0.npz')
+        WORLD.Barrier()
+        if WORLD.rank != 0:
+            with open(mine, 'rb') as f, open(path, 'wb') as out:
+                out.write(f.read())
+        WORLD.Barrier()
+
+    straight, resumed = _run(mode, tmp_path, edit=rank_0s)
+    everyone = WORLD.allgather([a.tobytes() for _, a in resumed])
+    assert all(r == everyone[0] for r in everyone)
+    if WORLD.size == 1:
+        assert _differing(straight, resumed) == []
+
+
+def test_communicator_state_round_trip():
+    """serialize_compression alone: the counter and this rank's residuals
+    come back; residuals are kept until their layout's codec is built."""
+    import chainer.links as L
+    comm = mnopt.create_communicator('flat', compression='sign')
+    model = L.Linear(3, 4)
+    rng = numpy.random.RandomState(WORLD.rank)
+    for _, p in model.namedparams():
+        p.grad = rng.standard_normal(p.array.shape).astype(numpy.float32)
+    comm.multi_node_mean_grad(model)
+    state = {}
+    comm.serialize_compression(
+        chainer.serializers.DictionarySerializer(state))
+    assert int(state['steps']) == 1
+
+    other = mnopt.create_communicator('flat', compression='sign')
+    other.serialize_compression(chainer.serializers.NpzDeserializer(state))
+    assert other.steps == 1
+    again = {}
+    other.serialize_compression(
+        chainer.serializers.DictionarySerializer(again))   # not yet built
+    assert sorted(again) == sorted(state)
+    for key in state:
+        assert numpy.array_equal(state[key], again[key]), key
+    comm.finalize()
+    other.finalize()
