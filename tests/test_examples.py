@@ -268,6 +268,32 @@ def test_resume_prunes_an_earlier_runs_snapshots(tmp_path, data_cache,
         'snapshot_iter_6.rank0.npz', 'snapshot_iter_6.rank1.npz']
 
 
+def test_a_snapshot_mixing_two_writes_is_skipped(tmp_path, data_cache,
+                                                 two_snapshots):
+    # Rank 1's part of snapshot 4 is another run's (its newer write lost,
+    # an earlier run's file of the same name left): never loaded together.
+    out, other = copy_of(two_snapshots, tmp_path), tmp_path / 'other'
+    assert train(2, other, data_cache, '--iteration', '4',
+                 '--snapshot-interval', '4').returncode == 0
+    shutil.copy(str(other / 'snapshot_iter_4.rank1.npz'),
+                str(out / 'snapshot_iter_4.rank1.npz'))
+    proc = train(2, out, data_cache, '--iteration', '6', '--resume',
+                 str(out / 'snapshot_iter_4.npz'), timeout=120)
+    assert proc.returncode != 0
+    assert 'cannot resume from' in proc.stderr, proc.stderr[-3000:]
+    assert 'rank 1: ValueError: its files are of different writes' \
+        in proc.stderr and 'rank 0:' not in proc.stderr, proc.stderr[-3000:]
+    proc = train(2, out, data_cache, '--iteration', '6',
+                 '--snapshot-interval', '2', '--resume', 'auto')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'resumed from %s at iteration 2' % (out / 'snapshot_iter_2.npz') \
+        in proc.stdout, proc.stdout[-3000:]
+    assert 'skipping snapshot snapshot_iter_4.npz, which not every rank ' \
+        'can load: rank 1: its files are of different writes ' \
+        '(snapshot_iter_4.npz: write ' in proc.stderr, proc.stderr[-3000:]
+    assert 'snapshot_iter_4.rank1.npz: write ' in proc.stderr
+
+
 def test_keeping_no_snapshots_is_an_error(tmp_path, data_cache):
     proc = train(1, tmp_path, data_cache, '--keep-snapshots', '0',
                  '--iteration', '1', timeout=120)

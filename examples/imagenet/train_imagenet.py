@@ -15,6 +15,7 @@ a run completes in about a minute on 2 CPU cores.  Each rank uses one GPU
 import argparse
 import os
 import re
+import secrets
 import sys
 import time
 
@@ -298,10 +299,12 @@ def trainer_snapshot(comm):
             compression=False))   # 10x faster
 
 
-#: The name of the ``Snapshot`` extension in the trainer, so the key under
-#: which the shared file records how many ranks wrote the snapshot.
+#: The name of the ``Snapshot`` extension in the trainer, so the keys under
+#: which the shared file records how many ranks wrote the snapshot and the
+#: write it belongs to.
 RANK_SNAPSHOT = 'rank_snapshot'
 N_RANKS_KEY = 'extensions/%s/n_ranks' % RANK_SNAPSHOT
+WRITE_ID_KEY = 'extensions/%s/write_id' % RANK_SNAPSHOT
 
 
 class Snapshot(training.Extension):
@@ -311,7 +314,12 @@ class Snapshot(training.Extension):
     and renamed.  Then every rank waits for all, and the snapshots in the
     output directory beyond the newest ``keep`` (an earlier run's too) are
     removed.  The shared part records the number of ranks (``serialize``),
-    so a rank's missing file is never taken for a change of size."""
+    so a rank's missing file is never taken for a change of size.
+
+    Every file of a snapshot records its write id: this job's (drawn by
+    rank 0, one for every rank) and the iteration.  A rank file of another
+    write (a crash between the shared write and a rank's, an earlier run's
+    file of the same name left) is never loaded with the shared file."""
 
     priority = -101  # after the trainer's snapshot of the same iteration
 
@@ -319,18 +327,29 @@ class Snapshot(training.Extension):
         self.comm = comm
         self.keep = keep
         self.optimizer = optimizer   #: a sharded one: its share is saved
+        self.job = comm.everyone(secrets.token_hex(6),
+                                 'the snapshots\' job id')[0]
+        self.updater = None
+
+    def initialize(self, trainer):
+        self.updater = trainer.updater
+
+    def write_id(self):
+        return '%s.%d' % (self.job, self.updater.iteration)
 
     def serialize(self, serializer):
-        # Only written: resume() reads it from the file before loading.
+        # Only written: resume() reads them from the file before loading.
         if isinstance(serializer, chainer.serializer.Serializer):
             serializer('n_ranks', self.comm.size)
+            serializer('write_id', self.write_id())
 
     def __call__(self, trainer):
         out, iteration = trainer.out, trainer.updater.iteration
         path = os.path.join(out, 'snapshot_iter_%d.npz' % iteration)
         _atomic_save(rank_file(path, self.comm.rank),
                      _RankState(trainer.updater.get_iterator('main'),
-                                self.comm.size, self.optimizer))
+                                self.comm.size, self.optimizer,
+                                self.write_id()))
         # Rank 0's listing, taken before anyone removes anything, says
         # what to prune; gathering it also waits until every rank's file
         # is complete.
@@ -432,11 +451,13 @@ SHARE_KEY = 'optimizer/'
 class _RankState(object):
     """What differs between ranks: the iterator and its order's generator,
     the global generator the augmentation draws from, and with
-    ``optimizer`` (a sharded one) its share of the optimizer state."""
+    ``optimizer`` (a sharded one) its share of the optimizer state; when
+    saved, the snapshot's ``write_id``."""
 
-    def __init__(self, iterator, size, optimizer=None):
+    def __init__(self, iterator, size, optimizer=None, write_id=None):
         self.iterator, self.size = iterator, size
         self.optimizer = optimizer
+        self.write_id = write_id
 
     def serialize(self, serializer):
         self.iterator.serialize(serializer['iterator'])
@@ -450,6 +471,8 @@ class _RankState(object):
         serializer('n_ranks', self.size)
         if self.optimizer is not None:
             self.optimizer.serialize(serializer[SHARE_KEY.rstrip('/')])
+        if self.write_id is not None:
+            serializer('write_id', self.write_id)
         if isinstance(serializer, chainer.serializer.Deserializer):
             numpy.random.set_state(state.get_state())
 
@@ -485,6 +508,28 @@ def sharded_by(path):
     sharded."""
     with numpy.load(path) as f:
         return int(f[SHARDED_KEY]) if SHARDED_KEY in f.files else None
+
+
+def _write_id(path, key):
+    """The write id ``path`` records under ``key``, or None (a snapshot
+    written before the example recorded them)."""
+    with numpy.load(path) as f:
+        return str(f[key]) if key in f.files else None
+
+
+def mixed_writes(path, parts):
+    """None if the rank files ``parts`` are of the write of the shared
+    file ``path`` (or it records none: an old snapshot), else why not."""
+    shared = _write_id(path, WRITE_ID_KEY)
+    if shared is None:
+        return None
+    for part in parts:
+        mine = _write_id(part, 'write_id')
+        if mine != shared:
+            return ('its files are of different writes (%s: write %s, %s: '
+                    'write %s)' % (os.path.basename(path), shared,
+                                   os.path.basename(part), mine))
+    return None
 
 
 def ranks_that_wrote(path):
@@ -526,6 +571,9 @@ def resume(path, trainer, comm, optimizer):
             raise FileNotFoundError(
                 'written by %d ranks, as many as now, but rank %d\'s part '
                 '%s is missing' % (saved_size, comm.rank, own))
+        mixed = mixed_writes(path, [own]) if same_layout else None
+        if mixed:
+            raise ValueError(mixed)
         with numpy.load(path) as f:
             epoch = int(f['updater/iterator:main/epoch'])
         shards = sharded_by(path)
@@ -552,8 +600,9 @@ def resume(path, trainer, comm, optimizer):
         else:
             _start_epoch(trainer.updater.get_iterator('main'), epoch)
         if shards is not None and (not same_layout or shards != comm.size):
-            problem = optimizer.load_shards(
-                [rank_file(path, r) for r in range(shards)], SHARE_KEY)
+            parts = [rank_file(path, r) for r in range(shards)]
+            problem = (mixed_writes(path, parts) or
+                       optimizer.load_shards(parts, SHARE_KEY))
             if problem is not None:
                 raise ValueError(problem)
             resharded = shards
@@ -572,7 +621,7 @@ def resume(path, trainer, comm, optimizer):
 def _resume_problem(path, comm):
     """None if this rank can resume from ``path``, else why not: the shared
     file must be whole, and on as many ranks as wrote it, this rank's own
-    file too (on another number, it is not read)."""
+    file too, of the same write (on another number, it is not read)."""
     problem = npz_problem(path)
     if problem is not None:
         return problem
@@ -581,15 +630,18 @@ def _resume_problem(path, comm):
         return '%s does not say how many ranks wrote it' % (
             os.path.basename(path))
     if saved_size == comm.size:
-        return npz_problem(rank_file(path, comm.rank))
-    if sharded_by(path) is not None:
+        parts = [rank_file(path, comm.rank)]
+    elif sharded_by(path) is not None:
         # Re-sharded: the state of this rank's parameters is in their
         # previous owners' files.
-        for r in range(saved_size):
-            problem = npz_problem(rank_file(path, r))
-            if problem is not None:
-                return problem
-    return None
+        parts = [rank_file(path, r) for r in range(saved_size)]
+    else:
+        return None
+    for part in parts:
+        problem = npz_problem(part)
+        if problem is not None:
+            return problem
+    return mixed_writes(path, parts)
 
 
 def snapshot_iterations(out):
