@@ -82,12 +82,17 @@ def cases():
 
 
 def bit_identical_promised(case):
-    """Whether a same-size resume must end bit-identical: not with a
+    """Whether a same-size resume must end bit-identical: not for sign
+    compression with one replica set, and not with a
     shuffled MultiprocessIterator, whose prefetch thread draws the next
     epoch's order from numpy's global generator at a moment that depends
     on timing, and drops and redraws it when saved (plain Chainer, one
     process, shows it: a run writing snapshots trains on other orders
     than one that does not; docs/reliability.md)."""
+    if case['mode'] == 'sign' and case['sets'] == 'one':
+        # Error-feedback residuals are each rank's own: with one replica
+        # set only rank 0's are in the snapshot (docs/sign_compression.md).
+        return False
     return case['data'] != 'shuffled+multiprocess'
 
 

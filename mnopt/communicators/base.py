@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -698,7 +699,15 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         if rank is None or size is None:
             return   # a snapshot without it: nothing changes
         loaded = {}
-        if (int(rank), int(size)) == (self.rank, self.size):
+        if (int(rank), int(size)) != (self.rank, self.size):
+            if self.error_feedback and int(serializer('n_residuals', None)):
+                warnings.warn(
+                    'rank %d loaded the snapshot of rank %d of %d: its sign '
+                    'compression residuals restart at zero, so the resumed '
+                    'run is not the uninterrupted one bit for bit (give each '
+                    'rank a replica set of its own for an exact resume)'
+                    % (self.rank, int(rank), int(size)), RuntimeWarning)
+        else:
             for i in range(int(serializer('n_residuals', None))):
                 key = (str(serializer('group%d' % i, None)),
                        tuple(str(n) for n in serializer('names%d' % i, None)))
