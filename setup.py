@@ -67,7 +67,8 @@ setup(
     cmdclass=cmdclass,
     python_requires='>=3.9',
     # Fast float16/bfloat16 casts; optional: without a C compiler mnopt
-    # falls back to numpy (bit-identical, about 10x slower).
+    # falls back to numpy (bit-identical, about 10x slower: 100 MB to
+    # float16, docs/results/halfcast.md).
     # The sign codec's one-pass loops likewise (numpy fallback, bit-exact).
     ext_modules=[Extension('mnopt.' + name, ['mnopt/%s.c' % name],
                            extra_compile_args=['-O3'], optional=True)

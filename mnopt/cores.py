@@ -3,9 +3,9 @@
 NumPy's BLAS (OpenBLAS in the wheels) starts one thread per core it can
 run on, in every process.  With several ranks on one node and no binding
 (MPICH's mpiexec binds nothing by default), k ranks on c cores run k*c
-BLAS threads, which spin while they wait for work: on 2 cores, 2 ranks of
-the ImageNet example ran a training step 7x slower than with one BLAS
-thread each (0.42 s against 0.057 s, docs/limits.md).  PyTorch's launcher
+BLAS threads, which spin while they wait for work: on 2 idle cores, 2 ranks
+of the ImageNet example ran `make run` about 3x slower than with one BLAS
+thread each (52 s against 17 s, docs/install.md).  PyTorch's launcher
 sets OMP_NUM_THREADS=1 for the same reason.
 
 So a communicator, when it is made, gives each rank of a node its share of
