@@ -158,3 +158,19 @@ def test_the_halfcast_figure_agrees():
             if re.search(r'numpy|C extension|C loops', window):
                 figures.setdefault(m.group(1), []).append(_rel(f))
     assert len(figures) <= 1, figures
+
+
+_COMMIT = re.compile(
+    r'(?<![\w/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])')
+
+
+@pytest.mark.parametrize('page', sorted(
+    _rel(p) for p in glob.glob(os.path.join(ROOT, 'docs', '*.md'))))
+def test_user_pages_name_no_commits(page):
+    """A user page says what to do and what to expect, with dates; which
+    commit a figure was measured on belongs in CHANGELOG.md and
+    docs/results/."""
+    text = _read(os.path.join(ROOT, page))
+    found = ['%s:%d: %s' % (page, text.count('\n', 0, m.start()) + 1, m.group(0))
+             for m in _COMMIT.finditer(text)]
+    assert not found, '\n'.join(found)
