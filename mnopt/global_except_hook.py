@@ -8,6 +8,10 @@ plain ``python script.py``.
 import sys
 import time
 
+from mnopt import log
+
+logger = log.get(__name__)
+
 _installed = False
 
 #: Seconds to let the launcher forward this rank's output before the abort
@@ -25,10 +29,9 @@ def _abort(why):
         from mpi4py import MPI
         if MPI.Is_initialized() and not MPI.Is_finalized() \
                 and MPI.COMM_WORLD.size > 1:
-            sys.stderr.write('mnopt: %s on rank %d; aborting the MPI job\n'
-                             % (why, MPI.COMM_WORLD.rank))
-            sys.stdout.flush()
-            sys.stderr.flush()
+            logger.error('mnopt: %s on rank %d; aborting the MPI job',
+                         why, MPI.COMM_WORLD.rank)
+            log.flush(__name__)
             time.sleep(FORWARD_SECONDS)
             MPI.COMM_WORLD.Abort(1)
     except Exception:

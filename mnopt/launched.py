@@ -11,7 +11,7 @@ Processes started side by side with no launcher and no such variable
 cannot be told from one process alone and are not detected.
 """
 
-import logging
+from mnopt import log
 
 #: The variables in which launchers give the number of processes of the
 #: job: MPICH's and Intel MPI's Hydra, Open MPI,
@@ -25,7 +25,7 @@ HOW_TO_LAUNCH = ('start it with the launcher of the MPI library mpi4py was '
                  'built with (mpiexec -n N python train.py, or srun '
                  'python train.py inside an allocation)')
 
-logger = logging.getLogger('mnopt')
+logger = log.get('mnopt')
 _warned = False
 
 
@@ -58,7 +58,7 @@ def problem(environ, world_size):
 
 def warn_if_alone(world_size, environ=None):
     """Log ``problem`` as a warning on logger 'mnopt' (once a process;
-    with no handler configured Python prints it on stderr)."""
+    by default on stderr, mnopt/log.py)."""
     import os
     global _warned
     said = problem(os.environ if environ is None else environ, world_size)

@@ -23,13 +23,17 @@ All ranks hold the same means, so they find the same suspects and decide
 together (one small allgather, only when some mean is not finite).
 ``on_overflow``: 'warn' (default: rank 0 warns, at most once every
 ``WARNING_INTERVAL_S``, with a count of what it did not say), 'error'
-(every rank raises GradientOverflowError) or 'ignore'.
+(every rank raises GradientOverflowError) or 'ignore'.  The warning is a
+WARNING record of logger ``mnopt.overflow`` (mnopt/log.py), by default on
+stderr.
 """
 
-import sys
 import time
 
 from mnopt import agreement
+from mnopt import log
+
+logger = log.get(__name__)
 
 CHOICES = ('warn', 'error', 'ignore')
 WARNING_INTERVAL_S = 60.0
@@ -96,8 +100,7 @@ class Reporter(object):
             if self._unsaid:
                 message += ' (%d more overflowed averaging(s) since the ' \
                     'last warning)' % self._unsaid
-            sys.stderr.write('mnopt: warning: %s\n' % message)
-            sys.stderr.flush()
+            logger.warning('mnopt: warning: %s', message)
         self._last_warning, self._unsaid = now, 0
 
     @staticmethod

@@ -25,17 +25,24 @@ timeout=...)``, else the environment variables ``MNOPT_STALL_WARNING`` and
 
 The watchdog needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default);
 with a lower thread level stall detection is off, with a warning.
+
+The reports are records of logger ``mnopt.stall`` (mnopt/log.py): WARNING
+while the job goes on, ERROR when it is aborted; by default on stderr.
 """
 
 import atexit
+import logging
 import os
-import sys
 import threading
 import time
 import warnings
 
 import numpy
 from mpi4py import MPI
+
+from mnopt import log
+
+logger = log.get(__name__)
 
 DEFAULT_WARNING_S = 60.0
 DEFAULT_TIMEOUT_S = 600.0
@@ -229,11 +236,11 @@ def wait_or_abort(requests, what, stall_warning=None, timeout=None):
         waited = time.monotonic() - start
         timed_out = limit is not None and waited >= limit
         if timed_out or (warning is not None and waited >= warning):
-            sys.stderr.write(
+            logger.log(
+                logging.ERROR if timed_out else logging.WARNING,
                 'mnopt: %s has waited %.1f s in %s; not every rank has '
-                'arrived (one may have failed, exited or not reached it)%s'
-                '\n' % (who, waited, what, _tail(limit, timed_out)))
-            sys.stderr.flush()
+                'arrived (one may have failed, exited or not reached it)%s',
+                who, waited, what, _tail(limit, timed_out))
             if timed_out:
                 _abort()
             warning = None
@@ -338,14 +345,13 @@ class _Watchdog(object):
             for m in late:
                 # Not a failure: the others may still be working (a long
                 # last evaluation); this rank just stops waiting for them.
-                sys.stderr.write(
+                logger.warning(
                     'mnopt: %s exits after waiting %.0f s (MNOPT_TIMEOUT) '
                     'for the last word of %s on %s, which may still be '
-                    'working\n' % (
-                        m.name_of(m.rank), time.monotonic() - start,
-                        ', '.join(m.name_of(r) for r in range(m.size)
-                                  if r != m.rank and r not in m.exited),
-                        m.label))
+                    'working', m.name_of(m.rank), time.monotonic() - start,
+                    ', '.join(m.name_of(r) for r in range(m.size)
+                              if r != m.rank and r not in m.exited),
+                    m.label)
                 waiting.remove(m)
             time.sleep(0.002)
 
@@ -383,8 +389,7 @@ class _Watchdog(object):
                     self._pending = [r for r in self._pending
                                      if not r.Test()]
                 except Exception as e:  # never let the watchdog die silently
-                    sys.stderr.write('mnopt: stall detection failed: %r\n'
-                                     % (e,))
+                    logger.error('mnopt: stall detection failed: %r', e)
                     return
 
     def _receive(self, m):
@@ -426,17 +431,16 @@ class _Watchdog(object):
             return
         gone = never_arriving(m, op)
         if gone:
-            sys.stderr.write(
+            logger.error(
                 'mnopt: %s has waited %.1f s in %s; %s without entering '
-                'it, so it cannot finish. Aborting the MPI job.\n'
-                % (m.name_of(m.rank), waited, op.label(), ', '.join(
+                'it, so it cannot finish. Aborting the MPI job.',
+                m.name_of(m.rank), waited, op.label(), ', '.join(
                     # Under ``python -m mpi4py`` a script's end collects
                     # its communicators before the process exits.
                     '%s %s' % (m.name_of(r), 'exited' if m.why_gone.get(r)
                                == 'exited' else 'finalized or dropped its '
                                'communicator (or its script ended)')
-                    for r in gone)))
-            sys.stderr.flush()
+                    for r in gone))
             _abort()
         if not op.warned and m.warning is not None and (
                 m.timeout is None or m.warning < m.timeout):
@@ -456,8 +460,8 @@ class _Watchdog(object):
             return
         timed_out = due == m.timeout
         op.warned = True
-        sys.stderr.write(describe(m, op, waited, timed_out) + '\n')
-        sys.stderr.flush()
+        logger.log(logging.ERROR if timed_out else logging.WARNING, '%s',
+                   describe(m, op, waited, timed_out))
         if timed_out:
             _abort()
 
@@ -515,8 +519,9 @@ def describe(m, op, waited, timed_out):
 
 
 def _abort():
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # What was just logged must be out before the abort ends the process
+    # (this runs on the watchdog thread: nothing else would flush it).
+    log.flush(__name__)
     time.sleep(1.0)  # let the launcher forward the report
     MPI.COMM_WORLD.Abort(1)
 

@@ -12,7 +12,6 @@ import contextlib
 import sys
 import threading
 import time
-import traceback
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from mnopt import _sched
 from mnopt import agreement
 from mnopt import cores
 from mnopt import grad_buffer
+from mnopt import log
 from mnopt import overflow
 from mnopt import ring
 from mnopt import sign
@@ -160,6 +160,8 @@ class _Group(object):
 _collected = collections.deque()
 _collected_waiting = threading.Event()
 _janitor = None
+#: Where the janitor reports a release that failed (mnopt/log.py).
+logger = log.get(__name__)
 
 
 def release_after_collection(release):
@@ -186,9 +188,10 @@ def release_collected():
             # As Python does for an error in a finalizer: said, not
             # raised into whatever call this entry point serves, and the
             # rest is still released.
-            sys.stderr.write('mnopt: releasing what a garbage-collected '
-                             'communicator left failed (ignored):\n%s'
-                             % traceback.format_exc())
+            # (A record of logger mnopt.communicators.base, mnopt/log.py:
+            # the message, then the traceback, as before on stderr.)
+            logger.error('mnopt: releasing what a garbage-collected '
+                         'communicator left failed (ignored):', exc_info=True)
 
 
 def _janitor_run(waiting=_collected_waiting):

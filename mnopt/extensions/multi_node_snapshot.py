@@ -53,15 +53,17 @@ import os
 import re
 import secrets
 import string
-import warnings
 import zipfile
 
 import chainer
 import numpy
 from chainer.training import extension
 
+from mnopt import log
 from mnopt.extensions.retention import agreed_retention
 from mnopt.iterators.resize import load_resizing_iterators
+
+logger = log.get(__name__)
 
 
 def parse_replica_sets(replica_sets, size):
@@ -174,9 +176,11 @@ def newest_loadable(comm, problems, key, what='snapshot', writes=None):
     if comm.rank == 0:
         for c in sorted(found, key=key):
             if newest is None or key(c) > key(newest):
-                warnings.warn('skipping %s %s, which not every rank can '
-                              'load: %s' % (what, c, '; '.join(reasons(c))),
-                              RuntimeWarning)
+                # A report, not a fault in the user's code: logger
+                # mnopt.extensions.multi_node_snapshot (mnopt/log.py).
+                logger.warning('mnopt: warning: skipping %s %s, which not '
+                               'every rank can load: %s', what, c,
+                               '; '.join(reasons(c)))
     return newest
 
 

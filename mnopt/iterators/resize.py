@@ -25,10 +25,12 @@ them.  Only iterators at Chainer's serialization paths are found: a
 trainer's ``updater/iterator:NAME`` or an updater's ``iterator:NAME``.
 """
 
-import warnings
-
 import numpy
 from chainer.serializers import NpzDeserializer
+
+from mnopt import log
+
+logger = log.get(__name__)
 
 
 class _Overlay(object):
@@ -121,10 +123,11 @@ def load_resizing_iterators(path, target, comm, what):
     rebuilt = ['rank %d: %s' % (r, n) for r, ns in enumerate(said)
                for n in ns]
     if rebuilt and comm.rank == 0:
-        warnings.warn(
-            '%s: the iterators read shards of another length than when it '
-            'was saved (another number of ranks); each goes on in the same '
-            'epoch at the same fraction of it, in a new order of its shard '
-            '(mnopt.iterators.resize): %s' % (what, '; '.join(rebuilt)),
-            RuntimeWarning)
+        # A report, not a fault in the user's code: logger
+        # mnopt.iterators.resize (mnopt/log.py).
+        logger.warning(
+            'mnopt: warning: %s: the iterators read shards of another length '
+            'than when it was saved (another number of ranks); each goes on '
+            'in the same epoch at the same fraction of it, in a new order of '
+            'its shard (mnopt.iterators.resize): %s', what, '; '.join(rebuilt))
     return notes
