@@ -460,49 +460,79 @@ def scaling(args, world):
     return result
 
 
+def parser():
+    """The command line: every option with its help, bad values refused by
+    argparse (usage and an ``error:`` line, exit status 2)."""
+    from mnopt import cli
+    from mnopt import communicators
+    from mnopt import grad_buffer
+    p = argparse.ArgumentParser(
+        prog='python -m mnopt.benchmark',
+        description=__doc__.split('\n')[0],
+        epilog=__doc__.split('\n', 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--communicators', nargs='+', metavar='NAME',
+                   choices=[n for n in communicators.NAMES if n != 'auto'],
+                   help='the mnopt communicators to time, of %(choices)s '
+                        '(default: naive flat hierarchical; flat with '
+                        '--scaling or --double-buffering)')
+    p.add_argument('--dtypes', nargs='+', metavar='WIRE',
+                   default=['float32', 'float16', 'bfloat16'],
+                   choices=list(grad_buffer.WIRE_DTYPES) + ['sign'],
+                   help='the wires to time, of %(choices)s (sign: sign '
+                        'compression, a majority vote) (default: float32 '
+                        'float16 bfloat16)')
+    p.add_argument('--votes', nargs='+', default=['ring'],
+                   choices=['ring', 'alltoall'],
+                   help="how --dtypes sign counts votes (ring "
+                        "communicators; default: ring)")
+    p.add_argument('--reps', type=cli.positive_int, default=15,
+                   help='repetitions of each case (default 15; at most 5 '
+                        'with --quick)')
+    p.add_argument('--only-mnopt', action='store_true',
+                   help='time the mnopt communicators only (not the '
+                        'raw-Allreduce limit nor ChainerMN)')
+    p.add_argument('--link-bytes', action='store_true',
+                   help='record the bytes each node\'s interfaces sent '
+                        'per averaging (JSON: link_tx_bytes)')
+    p.add_argument('--bucket-bytes', type=cli.positive_int, default=None,
+                   help='bucket size of the mnopt communicators, in bytes '
+                        '(default: theirs)')
+    p.add_argument('--quick', action='store_true',
+                   help='fewer cases and repetitions (a smoke run)')
+    p.add_argument('--compare-checks', action='store_true',
+                   help='time each case also with stall detection and '
+                        'the overflow check off (stall_warning=0, '
+                        'timeout=0, on_overflow=ignore)')
+    p.add_argument('--json', metavar='FILE',
+                   help='write the results to this file')
+    p.add_argument('--sizes', action='store_true',
+                   help='sweep message sizes from 1 KiB to --max-size')
+    p.add_argument('--max-size', type=cli.positive_int, default=256 << 20,
+                   metavar='BYTES',
+                   help='largest message of --sizes (default 256 MiB)')
+    p.add_argument('--plot', metavar='PNG',
+                   help='write a PNG figure here (--sizes)')
+    p.add_argument('--scaling', action='store_true',
+                   help='step time with --compute-ms of simulated '
+                        'compute: plain float32 vs double buffering + '
+                        'float16')
+    p.add_argument('--compute-ms', type=cli.nonnegative_float,
+                   default=1000.0,
+                   help='simulated compute per step, in ms (--scaling; '
+                        'default 1000)')
+    p.add_argument('--steps', type=cli.positive_int, default=None,
+                   help='steps per timed block (--scaling, '
+                        '--double-buffering)')
+    p.add_argument('--double-buffering', action='store_true',
+                   help='measure the overlap of double buffering (with '
+                        'the first of --communicators and --dtypes)')
+    return p
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--communicators', nargs='+',
-                        help='default: naive flat hierarchical (flat with '
-                             '--double-buffering)')
-    parser.add_argument('--dtypes', nargs='+',
-                        default=['float32', 'float16', 'bfloat16'])
-    parser.add_argument('--votes', nargs='+', default=['ring'],
-                        choices=['ring', 'alltoall'],
-                        help="how --dtypes sign counts votes (ring "
-                             "communicators)")
-    parser.add_argument('--reps', type=int, default=15)
-    parser.add_argument('--only-mnopt', action='store_true',
-                        help='time the mnopt communicators only (not the '
-                             'raw-Allreduce limit nor ChainerMN)')
-    parser.add_argument('--link-bytes', action='store_true',
-                        help='record the bytes each node\'s interfaces sent '
-                             'per averaging (JSON: link_tx_bytes)')
-    parser.add_argument('--bucket-bytes', type=int, default=None,
-                        help='bucket size of the mnopt communicators')
-    parser.add_argument('--quick', action='store_true',
-                        help='fewer cases and repetitions (a smoke run)')
-    parser.add_argument('--compare-checks', action='store_true',
-                        help='time each case also with stall detection and '
-                             'the overflow check off (stall_warning=0, '
-                             'timeout=0, on_overflow=ignore)')
-    parser.add_argument('--json', help='write the results to this file')
-    parser.add_argument('--sizes', action='store_true',
-                        help='sweep message sizes from 1 KiB to --max-size')
-    parser.add_argument('--max-size', type=int, default=256 << 20)
-    parser.add_argument('--plot', help='write a PNG figure here (--sizes)')
-    parser.add_argument('--scaling', action='store_true',
-                        help='step time with --compute-ms of simulated '
-                             'compute: plain float32 vs double buffering + '
-                             'float16')
-    parser.add_argument('--compute-ms', type=float, default=1000.0)
-    parser.add_argument('--steps', type=int, default=None,
-                        help='steps per timed block (--scaling, '
-                             '--double-buffering)')
-    parser.add_argument('--double-buffering', action='store_true',
-                        help='measure the overlap of double buffering (with '
-                             'the first of --communicators and --dtypes)')
-    args = parser.parse_args(argv)
+    parser_ = parser()
+    args = parser_.parse_args(argv)
     if args.quick:
         args.reps = min(args.reps, 5)
         args.dtypes = args.dtypes[:2]

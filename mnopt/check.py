@@ -81,7 +81,18 @@ def problems(rows):
     return out
 
 
+def parser():
+    import argparse
+    return argparse.ArgumentParser(
+        prog='python -m mnopt.check',
+        description=__doc__.split('\n')[0],
+        epilog=__doc__.split('\n', 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main(argv=None):
+    # No options but --help: which must print the help, not run the check.
+    parser().parse_args(argv)
     import mnopt
     from mnopt import launched
     world = MPI.COMM_WORLD

@@ -26,10 +26,25 @@ import sys
 import threading
 import time
 
+from mnopt import log as _log
 
-def run(command, max_restarts=3, delay=1.0, log=sys.stderr):
+logger = _log.get('mnopt.launch')   # also when run as __main__
+
+
+def run(command, max_restarts=3, delay=1.0, log=None):
     """Run ``command`` (an argv list) until it succeeds or has failed
-    ``max_restarts + 1`` times; returns the last exit status."""
+    ``max_restarts + 1`` times; returns the last exit status.
+
+    Each failure and an interruption are reported as WARNING records of
+    logger ``mnopt.launch`` (mnopt/log.py: by default on stderr), or
+    written to ``log`` (a text stream) where one is given."""
+    def say(text):
+        if log is None:
+            logger.warning('%s', text)
+        else:
+            log.write(text + '\n')
+            log.flush()
+
     stopping = threading.Event()
 
     def forward(signum, frame):
@@ -49,17 +64,16 @@ def run(command, max_restarts=3, delay=1.0, log=sys.stderr):
             if status == 0 or stopping.is_set():
                 return status
             left = max_restarts - attempt
-            log.write('mnopt.launch: the job exited with status %d after '
-                      '%.1f s (attempt %d of %d)%s\n' % (
-                          status, time.monotonic() - start, attempt + 1,
-                          max_restarts + 1,
-                          '; restarting in %g s' % delay if left else
-                          '; no restarts left'))
-            log.flush()
+            say('mnopt.launch: the job exited with status %d after '
+                '%.1f s (attempt %d of %d)%s' % (
+                    status, time.monotonic() - start, attempt + 1,
+                    max_restarts + 1,
+                    '; restarting in %g s' % delay if left else
+                    '; no restarts left'))
             # A signal during the delay ends the launcher: the user, or the
             # scheduler, asked it to stop, so no attempt may start after it.
             if left and stopping.wait(delay):
-                log.write('mnopt.launch: interrupted; not restarting\n')
+                say('mnopt.launch: interrupted; not restarting')
                 return status
         return status
     finally:
@@ -73,10 +87,12 @@ def main(argv=None):
         description='Relaunch a job that failed, so it resumes from its '
                     'newest complete snapshot.',
         usage='%(prog)s [--max-restarts N] [--delay S] -- COMMAND ...')
-    p.add_argument('--max-restarts', type=int, default=3,
-                   help='restarts after failures (default 3)')
-    p.add_argument('--delay', type=float, default=1.0,
-                   help='seconds between a failure and the restart')
+    from mnopt import cli
+    p.add_argument('--max-restarts', type=cli.nonnegative_int, default=3,
+                   metavar='N', help='restarts after failures (default 3)')
+    p.add_argument('--delay', type=cli.nonnegative_float, default=1.0,
+                   metavar='S', help='seconds between a failure and the '
+                   'restart (default 1)')
     p.add_argument('command', nargs=argparse.REMAINDER,
                    help='the job: mpiexec ..., srun ...')
     args = p.parse_args(argv)
@@ -84,8 +100,6 @@ def main(argv=None):
         else args.command
     if not command:
         p.error('no command given (put it after --)')
-    if args.max_restarts < 0:
-        p.error('--max-restarts must be >= 0')
     return run(command, args.max_restarts, args.delay)
 
 

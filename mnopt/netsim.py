@@ -298,35 +298,81 @@ def _terminate_on_sigterm():
     signal.signal(signal.SIGTERM, handler)
 
 
-def main(argv=None):
+def _link(spec):
+    """--link K=RATE, as an argparse type (kept as given: parse_links
+    reads the list)."""
+    try:
+        parse_links([spec])
+    except NetsimError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return spec
+
+
+#: What each subcommand does, for --help.
+VERBS = {
+    'up': 'bring a cluster up (replacing any previous one) and leave it up',
+    'run': 'bring a cluster up, run a command across it under mpiexec, and '
+           'tear it down (also when interrupted)',
+    'exec': 'run a command across the cluster that is up',
+    'down': 'tear the cluster down (idempotent)',
+}
+
+
+def parser():
+    """The command line: every option with its help, bad values refused by
+    argparse (usage and an ``error:`` line, exit status 2)."""
+    from mnopt import cli
     p = argparse.ArgumentParser(
         prog='python -m mnopt.netsim',
-        description='A simulated cluster of nodes with shaped links.')
-    sub = p.add_subparsers(dest='verb', required=True)
-    for verb in ('up', 'run', 'exec', 'down'):
-        s = sub.add_parser(verb)
+        description='A simulated cluster of nodes with shaped links.',
+        epilog=__doc__.split('\n', 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest='verb', required=True, metavar='COMMAND',
+                           help='; '.join('%s: %s' % kv
+                                          for kv in VERBS.items()))
+    for verb, what in VERBS.items():
+        s = sub.add_parser(verb, help=what, description=what)
         if verb == 'down':
             continue
-        s.add_argument('--nodes', type=int, required=True)
+        s.add_argument('--nodes', type=cli.int_range(1, MAX_NODES),
+                       required=True, metavar='N',
+                       help='nodes (1..%d), one network namespace each'
+                            % MAX_NODES)
         if verb in ('up', 'run'):
             s.add_argument('--rate', default='1gbit',
-                           help='each link, each direction (tc syntax)')
+                           help='each link, each direction (tc syntax; '
+                                'default 1gbit)')
             s.add_argument('--delay', default=None,
                            help='one-way delay per link end, e.g. 1ms')
-            s.add_argument('--topology', default='star', choices=TOPOLOGIES)
+            s.add_argument('--topology', default='star', choices=TOPOLOGIES,
+                           help='star: a switch, one link per node; chain: '
+                                'node k and k+1 joined by link k (default '
+                                'star)')
             s.add_argument('--link', action='append', default=[],
-                           metavar='K=RATE',
+                           metavar='K=RATE', type=_link,
                            help='link K at RATE instead (star: node K\'s '
                                 'link; chain: nodes K and K+1); repeatable')
         if verb in ('run', 'exec'):
-            s.add_argument('--ranks-per-node', type=int, default=1)
-            s.add_argument('--servers', type=int, default=0,
+            s.add_argument('--ranks-per-node', type=cli.positive_int,
+                           default=1, metavar='N',
+                           help='MPI ranks on each node (default 1)')
+            s.add_argument('--servers', type=cli.nonnegative_int, default=0,
+                           metavar='N',
                            help='also run this many reduction servers '
                                 '(python -m mnopt.server), one per extra node')
-            s.add_argument('--server-args', default='',
+            s.add_argument('--server-args', default='', metavar='ARGS',
                            help='arguments for the servers, one string')
-            s.add_argument('--timeout', type=float, default=3600)
-            s.add_argument('command', nargs=argparse.REMAINDER)
+            s.add_argument('--timeout', type=cli.positive_float,
+                           default=3600, metavar='S',
+                           help='seconds before the command is killed '
+                                '(default 3600)')
+            s.add_argument('command', nargs=argparse.REMAINDER,
+                           help='the command each rank runs, after --')
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     command = [c for c in getattr(args, 'command', [])]
     if command[:1] == ['--']:

@@ -25,7 +25,6 @@ in every worker (colocated, as Fairring does).
 
 import argparse
 import atexit
-import sys
 import threading
 import time
 
@@ -35,8 +34,11 @@ from mpi4py import MPI
 from mnopt import _mpi
 from mnopt import _sched
 from mnopt import grad_buffer
+from mnopt import log
 from mnopt import sign
 from mnopt import stall
+
+logger = log.get('mnopt.server')   # also when run as __main__
 
 #: 3: workers send their gradients divided by W; the server only sums.
 PROTOCOL_VERSION = 3
@@ -448,9 +450,11 @@ def _reduce(chan, workers, header, memory, stats):
 
 
 def main(argv=None):
+    from mnopt import cli
     p = argparse.ArgumentParser(prog='python -m mnopt.server',
                                 description=__doc__.split('\n')[0])
-    p.add_argument('--memory', type=int, default=DEFAULT_MEMORY,
+    p.add_argument('--memory', type=cli.positive_int, default=DEFAULT_MEMORY,
+                   metavar='BYTES',
                    help='bytes of staging memory per channel (default 64 MiB)')
     p.add_argument('--stats', action='store_true',
                    help='print per-phase statistics when the job ends')
@@ -468,8 +472,10 @@ def main(argv=None):
     stats = Stats() if args.stats else None
 
     def report(problem):
-        sys.stderr.write('mnopt.server %d: refused a reduction: %s\n'
-                         % (index, problem))
+        # An ERROR record of logger mnopt.server (mnopt/log.py): the
+        # worker that sent it fails; the server goes on serving.
+        logger.error('mnopt.server %d: refused a reduction: %s', index,
+                     problem)
 
     from mnopt.global_except_hook import run_or_abort
     threads = [threading.Thread(target=run_or_abort, args=(

@@ -206,7 +206,7 @@ class Throughput(training.Extension):
             t, c = self._last
             self.steps.append((now - t, comm_time - c))
             chainer.report({'images/sec': self._images / max(now - t, 1e-9),
-                            'allreduce/sec': comm_time - c})
+                            'averaging_s/iter': comm_time - c})
         self._last = (now, comm_time)
 
 
@@ -772,7 +772,7 @@ def main(argv=None):
         trainer.extend(extensions.PrintReport(
             ['epoch', 'iteration', 'main/loss', 'validation/main/loss',
              'main/accuracy', 'validation/main/accuracy', 'images/sec',
-             'allreduce/sec', 'elapsed_time']), trigger=log_interval)
+             'averaging_s/iter', 'elapsed_time']), trigger=log_interval)
         trainer.extend(extensions.ProgressBar(update_interval=1))
         if extensions.PlotReport.available():
             trainer.extend(extensions.PlotReport(
