@@ -18,9 +18,6 @@ or source.
 import pickle
 
 import numpy
-from mpi4py import MPI
-
-from mnopt import stall
 
 _MISSING = object()
 
@@ -29,6 +26,10 @@ def everyone(comm, value, what, stall_warning=None, timeout=None):
     """``[rank 0's value, rank 1's value, ...]`` on every rank of the
     mpi4py communicator ``comm``.  ``value`` must pickle; ``what`` names
     the exchange in a stall report."""
+    # Imported here: importing mpi4py.MPI starts MPI, which importing
+    # mnopt's Chainer layer (which uses this module) must not.
+    from mpi4py import MPI
+    from mnopt import stall
     try:
         data = numpy.frombuffer(
             pickle.dumps(value, pickle.HIGHEST_PROTOCOL), numpy.uint8)
