@@ -10,9 +10,11 @@
 #           Chainer-free core, and every CUDA kernel compiled for sm_90
 #   openmpi NumPy 2.x with Chainer on the system's MPI (Debian's Open MPI,
 #           installed with apt-get), mpi4py compiled against it
+#   lowest  Python 3.10 with the lowest NumPy and mpi4py mnopt declares
+#   py313   Python 3.13, NumPy 2.x, with Chainer
 PYTHON ?= python3
 STACK ?= numpy2
-STACKS ?= numpy2 numpy1 core openmpi
+STACKS ?= numpy2 numpy1 core openmpi lowest py313
 NP ?= 2
 VENV := .venv/$(STACK)
 PY := $(VENV)/bin/python
@@ -23,6 +25,16 @@ EXTRAS_numpy2 := mpich,test,examples
 EXTRAS_numpy1 := mpich,test,examples
 EXTRAS_core := mpich,test
 EXTRAS_openmpi := test,examples
+EXTRAS_lowest := mpich,test,examples
+EXTRAS_py313 := mpich,test,examples
+# Stacks on another Python than $(PYTHON): pyenv's interpreter of that
+# version if there is one, else pythonX.Y on PATH.
+find_python = $(firstword $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python$(1)) \
+    $(shell command -v python$(1) 2>/dev/null))
+PYVERSION_lowest := 3.10
+PYVERSION_py313 := 3.13
+PYTHON_lowest := $(call find_python,3.10)
+PYTHON_py313 := $(call find_python,3.13)
 # CuPy 14 with the CUDA runtime compiler and NCCL (not the whole toolkit).
 MORE_core := cupy-cuda13x nvidia-cuda-nvrtc nvidia-nccl-cu13
 # Build mpi4py from source against the MPI whose mpicc is on PATH.
@@ -46,7 +58,11 @@ setup: $(VENV)/.installed
 .SECONDEXPANSION:
 .venv/%/.installed: setup.py constraints/%.txt Makefile $$(PRE_$$*)
 	rm -rf .venv/$*
-	start=$$(date +%s) && $(PYTHON) -m venv .venv/$* && \
+	@[ -z "$(PYVERSION_$*)" ] || [ -n "$(PYTHON_$*)" ] || { echo \
+	    "stack $*: no Python $(PYVERSION_$*) found (pyenv install" \
+	    "$(PYVERSION_$*), or leave the stack out: make test STACKS='numpy2" \
+	    "numpy1 core openmpi')"; exit 1; }
+	start=$$(date +%s) && $(or $(PYTHON_$*),$(PYTHON)) -m venv .venv/$* && \
 	PIP_CONSTRAINT=$(CURDIR)/constraints/$*.txt .venv/$*/bin/python -m pip \
 	    install -q --disable-pip-version-check $(PIP_$*) \
 	    -e '.[$(EXTRAS_$*)]' $(MORE_$*) && \
