@@ -56,7 +56,7 @@ setup: $(VENV)/.installed
 # The constraints reach pip's isolated build environments too: Chainer
 # 7.8.1 builds only with setuptools<70.
 .SECONDEXPANSION:
-.venv/%/.installed: setup.py constraints/%.txt Makefile $$(PRE_$$*)
+.venv/%/.installed: setup.py pyproject.toml constraints/%.txt Makefile $$(PRE_$$*)
 	rm -rf .venv/$*
 	@[ -z "$(PYVERSION_$*)" ] || [ -n "$(PYTHON_$*)" ] || { echo \
 	    "stack $*: no Python $(PYVERSION_$*) found (pyenv install" \
