@@ -13,9 +13,37 @@ Two layers:
   on first use, so ``import mnopt`` works without Chainer.
 """
 
+from __future__ import annotations
+
 import importlib
+from typing import TYPE_CHECKING
 
 import _mnopt_chainer_numpy2
+
+if TYPE_CHECKING:
+    # For type checkers only (mnopt/py.typed): what the lazy names below
+    # are.  At run time they are imported on first use (__getattr__).
+    from mnopt import datasets as datasets
+    from mnopt import extensions as extensions
+    from mnopt import functions as functions
+    from mnopt import iterators as iterators
+    from mnopt import links as links
+    from mnopt._mpi import LayoutMismatchError as LayoutMismatchError
+    from mnopt.communicators import create_communicator as create_communicator
+    from mnopt.communicators.base import CommunicatorBase as CommunicatorBase
+    from mnopt.datasets import DataSizeError as DataSizeError
+    from mnopt.datasets import create_empty_dataset as create_empty_dataset
+    from mnopt.datasets import scatter_dataset as scatter_dataset
+    from mnopt.datasets import scatter_index as scatter_index
+    from mnopt.evaluator import (
+        create_multi_node_evaluator as create_multi_node_evaluator)
+    from mnopt.extensions import (
+        create_multi_node_checkpointer as create_multi_node_checkpointer)
+    from mnopt.links import MultiNodeChainList as MultiNodeChainList
+    from mnopt.optimizers import Signum as Signum
+    from mnopt.optimizers import (
+        create_multi_node_optimizer as create_multi_node_optimizer)
+    from mnopt.overflow import GradientOverflowError as GradientOverflowError
 
 
 __version__ = '0.1.0'
@@ -54,7 +82,7 @@ _CHAINER_LAYER = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     if name in _CORE:
         value = getattr(importlib.import_module(_CORE[name]), name)
         globals()[name] = value
@@ -79,5 +107,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_CORE) | set(_CHAINER_LAYER))

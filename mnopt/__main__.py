@@ -7,6 +7,8 @@ exist.  It imports nothing but mnopt's package (no MPI), so it works
 anywhere mnopt is installed.
 """
 
+from __future__ import annotations
+
 import argparse
 import sys
 
@@ -29,7 +31,7 @@ COMMANDS = (
 )
 
 
-def usage():
+def usage() -> str:
     lines = ['mnopt %s: multi-node data-parallel training for Chainer and '
              'CuPy (import mnopt as chainermn)' % mnopt.__version__,
              '', 'commands (each a module; --help on each for its options):']
@@ -39,7 +41,7 @@ def usage():
     return '\n'.join(lines)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog='python -m mnopt', description=usage(),
         formatter_class=argparse.RawDescriptionHelpFormatter)

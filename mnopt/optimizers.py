@@ -1,13 +1,19 @@
 """The multi-node optimizer: averages gradients, then lets the wrapped
 Chainer optimizer update.  Uses only the communicator's public API."""
 
+from __future__ import annotations
+
 import hashlib
 import time
+from typing import TYPE_CHECKING, Any
 
 import chainer
 import numpy
 
 from mnopt.arrays import named_grads
+
+if TYPE_CHECKING:
+    from mnopt.communicators.base import CommunicatorBase
 
 
 _LOADED = object()  # _param_set after a snapshot was loaded
@@ -428,9 +434,12 @@ def _check_actual_optimizer(actual_optimizer):
                 'a %s object' % type(actual_optimizer).__name__))
 
 
-def create_multi_node_optimizer(actual_optimizer, communicator,
-                                double_buffering=False, zero_fill=True,
-                                overlap=False, shard_state=False):
+def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
+                                communicator: CommunicatorBase,
+                                double_buffering: bool = False,
+                                zero_fill: bool = True, overlap: bool = False,
+                                shard_state: bool = False
+                                ) -> Any:  # acts as actual_optimizer
     """Wrap a Chainer optimizer so it averages gradients over all ranks.
 
     Args:

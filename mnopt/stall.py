@@ -30,12 +30,16 @@ The reports are records of logger ``mnopt.stall`` (mnopt/log.py): WARNING
 while the job goes on, ERROR when it is aborted; by default on stderr.
 """
 
+from __future__ import annotations
+
 import atexit
 import logging
 import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy
 from mpi4py import MPI
@@ -196,7 +200,13 @@ class Monitor(object):
         self.comm = MPI.COMM_NULL
 
 
-def watched(name, collective=True):
+# What watched() decorates: its result keeps the method's signature
+# (for type checkers; mnopt/py.typed).
+_Method = TypeVar('_Method', bound=Callable[..., Any])
+
+
+def watched(name: str, collective: bool = True
+            ) -> Callable[[_Method], _Method]:
     """Decorator: run a communicator method as watched operation ``name``
     on ``self._monitor`` (``collective=False``: point to point)."""
     def wrap(method):

@@ -1,6 +1,15 @@
 """Communicators by name; ``create_communicator`` is the entry point."""
 
+from __future__ import annotations
+
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from numpy.typing import DTypeLike
+
+    from mnopt.communicators.base import CommunicatorBase
 
 _REGISTRY = {
     'naive': ('mnopt.communicators.naive', 'NaiveCommunicator'),
@@ -25,12 +34,19 @@ def communicator_class(name):
     return getattr(importlib.import_module(module), cls)
 
 
-def create_communicator(communicator_name='auto', mpi_comm=None,
-                        allreduce_grad_dtype=None, batched_copy=True,
-                        bucket_bytes=None, abort_on_exception=True,
-                        compression=None, error_feedback=True,
-                        warmup_steps=0, vote=None, stall_warning=None,
-                        timeout=None, on_overflow='warn', **options):
+def create_communicator(communicator_name: str = 'auto',
+                        mpi_comm: MPI.Comm | None = None,
+                        allreduce_grad_dtype: DTypeLike | None = None,
+                        batched_copy: bool = True,
+                        bucket_bytes: int | None = None,
+                        abort_on_exception: bool = True,
+                        compression: str | None = None,
+                        error_feedback: bool = True, warmup_steps: int = 0,
+                        vote: str | None = None,
+                        stall_warning: float | None = None,
+                        timeout: float | None = None,
+                        on_overflow: str = 'warn',
+                        **options: Any) -> CommunicatorBase:
     """Create a communicator.
 
     Args:

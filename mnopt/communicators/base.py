@@ -7,6 +7,8 @@ synchronous path and the asynchronous one (double buffering) each have their
 own group, so two threads never share an MPI communicator.
 """
 
+from __future__ import annotations
+
 import collections
 import contextlib
 import sys
@@ -14,7 +16,9 @@ import threading
 import time
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import numpy
 from mpi4py import MPI
@@ -37,6 +41,10 @@ from mnopt.communicators.settings import SHARED_SETTINGS
 from mnopt.communicators.settings import environment_settings
 from mnopt.communicators.sharded import ShardedCollectives
 from mnopt.stall import watched
+
+if TYPE_CHECKING:
+    import chainer
+    from numpy.typing import DTypeLike
 
 
 def node_split(comm):
@@ -277,14 +285,14 @@ class MeanHandle(object):
     """An averaging in progress; ``wait()`` returns when it is done and
     raises any exception it ended with."""
 
-    def __init__(self, future=None):
+    def __init__(self, future: Future[Any] | None = None) -> None:
         self._future = future
 
-    def done(self):
+    def done(self) -> bool:
         future = self._future
         return future is None or future.done()
 
-    def wait(self):
+    def wait(self) -> None:
         # An exception is raised once, to the first caller that waits.
         future, self._future = self._future, None
         if future is not None:
@@ -311,12 +319,16 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
     _created = 0  # communicators made by this process: their labels
 
     @classmethod
-    def check_arguments(cls, allreduce_grad_dtype=None,
-                        bucket_bytes=grad_buffer.DEFAULT_BUCKET_BYTES,
-                        compression=None, error_feedback=True,
-                        warmup_steps=0, vote=None, stall_warning=None,
-                        timeout=None, on_overflow='warn', batched_copy=True,
-                        **options):
+    def check_arguments(cls, allreduce_grad_dtype: DTypeLike | None = None,
+                        bucket_bytes: int =
+                        grad_buffer.DEFAULT_BUCKET_BYTES,
+                        compression: str | None = None,
+                        error_feedback: bool = True, warmup_steps: int = 0,
+                        vote: str | None = None,
+                        stall_warning: float | None = None,
+                        timeout: float | None = None,
+                        on_overflow: str = 'warn', batched_copy: bool = True,
+                        **options: Any) -> dict[str, Any]:
         """Raise ValueError/TypeError for arguments (and MNOPT_* settings)
         this communicator would refuse, without communicating: the
         factory checks them on every rank before any collective, so a bad
@@ -355,7 +367,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         return settings
 
     @classmethod
-    def shared_settings(cls, settings):
+    def shared_settings(cls, settings: dict[str, Any]) -> dict[str, Any]:
         """What every rank must share (SHARED_SETTINGS) of ``settings``
         (check_arguments' result), the kind and the environment; the
         start-up exchange compares them.  Unset ones are left out."""
@@ -364,7 +376,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         return {name: everything[name] for name in SHARED_SETTINGS
                 if everything.get(name) is not None}
 
-    def __init__(self, mpi_comm, **settings):
+    def __init__(self, mpi_comm: MPI.Comm, **settings: Any) -> None:
         #: The keyword arguments it was made with, checked and normalized
         #: (check_arguments): a split is made from exactly these.
         self.settings = settings = self.check_arguments(**settings)
@@ -428,27 +440,27 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
 
     # ----------------------------------------------------------- ranks
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self.mpi_comm.rank
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.mpi_comm.size
 
     @property
-    def intra_rank(self):
+    def intra_rank(self) -> int:
         return self._intra_rank
 
     @property
-    def intra_size(self):
+    def intra_size(self) -> int:
         return self._intra_size
 
     @property
-    def inter_rank(self):
+    def inter_rank(self) -> int:
         return self._inter_rank
 
     @property
-    def inter_size(self):
+    def inter_size(self) -> int:
         return self._inter_size
 
     def __deepcopy__(self, memo):
@@ -469,7 +481,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
             else '')
 
     # ----------------------------------------------------------- config
-    def set_config(self, name, value=True, **kwargs):
+    def set_config(self, name: str, value: Any = True,
+                   **kwargs: Any) -> None:
         """ChainerMN's run-time settings, per communicator:
         ``'allreduce_grad_dtype'`` (a dtype, its name, or None; every rank
         must set the same, which the next averaging checks) and
@@ -484,7 +497,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         else:
             self.batched_copy = self.settings[name] = bool(value)
 
-    def get_config(self, name=None):
+    def get_config(self, name: str | None = None) -> Any:
         """The setting ``name`` (a numpy dtype, or the string 'bfloat16',
         or None), or all of them as a dict."""
         wire = self.allreduce_grad_dtype
@@ -522,7 +535,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
 
     # ----------------------------------------------------------- gradients
     @watched('mean_grads')
-    def mean_grads(self, named_grads, iteration=None):
+    def mean_grads(self, named_grads: Iterable[tuple[str, Any]],
+                   iteration: int | None = None) -> None:
         """Average ``[(name, array), ...]`` in place across all ranks.
 
         Arrays are matched across ranks by position; names, shapes and
@@ -536,7 +550,9 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
             self._mean(self._sync_group, list(named_grads), iteration)
 
     @watched('mean_grads_async')
-    def mean_grads_async(self, named_grads, queue=False, iteration=None):
+    def mean_grads_async(self, named_grads: Iterable[tuple[str, Any]],
+                         queue: bool = False,
+                         iteration: int | None = None) -> MeanHandle:
         """Start averaging ``named_grads`` in place in the background.
 
         Returns a MeanHandle.  The arrays must not be touched until its
@@ -641,7 +657,9 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
     def _group_label(self, group):
         return 'sync' if group is self._sync_group else 'async'
 
-    def serialize_compression(self, serializer, shared=True, local=True):
+    def serialize_compression(self, serializer: chainer.AbstractSerializer,
+                              shared: bool = True,
+                              local: bool = True) -> None:
         """Save (a Chainer Serializer) or load (a Deserializer) the state
         of gradient compression, so that a run resumed from a snapshot
         continues bit for bit.  Nothing without ``compression='sign'``.
@@ -739,7 +757,8 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         self._sum(buffer, group)
         buffer.unpack(arrays)
 
-    def multi_node_mean_grad(self, model, zero_fill=False):
+    def multi_node_mean_grad(self, model: chainer.Link,
+                             zero_fill: bool = False) -> None:
         """Replace each parameter's gradient by its mean over all ranks.
 
         Parameters without data are skipped.  Parameters without a gradient
@@ -757,12 +776,13 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
                                      'the mean gradient of %s is not finite'
                                      % name)
 
-    def allreduce_grad(self, model, zero_fill=False):
+    def allreduce_grad(self, model: chainer.Link,
+                       zero_fill: bool = False) -> None:
         """Deprecated ChainerMN name of multi_node_mean_grad."""
         self.multi_node_mean_grad(model, zero_fill)
 
     @watched('bcast_data')
-    def bcast_data(self, model, root=0):
+    def bcast_data(self, model: chainer.Link, root: int = 0) -> None:
         """Broadcast every parameter's data from ``root`` (checked first)."""
         named = [(n, p.array) for n, p in sorted(model.namedparams())
                  if p.array is not None]
@@ -780,7 +800,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
     broadcast_data = bcast_data
 
     # ----------------------------------------------------------- lifecycle
-    def finalize(self):
+    def finalize(self) -> None:
         """Wait for background work and free this communicator's MPI
         resources.  Safe to call more than once."""
         try:
@@ -801,34 +821,36 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
     # like every collective, so a rank that exited or finalized is seen
     # at once (one name for all four: ranks call them in the same order).
     @watched('agreement')
-    def everyone(self, value, what):
+    def everyone(self, value: Any, what: str) -> list[Any]:
         """``[rank 0's value, rank 1's, ...]`` on every rank."""
         return agreement.everyone(self._sync_group.comm, value, what,
                                   **self._stall_settings)
 
     @watched('agreement')
-    def raise_together(self, problem, what):
+    def raise_together(self, problem: BaseException | None,
+                       what: str) -> None:
         """Raise on every rank if any rank's ``problem`` is an exception
         (agreement.raise_together)."""
         agreement.raise_together(self._sync_group.comm, problem, what,
                                  **self._stall_settings)
 
     @watched('agreement')
-    def same(self, settings, what):
+    def same(self, settings: dict[str, Any], what: str
+             ) -> dict[str, Any]:
         """ValueError on every rank unless every rank's ``settings`` dict
         is equal, naming what differs (agreement.same)."""
         return agreement.same(self._sync_group.comm, settings, what,
                               **self._stall_settings)
 
     @watched('agreement')
-    def common(self, items, what):
+    def common(self, items: Iterable[Any], what: str) -> list[Any]:
         """The items every rank holds, sorted (agreement.common)."""
         return agreement.common(self._sync_group.comm, items, what,
                                 **self._stall_settings)
 
     # ----------------------------------------------------------- collectives
     @watched('split')
-    def split(self, color, key):
+    def split(self, color: int, key: int) -> CommunicatorBase:
         """A communicator of the same kind over ``mpi_comm.Split``."""
         sub = self.mpi_comm.Split(color, key)
         # Every setting, from the one record of them: a new setting

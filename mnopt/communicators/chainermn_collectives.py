@@ -7,6 +7,11 @@ Every call is stall-watched like the gradient averaging: a rank that never
 joins is reported, not waited on forever.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import numpy
 from mpi4py import MPI
 
@@ -43,36 +48,36 @@ class ChainerMNCollectives(object):
     monitor that ``watched`` uses (CommunicatorBase has them)."""
 
     @watched('send', collective=False)
-    def send(self, data, dest, tag):
+    def send(self, data: Any, dest: int, tag: int) -> None:
         _mpi.send_obj(self.mpi_comm, host_message(data), dest, tag)
 
     @watched('recv', collective=False)
-    def recv(self, source, tag):
+    def recv(self, source: int, tag: int) -> Any:
         return device_message(_mpi.recv_obj(self.mpi_comm, source, tag))
 
     @watched('bcast')
-    def bcast(self, x, root=0):
+    def bcast(self, x: Any, root: int = 0) -> Any:
         msg = _mpi.bcast_obj(self.mpi_comm, host_message(x)
                              if self.rank == root else None, root)
         return x if self.rank == root else device_message(msg)
 
     @watched('gather')
-    def gather(self, x, root=0):
+    def gather(self, x: Any, root: int = 0) -> tuple[Any, ...] | None:
         msgs = _mpi.gather_obj(self.mpi_comm, host_message(x), root)
         return None if msgs is None else tuple(map(device_message, msgs))
 
     @watched('allgather')
-    def allgather(self, x):
+    def allgather(self, x: Any) -> tuple[Any, ...]:
         return tuple(map(device_message,
                          _mpi.allgather_obj(self.mpi_comm, host_message(x))))
 
     @watched('scatter')
-    def scatter(self, xs, root=0):
+    def scatter(self, xs: Sequence[Any] | None, root: int = 0) -> Any:
         msgs = [host_message(x) for x in xs] if self.rank == root else None
         return device_message(_mpi.scatter_obj(self.mpi_comm, msgs, root))
 
     @watched('alltoall')
-    def alltoall(self, xs):
+    def alltoall(self, xs: Sequence[Any]) -> tuple[Any, ...]:
         if len(xs) != self.size:
             raise ValueError('alltoall needs one array per rank (%d), got %d'
                              % (self.size, len(xs)))
@@ -82,7 +87,7 @@ class ChainerMNCollectives(object):
         return tuple(out)
 
     @watched('allreduce')
-    def allreduce(self, x):
+    def allreduce(self, x: Any) -> Any:
         """Element-wise sum of ``x`` over all ranks (a new array)."""
         host = numpy.array(to_host(x), copy=True)
         headers = _mpi.allgather_obj(self.mpi_comm, (host.shape, host.dtype.name))
@@ -97,27 +102,29 @@ class ChainerMNCollectives(object):
         return as_array_like(host, x)
 
     @watched('send_obj', collective=False)
-    def send_obj(self, obj, dest, tag=0):
+    def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
         _mpi.send_obj(self.mpi_comm, obj, dest, tag)
 
     @watched('recv_obj', collective=False)
-    def recv_obj(self, source, status=None, tag=MPI.ANY_TAG):
+    def recv_obj(self, source: int, status: MPI.Status | None = None,
+                 tag: int = MPI.ANY_TAG) -> Any:
         return _mpi.recv_obj(self.mpi_comm, source, tag, status)
 
     @watched('bcast_obj')
-    def bcast_obj(self, obj, max_buf_len=None, root=0):
+    def bcast_obj(self, obj: Any, max_buf_len: int | None = None,
+                  root: int = 0) -> Any:
         return _mpi.bcast_obj(self.mpi_comm, obj, root)
 
     @watched('gather_obj')
-    def gather_obj(self, obj, root=0):
+    def gather_obj(self, obj: Any, root: int = 0) -> list[Any] | None:
         return _mpi.gather_obj(self.mpi_comm, obj, root)
 
     @watched('allgather_obj')
-    def allgather_obj(self, obj):
+    def allgather_obj(self, obj: Any) -> list[Any]:
         return _mpi.allgather_obj(self.mpi_comm, obj)
 
     @watched('allreduce_obj')
-    def allreduce_obj(self, obj):
+    def allreduce_obj(self, obj: Any) -> Any:
         """Sum of ``obj`` over ranks with ``+``, in rank order (the same
         result on every rank)."""
         objs = _mpi.allgather_obj(self.mpi_comm, obj)
@@ -127,5 +134,6 @@ class ChainerMNCollectives(object):
         return total
 
     @watched('scatter_obj')
-    def scatter_obj(self, objs, root=0):
+    def scatter_obj(self, objs: Sequence[Any] | None, root: int = 0
+                    ) -> Any:
         return _mpi.scatter_obj(self.mpi_comm, objs, root)

@@ -43,7 +43,11 @@ the same error is raised on every rank, never a hang.  Both operations are
 stall-watched like every other communicator operation.
 """
 
+from __future__ import annotations
+
 import hashlib
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy
 from mpi4py import MPI
@@ -54,6 +58,9 @@ from mnopt import grad_buffer
 from mnopt.arrays import array_module
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.stall import watched
+
+if TYPE_CHECKING:
+    from mnopt.communicators.base import MeanHandle
 
 
 def _mean_handle(future):
@@ -233,7 +240,7 @@ class ShardedCollectives(object):
     #: list of parts; False: one contiguous buffer (the packed copy).
     shard_parts = False
 
-    def sharding_problem(self):
+    def sharding_problem(self) -> str | None:
         """Why this communicator cannot run a sharded optimizer (a
         sentence), or None."""
         if self.compression == 'sign':
@@ -269,7 +276,7 @@ class ShardedCollectives(object):
         range holds its share."""
         raise NotImplementedError('%s has no sharded path' % self.name)
 
-    def shard_buffer_nbytes(self):
+    def shard_buffer_nbytes(self) -> int:
         """Bytes of the buffers the sharded collectives keep on the
         synchronous path: the host scratch (none where the arrays are
         reduced and gathered in place), and the packed gradients where
@@ -360,7 +367,8 @@ class ShardedCollectives(object):
 
     # ------------------------------------------------------------ gradients
     @watched('reduce_scatter_mean')
-    def reduce_scatter_mean(self, named_grads, arrays_per_rank):
+    def reduce_scatter_mean(self, named_grads: Iterable[tuple[str, Any]],
+                            arrays_per_rank: Sequence[int]) -> None:
         """Give this rank the mean over all ranks of its share of
         ``named_grads`` (``[(name, array), ...]`` laid out by owner: see
         the module), in place: its arrays hold their mean on return.  The
@@ -375,7 +383,9 @@ class ShardedCollectives(object):
                                      arrays_per_rank)
 
     @watched('reduce_scatter_mean_async')
-    def reduce_scatter_mean_async(self, named_grads, arrays_per_rank):
+    def reduce_scatter_mean_async(
+            self, named_grads: Iterable[tuple[str, Any]],
+            arrays_per_rank: Sequence[int]) -> MeanHandle:
         """``reduce_scatter_mean`` in the background (ZeRO stage 2: a
         bucket of gradients as backward finishes it), queued behind every
         averaging already started (``mean_grads_async(queue=True)``'s
@@ -524,7 +534,8 @@ class ShardedCollectives(object):
 
     # ------------------------------------------------------------ parameters
     @watched('allgather_params')
-    def allgather_params(self, named_params, arrays_per_rank):
+    def allgather_params(self, named_params: Iterable[tuple[str, Any]],
+                         arrays_per_rank: Sequence[int]) -> None:
         """Give every rank every rank's share of ``named_params``
         (``[(name, array), ...]`` laid out by owner, as for
         ``reduce_scatter_mean``), in place: each array ends with its
