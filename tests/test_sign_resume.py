@@ -6,7 +6,7 @@ with it.  Plain, double-buffered and overlapped optimizers.
 
 Runs serially and under mpiexec -n 2 / -n 3."""
 
-import warnings
+import logging
 
 import numpy
 import pytest
@@ -137,14 +137,21 @@ def test_one_replica_set_resumes_with_rank_0s_file(mode, tmp_path):
                 out.write(f.read())
         WORLD.Barrier()
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger('mnopt')
+    logger.addHandler(handler)
+    try:
         straight, resumed = _run(mode, tmp_path, edit=rank_0s)
-    said = [str(w.message) for w in caught
-            if 'residuals restart at zero' in str(w.message)]
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records
+            if 'residuals restart at zero' in r.getMessage()]
     # Every rank but 0 is told its residuals were not in the file it read.
     assert said == ([] if WORLD.rank == 0 else [
-        'rank %d loaded the snapshot of rank 0 of %d: its sign compression '
+        'mnopt: warning: rank %d loaded the snapshot of rank 0 of %d: its '
+        'sign compression '
         'residuals restart at zero, so the resumed run is not the '
         'uninterrupted one bit for bit (give each rank a replica set of its '
         'own for an exact resume)' % (WORLD.rank, WORLD.size)]), said

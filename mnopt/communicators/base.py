@@ -14,7 +14,6 @@ import contextlib
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -722,12 +721,12 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         loaded = {}
         if (int(rank), int(size)) != (self.rank, self.size):
             if self.error_feedback and int(serializer('n_residuals', None)):
-                warnings.warn(
-                    'rank %d loaded the snapshot of rank %d of %d: its sign '
-                    'compression residuals restart at zero, so the resumed '
-                    'run is not the uninterrupted one bit for bit (give each '
-                    'rank a replica set of its own for an exact resume)'
-                    % (self.rank, int(rank), int(size)), RuntimeWarning)
+                logger.warning(
+                    'mnopt: warning: rank %d loaded the snapshot of rank %d '
+                    'of %d: its sign compression residuals restart at zero, '
+                    'so the resumed run is not the uninterrupted one bit for '
+                    'bit (give each rank a replica set of its own for an '
+                    'exact resume)', self.rank, int(rank), int(size))
         else:
             for i in range(int(serializer('n_residuals', None))):
                 key = (str(serializer('group%d' % i, None)),
