@@ -283,18 +283,9 @@ def test_an_unsharded_snapshot_loads_into_a_sharded_optimizer_not_strict(
 # iterator yields: a copy of the loaded iterator, and the training itself
 # (the converter records each batch under the epoch it belongs to: a batch
 # that ended an epoch belongs to it).
-RESIZE_JOB = r"""
-import os, sys
-import numpy
-import chainer
-import chainer.links as L
-import mnopt
-
-out, stop, resumed_at, mode, kind = (sys.argv[1], int(sys.argv[2]),
-                                     int(sys.argv[3]), sys.argv[4],
-                                     sys.argv[5])
-
-
+#: One variant (``mode``, ``kind``) of the resize job, run with its own
+#: globals by RESIZE_JOB: one mpiexec job per stage runs every variant.
+RESIZE_VARIANT = r"""
 def iterator(data):
     if kind == 'multiprocess':
         return chainer.iterators.MultiprocessIterator(
@@ -368,8 +359,8 @@ if resumed_at:
         (it.epoch, it.current_position, scaled)
     assert 0 <= epoch + old_position / old_n - it.epoch_detail < 4 / n
     if comm.rank == 0:
-        print('RESUMED epoch %d at %d of %d (%d of %d saved)'
-              % (epoch, it.current_position, n, old_position, old_n),
+        print('%s: RESUMED epoch %d at %d of %d (%d of %d saved)'
+              % (label, epoch, it.current_position, n, old_position, old_n),
               flush=True)
     resumed_epoch, resumed_position = epoch, it.current_position
 trainer.run()
@@ -385,31 +376,52 @@ for e, got in sorted(trained.items()):
     elif e < max(trained):
         assert len(got) == n, (comm.rank, e, len(got))
 if comm.rank == 0:
-    print('DONE at %d' % stop, flush=True)
+    print('%s: DONE at %d' % (label, stop), flush=True)
+comm.finalize()
 """
+
+RESIZE_JOB = r"""
+import os, sys
+import numpy
+import chainer
+import chainer.links as L
+import mnopt
+
+out, stop, resumed_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for label in sys.argv[4:]:
+    mode, kind = label.split('-')
+    exec(%r, dict(out=os.path.join(out, label), stop=stop,
+                  resumed_at=resumed_at, mode=mode, kind=kind, label=label,
+                  os=os, numpy=numpy, chainer=chainer, L=L, mnopt=mnopt))
+""" % RESIZE_VARIANT
+
+RESIZE_VARIANTS = ['plain-serial', 'sharded-serial', 'plain-multiprocess',
+                   'sharded-multiprocess']
 
 
 @pytest.mark.spawn
-@pytest.mark.parametrize('mode,kind', [('plain', 'serial'),
-                                       ('sharded', 'serial'),
-                                       ('plain', 'multiprocess'),
-                                       ('sharded', 'multiprocess')])
-def test_a_resize_rebuilds_each_ranks_iterator_for_its_new_shard(
-        tmp_path, mode, kind):
+def test_a_resize_rebuilds_each_ranks_iterator_for_its_new_shard(tmp_path):
+    # Every variant (plain or sharded optimizer state x Serial or
+    # Multiprocess iterator) in turn, in each stage's one job.
     # 2 ranks to iteration 5 (20 of 24), 3 ranks to 9 (13 of 16 scaled,
     # resumed at 12: one batch to the epoch's end, then epoch 1 to 12 of
     # 16), 2 ranks to 15 (18 of 24 scaled, resumed at 16: two batches to
-    # the epoch's end, then epoch 2 to 16 of 24).  The resumed positions are not batch-aligned when scaled:
-    # a batch that ended the epoch would take the next epoch's first
-    # examples (from a new order, maybe one just read) as well.
+    # the epoch's end, then epoch 2 to 16 of 24).  The resumed positions
+    # are not batch-aligned when scaled: a batch that ended the epoch
+    # would take the next epoch's first examples (from a new order, maybe
+    # one just read) as well.
     out = str(tmp_path)
     for n, stop, resumed_at, expect in (
             (2, 5, 0, None),
             (3, 9, 5, 'RESUMED epoch 0 at 12 of 16 (20 of 24 saved)'),
             (2, 15, 9, 'RESUMED epoch 1 at 16 of 24 (12 of 16 saved)')):
-        proc = run_mpi(n, RESIZE_JOB, timeout=120,
-                       args=[out, str(stop), str(resumed_at), mode, kind])
+        proc = run_mpi(n, RESIZE_JOB, timeout=240,
+                       args=[out, str(stop), str(resumed_at)] +
+                       RESIZE_VARIANTS)
         assert proc.returncode == 0, (n, proc.stderr[-3000:])
-        assert 'DONE at %d' % stop in proc.stdout, proc.stdout[-2000:]
-        if expect:
-            assert expect in proc.stdout, proc.stdout[-2000:]
+        for label in RESIZE_VARIANTS:
+            assert '%s: DONE at %d' % (label, stop) in proc.stdout, \
+                proc.stdout[-2000:]
+            if expect:
+                assert '%s: %s' % (label, expect) in proc.stdout, \
+                    proc.stdout[-2000:]
