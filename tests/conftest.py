@@ -1,8 +1,11 @@
 """Shared test helpers.  The same modules run serially and under
 ``mpiexec -n 2`` / ``-n 3`` (see the Makefile's ``test`` target)."""
 
+import contextlib
 import importlib.util
+import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -253,3 +256,29 @@ def snapshot_models_equal(path_a, path_b):
     assert a.keys() == b.keys() and len(a) > 10
     for k in a:
         numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@contextlib.contextmanager
+def mnopt_records():
+    """The records said on mnopt's loggers ('mnopt' and its children,
+    mnopt/log.py) while the block runs, as a list."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger('mnopt')
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def warns_on_rank_0(comm, match):
+    """Rank 0 reports what autoload skipped (a WARNING record of logger
+    'mnopt', mnopt/log.py, matching ``match``); the others stay quiet."""
+    with mnopt_records() as records:
+        yield
+    said = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    if comm.rank == 0:
+        assert any(re.search(match, m) for m in said), said

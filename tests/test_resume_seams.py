@@ -6,16 +6,14 @@ writes is skipped), unsharded snapshots into a sharded optimizer with
 tests (another number of ranks) spawn their own jobs."""
 
 import contextlib
-import logging
 import os
-import re
 import shutil
 import tempfile
 
 import numpy
 import pytest
 
-from conftest import chainer, needs_chainer, run_mpi
+from conftest import chainer, needs_chainer, run_mpi, warns_on_rank_0
 
 pytestmark = needs_chainer
 
@@ -39,24 +37,6 @@ def outdir(comm):
     comm.allgather_obj(None)
     if comm.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def warns_on_rank_0(comm, match):
-    """Rank 0 reports what autoload skipped (a WARNING record of logger
-    'mnopt', mnopt/log.py, matching ``match``); the others stay quiet."""
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger('mnopt')
-    logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-    said = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    if comm.rank == 0:
-        assert any(re.search(match, m) for m in said), said
 
 
 def make_trainer(comm, out, iterations):

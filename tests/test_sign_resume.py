@@ -6,13 +6,12 @@ with it.  Plain, double-buffered and overlapped optimizers.
 
 Runs serially and under mpiexec -n 2 / -n 3."""
 
-import logging
 
 import numpy
 import pytest
 
 import mnopt
-from conftest import WORLD, chainer, needs_chainer
+from conftest import WORLD, chainer, mnopt_records, needs_chainer
 
 pytestmark = needs_chainer
 
@@ -137,15 +136,8 @@ def test_one_replica_set_resumes_with_rank_0s_file(mode, tmp_path):
                 out.write(f.read())
         WORLD.Barrier()
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger('mnopt')
-    logger.addHandler(handler)
-    try:
+    with mnopt_records() as records:
         straight, resumed = _run(mode, tmp_path, edit=rank_0s)
-    finally:
-        logger.removeHandler(handler)
     said = [r.getMessage() for r in records
             if 'residuals restart at zero' in r.getMessage()]
     # Every rank but 0 is told its residuals were not in the file it read.

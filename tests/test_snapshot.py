@@ -3,16 +3,14 @@ autoload that picks the newest snapshot every rank holds completely, also
 on another number of ranks.  Serially and under mpiexec -n 2 / -n 3."""
 
 import contextlib
-import logging
 import os
-import re
 import shutil
 import tempfile
 
 import numpy
 import pytest
 
-from conftest import chainer, needs_chainer
+from conftest import chainer, needs_chainer, warns_on_rank_0
 from damaged_npz import damage_deflate_stream
 
 pytestmark = needs_chainer
@@ -96,24 +94,6 @@ def set_file(comm, name):
     """The name of this rank's own file of snapshot ``name`` (one replica
     set per rank)."""
     return '%s.%d' % (name, comm.rank)
-
-
-@contextlib.contextmanager
-def warns_on_rank_0(comm, match):
-    """Rank 0 reports what autoload skipped (a WARNING record of logger
-    'mnopt', mnopt/log.py, matching ``match``); the others stay quiet."""
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger('mnopt')
-    logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-    said = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    if comm.rank == 0:
-        assert any(re.search(match, m) for m in said), said
 
 
 def test_autoload_never_loads_another_sets_file_for_a_missing_one(
