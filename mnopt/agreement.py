@@ -73,7 +73,14 @@ def raise_together(comm, problem, what, stall_warning=None, timeout=None):
     the others a RuntimeError naming each rank's problem.  ``what`` is
     the operation, as the error says it ("create_communicator('flat')
     failed on rank 1: ...")."""
-    said = everyone(comm, describe(problem), what, stall_warning, timeout)
+    settle(problem, everyone(comm, describe(problem), what, stall_warning,
+                             timeout), what)
+
+
+def settle(problem, said, what):
+    """What every rank does once it has every rank's ``describe``d
+    problem (``said``, in rank order): raise its own ``problem``, else a
+    RuntimeError naming each rank's, else nothing."""
     if problem is not None:
         raise problem
     failed = ['rank %d: %s' % (r, p) for r, p in enumerate(said)

@@ -21,10 +21,5 @@ def raise_together(comm, problem, what):
     (agreement.raise_together)."""
     if hasattr(comm, 'raise_together'):
         return comm.raise_together(problem, what)
-    said = comm.allgather_obj(agreement.describe(problem))
-    if problem is not None:
-        raise problem
-    failed = ['rank %d: %s' % (r, p) for r, p in enumerate(said)
-              if p is not None]
-    if failed:
-        raise RuntimeError('%s failed on %s' % (what, '; '.join(failed)))
+    agreement.settle(problem, comm.allgather_obj(agreement.describe(problem)),
+                     what)
