@@ -26,6 +26,8 @@ import time
 import numpy
 from mpi4py import MPI
 
+from mnopt import cli
+
 
 def resnet50_grad_shapes(n_classes=1000):
     """Parameter shapes of ResNet-50 as in Chainer's ImageNet example
@@ -463,7 +465,6 @@ def scaling(args, world):
 def parser():
     """The command line: every option with its help, bad values refused by
     argparse (usage and an ``error:`` line, exit status 2)."""
-    from mnopt import cli
     from mnopt import communicators
     from mnopt import grad_buffer
     p = argparse.ArgumentParser(
@@ -532,7 +533,7 @@ def parser():
 
 def main(argv=None):
     parser_ = parser()
-    args = parser_.parse_args(argv)
+    args = cli.parse_args(parser_, argv)
     if args.quick:
         args.reps = min(args.reps, 5)
         args.dtypes = args.dtypes[:2]

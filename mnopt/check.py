@@ -21,6 +21,8 @@ import sys
 import numpy
 from mpi4py import MPI
 
+from mnopt import cli
+
 
 def _version(module):
     try:
@@ -92,7 +94,7 @@ def parser():
 
 def main(argv=None):
     # No options but --help: which must print the help, not run the check.
-    parser().parse_args(argv)
+    cli.parse_args(parser(), argv)
     import mnopt
     from mnopt import launched
     world = MPI.COMM_WORLD
@@ -108,7 +110,8 @@ def main(argv=None):
     if alone is not None:
         found.append(alone)
     want = (comm.size - 1) / 2.0
-    if any(m != [want] * 3 for m in means):
+    averaged_right = all(m == [want] * 3 for m in means)
+    if not averaged_right:
         found.append('averaging gave %s, not %s on every rank' % (means, want))
     if world.rank == 0:
         print('mnopt check: %d ranks on %d nodes' % (comm.size,
@@ -124,8 +127,7 @@ def main(argv=None):
         for field in SAME_EVERYWHERE + ('thread_level',):
             print('%-13s %s' % (field, first[field]))
         print('averaging     flat, mean of %d ranks %s' % (
-            comm.size, 'ok' if not any('averaging' in p for p in found)
-            else 'WRONG'))
+            comm.size, 'ok' if averaged_right else 'WRONG'))
         for p in found:
             print('PROBLEM: ' + p)
         print('mnopt check: %s' % ('OK' if not found else

@@ -5,10 +5,17 @@ Each is an ``argparse`` ``type=``: a value out of range raises
 ``argparse.ArgumentTypeError``, so the command ends with its usage and an
 ``error:`` line (exit status 2) instead of a traceback deep in the run.
 
-Leaf module: imports only the standard library.
+``parse_args`` parses as argparse does, and in a process of an MPI job
+(MPI started, more than one process) a bad command line aborts the whole
+job: argparse exits with SystemExit, which no excepthook sees, and the
+other processes would wait for this one until their timeout.
+
+Imports only the standard library (and mnopt.global_except_hook, on a
+bad command line).
 """
 
 import argparse
+import math
 
 
 def _number(kind, text, low, inclusive, what):
@@ -16,8 +23,10 @@ def _number(kind, text, low, inclusive, what):
         value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError('%r is not %s' % (text, what))
-    # NaN compares false with everything: it is never in range.
-    if not (value >= low if inclusive else value > low):
+    # NaN compares false with everything: it is never in range; nor is
+    # infinity a number of seconds, bytes or repetitions.
+    if not math.isfinite(value) or \
+            not (value >= low if inclusive else value > low):
         raise argparse.ArgumentTypeError('%r is not %s' % (text, what))
     return value
 
@@ -53,3 +62,17 @@ def int_range(low, high):
         return value
     parse.__name__ = 'integer'   # how argparse names the type in errors
     return parse
+
+
+def parse_args(parser, argv=None):
+    """``parser.parse_args(argv)``; where this process is one of an MPI
+    job's, a bad command line (argparse's exit status 2) aborts the job
+    with it, so the other processes do not wait for this one."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            from mnopt import global_except_hook
+            global_except_hook.abort('a bad command line for %s'
+                                     % parser.prog, code=2)
+        raise

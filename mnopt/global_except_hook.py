@@ -5,6 +5,7 @@ does what ``python -m mpi4py script.py`` does, for scripts launched as
 plain ``python script.py``.
 """
 
+import logging
 import sys
 import time
 
@@ -21,21 +22,27 @@ FORWARD_SECONDS = 1.0
 
 def _abort_hook(exc_type, exc_value, exc_traceback):
     _previous(exc_type, exc_value, exc_traceback)
-    _abort('uncaught exception')
+    abort('uncaught exception')
 
 
-def _abort(why):
+def abort(why, code=1):
+    """Abort the whole MPI job (where MPI runs with more than one
+    process), saying ``why`` first; nothing said or failed here stops
+    the abort."""
     try:
         from mpi4py import MPI
-        if MPI.Is_initialized() and not MPI.Is_finalized() \
-                and MPI.COMM_WORLD.size > 1:
-            logger.error('mnopt: %s on rank %d; aborting the MPI job',
-                         why, MPI.COMM_WORLD.rank)
-            log.flush(__name__)
-            time.sleep(FORWARD_SECONDS)
-            MPI.COMM_WORLD.Abort(1)
+        if not MPI.Is_initialized() or MPI.Is_finalized() \
+                or MPI.COMM_WORLD.size == 1:
+            return
     except Exception:
-        pass
+        return
+    log.say(logger, logging.ERROR,
+            'mnopt: %s on rank %d; aborting the MPI job', why,
+            MPI.COMM_WORLD.rank, last_words=True)
+    log.flush(__name__)
+    time.sleep(FORWARD_SECONDS)
+    MPI.COMM_WORLD.Abort(code)
+
 
 
 def run_or_abort(fn, *args):
@@ -48,7 +55,7 @@ def run_or_abort(fn, *args):
         import threading
         import traceback
         traceback.print_exc()
-        _abort('uncaught exception in thread %r'
+        abort('uncaught exception in thread %r'
                % threading.current_thread().name)
         raise
 

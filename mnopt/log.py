@@ -40,6 +40,10 @@ reading stderr sees what a user's job writes.
 Records said right before ``MPI_Abort`` (the stall timeout, a rank's
 uncaught exception) are followed by ``flush()``, which flushes every
 handler they reach (the default handler flushes each record itself).
+They go through ``say(..., last_words=True)``: a handler that raises
+cannot stop the abort, and where the configuration drops them (a level
+above ERROR, loggers disabled by ``dictConfig``) they are written to
+stderr all the same, since they are the only word on why the job ended.
 
 Leaf module: imports only the standard library.
 """
@@ -118,6 +122,28 @@ def get(name=ROOT):
         raise ValueError('%r is not mnopt\'s logger or a child of it'
                          % (name,))
     return logging.getLogger(name)
+
+
+def say(logger, level, message, *args, last_words=False):
+    """``logger.log(level, message, *args)`` that never raises: a user's
+    handler that fails must not stop the stall watchdog or an abort (the
+    message then goes to stderr).  ``last_words``: said right before the
+    job is aborted, so it explains the end: written to stderr also when
+    the user's configuration would drop it (a logger disabled by
+    ``logging.config.dictConfig``'s ``disable_existing_loggers``, or a
+    level above ``level``), since nothing else would say why the job
+    died."""
+    try:
+        dropped = logger.disabled or not logger.isEnabledFor(level)
+        logger.log(level, message, *args)
+    except Exception:
+        dropped = True
+    if dropped and last_words:
+        try:
+            sys.stderr.write((message % args if args else message) + '\n')
+            sys.stderr.flush()
+        except Exception:
+            pass
 
 
 def flush(name=ROOT):

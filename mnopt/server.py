@@ -462,7 +462,7 @@ def main(argv=None):
     # First: a bad option or setting must end the job, not leave the
     # workers waiting for this process.
     global_except_hook.add_hook()
-    args = p.parse_args(argv)
+    args = cli.parse_args(p, argv)
     stall.settings()   # a bad MNOPT_STALL_WARNING / MNOPT_TIMEOUT raises
     world = MPI.COMM_WORLD
     the_job = job(default_role='server')

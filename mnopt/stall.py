@@ -246,11 +246,12 @@ def wait_or_abort(requests, what, stall_warning=None, timeout=None):
         waited = time.monotonic() - start
         timed_out = limit is not None and waited >= limit
         if timed_out or (warning is not None and waited >= warning):
-            logger.log(
-                logging.ERROR if timed_out else logging.WARNING,
+            log.say(
+                logger, logging.ERROR if timed_out else logging.WARNING,
                 'mnopt: %s has waited %.1f s in %s; not every rank has '
                 'arrived (one may have failed, exited or not reached it)%s',
-                who, waited, what, _tail(limit, timed_out))
+                who, waited, what, _tail(limit, timed_out),
+                last_words=timed_out)
             if timed_out:
                 _abort()
             warning = None
@@ -355,7 +356,8 @@ class _Watchdog(object):
             for m in late:
                 # Not a failure: the others may still be working (a long
                 # last evaluation); this rank just stops waiting for them.
-                logger.warning(
+                log.say(
+                    logger, logging.WARNING,
                     'mnopt: %s exits after waiting %.0f s (MNOPT_TIMEOUT) '
                     'for the last word of %s on %s, which may still be '
                     'working', m.name_of(m.rank), time.monotonic() - start,
@@ -399,7 +401,8 @@ class _Watchdog(object):
                     self._pending = [r for r in self._pending
                                      if not r.Test()]
                 except Exception as e:  # never let the watchdog die silently
-                    logger.error('mnopt: stall detection failed: %r', e)
+                    log.say(logger, logging.ERROR,
+                            'mnopt: stall detection failed: %r', e)
                     return
 
     def _receive(self, m):
@@ -441,7 +444,8 @@ class _Watchdog(object):
             return
         gone = never_arriving(m, op)
         if gone:
-            logger.error(
+            log.say(
+                logger, logging.ERROR,
                 'mnopt: %s has waited %.1f s in %s; %s without entering '
                 'it, so it cannot finish. Aborting the MPI job.',
                 m.name_of(m.rank), waited, op.label(), ', '.join(
@@ -450,7 +454,7 @@ class _Watchdog(object):
                     '%s %s' % (m.name_of(r), 'exited' if m.why_gone.get(r)
                                == 'exited' else 'finalized or dropped its '
                                'communicator (or its script ended)')
-                    for r in gone))
+                    for r in gone), last_words=True)
             _abort()
         if not op.warned and m.warning is not None and (
                 m.timeout is None or m.warning < m.timeout):
@@ -470,8 +474,9 @@ class _Watchdog(object):
             return
         timed_out = due == m.timeout
         op.warned = True
-        logger.log(logging.ERROR if timed_out else logging.WARNING, '%s',
-                   describe(m, op, waited, timed_out))
+        log.say(logger, logging.ERROR if timed_out else logging.WARNING,
+                '%s', describe(m, op, waited, timed_out),
+                last_words=timed_out)
         if timed_out:
             _abort()
 

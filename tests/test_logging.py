@@ -5,10 +5,11 @@ The stall report and the overflow warning as whole mpiexec jobs; the
 default handler's rules and the flush before an abort in this process."""
 
 import logging
+import time
 
 import pytest
 
-from conftest import run_mpi
+from conftest import run_mpi, slack
 from mnopt import log
 from mnopt import stall
 
@@ -190,3 +191,40 @@ def test_stall_abort_flushes_the_handlers_first(monkeypatch):
     finally:
         logging.getLogger('mnopt').removeHandler(handler)
     assert order == ['flush', 'abort']
+
+
+# A stall that times out, with logging configured in ways that would drop
+# or break its report: the job must still end at the timeout, saying why.
+ENDS_AT_THE_TIMEOUT = r'''
+import logging, logging.config, sys, time, numpy, mnopt
+how = sys.argv[1]
+comm = mnopt.create_communicator('flat', stall_warning=1, timeout=3)
+if how == 'raising':
+    class Broken(logging.Handler):
+        def emit(self, record):
+            raise RuntimeError('a user handler broke')
+    logging.getLogger('mnopt').addHandler(Broken())
+elif how == 'dictconfig':
+    # Per-rank logging set up once the rank is known: disables the
+    # existing 'mnopt.*' loggers (disable_existing_loggers defaults True).
+    logging.config.dictConfig({'version': 1, 'root': {'level': 'INFO'}})
+elif how == 'critical':
+    logging.getLogger().setLevel(logging.CRITICAL)
+if comm.rank == 1:
+    time.sleep(60)
+comm.mean_grads([('w', numpy.ones(4, numpy.float32))])
+'''
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize('how', ['raising', 'dictconfig', 'critical'])
+def test_the_timeout_aborts_and_says_why_whatever_logging_does(how):
+    # A handler that raises must not stop the watchdog; a configuration
+    # that drops the report must not leave the abort unexplained.
+    start = time.monotonic()
+    proc = run_mpi(2, ENDS_AT_THE_TIMEOUT, timeout=120, args=[how])
+    assert proc.returncode != 0
+    assert 'mnopt: rank 0 has waited' in proc.stderr and \
+        'Timeout (3 s, MNOPT_TIMEOUT): aborting the MPI job' in \
+        proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < slack(40)

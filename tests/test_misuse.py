@@ -132,6 +132,8 @@ def test_started_without_mpiexec_in_a_job_of_several():
         'though its environment says the job has more processes ' \
         '(SLURM_NTASKS=4)' in out
     assert out.rstrip().endswith('mnopt check: 1 problem(s)')
+    # Averaging itself is right (alone, the mean is its own gradient).
+    assert 'averaging     flat, mean of 1 ranks ok' in out, out
     assert err.count('mnopt: warning: this process is alone') == 1, err
 
     out, err, rc = done['check, clean']

@@ -222,3 +222,23 @@ def test_servers_launched_before_the_workers_are_an_error_everywhere(
     assert 'reduction servers must come after the workers in the job ' \
         '(servers at ranks [0], workers at [1, 2])' in proc.stderr, \
         proc.stderr[-3000:]
+
+
+def test_a_bad_server_option_ends_the_job(tmp_path):
+    # Launched without ``-m mpi4py``: argparse's exit is no exception any
+    # hook sees, so the server must end the job itself, or the workers
+    # wait in the start-up for their timeout.
+    script = tmp_path / 'train.py'
+    script.write_text("import mnopt\nmnopt.create_communicator("
+                      "'reduction_server')\n")
+    start = time.time()
+    cmd = mpiexec() + ['-n', '1', sys.executable, str(script), ':', '-n',
+                       '1', sys.executable, '-m', 'mnopt.server',
+                       '--memory', '0']
+    proc = run_launcher(cmd, 90, dict(os.environ, PYTHONPATH=python_path(),
+                                      MNOPT_TIMEOUT='600'))
+    assert proc.returncode != 0
+    assert "argument --memory: '0' is not an integer > 0" in proc.stderr
+    assert 'a bad command line for python -m mnopt.server' in proc.stderr, \
+        proc.stderr[-3000:]
+    assert time.time() - start < slack(40)
