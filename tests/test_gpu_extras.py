@@ -18,21 +18,13 @@ pytestmark = pytest.mark.skipif(WORLD.size > 1, reason='reads files')
 
 
 def _extras():
-    """setup.py's extras_require, read without running setup()."""
-    import ast
-    tree = ast.parse(open(os.path.join(REPO, 'setup.py')).read())
-    lists = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List):
-            for target in node.targets:
-                lists[target.id] = [ast.literal_eval(e)
-                                    for e in node.value.elts]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == 'extras_require':
-            return {ast.literal_eval(k): (lists[v.id] if isinstance(
-                v, ast.Name) else ast.literal_eval(v))
-                for k, v in zip(node.value.keys, node.value.values)}
-    raise AssertionError('no extras_require in setup.py')
+    """pyproject.toml's optional dependencies (the extras)."""
+    try:
+        import tomllib
+    except ImportError:   # Python 3.10: the parser pip carries
+        from pip._vendor import tomli as tomllib
+    with open(os.path.join(REPO, 'pyproject.toml'), 'rb') as f:
+        return tomllib.load(f)['project']['optional-dependencies']
 
 
 def _spec(requirements, name):
