@@ -11,7 +11,13 @@ import sys
 
 import pytest
 
-from conftest import REPO, python_path
+from conftest import REPO, WORLD, python_path
+
+# The commands run as processes of their own, outside any MPI job (a
+# rank's environment would make MPI_Init in them wait for a process
+# manager): once, in the serial pass.
+pytestmark = pytest.mark.skipif(WORLD.size > 1,
+                                reason='runs commands outside MPI')
 
 
 def run(*argv):
