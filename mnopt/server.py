@@ -66,6 +66,18 @@ def chunk_slices(length, chunk):
     return [slice(s, min(s + chunk, length)) for s in range(0, length, chunk)]
 
 
+def stall_settings_problem(stall_warning, timeout):
+    """In a job with server processes the job's one monitor watches every
+    process, so stall times come from the environment only: a ValueError
+    for keywords that set them, else None."""
+    if stall_warning is not None or timeout is not None:
+        return ValueError(
+            'with reduction servers, stall detection covers the whole '
+            'job: set MNOPT_STALL_WARNING / MNOPT_TIMEOUT in the '
+            'environment of every process instead')
+    return None
+
+
 _job = None
 ROLES = ('worker', 'server')
 #: The channels' names, in the order of ``Job.channels()``: serve counts

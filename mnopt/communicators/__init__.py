@@ -154,13 +154,9 @@ def _problem_with_servers(cls, servers, kwargs):
             '(python -m mnopt.server) but asks for the %r communicator: '
             "use 'reduction_server', or launch without servers"
             % (len(servers), cls.name))
-    if kwargs.get('stall_warning') is not None or \
-            kwargs.get('timeout') is not None:
-        return ValueError(
-            'with reduction servers, stall detection covers the whole '
-            'job: set MNOPT_STALL_WARNING / MNOPT_TIMEOUT in the '
-            'environment of every process instead')
-    return None
+    from mnopt import server
+    return server.stall_settings_problem(kwargs.get('stall_warning'),
+                                         kwargs.get('timeout'))
 
 
 def _intracommunicator(mpi_comm):

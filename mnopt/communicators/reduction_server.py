@@ -92,12 +92,10 @@ class ReductionServerCommunicator(CommunicatorBase):
                 mpi_comm, label, **settings)
         # Workers and servers together: made once by the job, at start-up.
         monitor = job.monitor()
-        if settings.get('stall_warning') is not None or \
-                settings.get('timeout') is not None:
-            raise ValueError(
-                'with reduction servers, stall detection covers the whole '
-                'job: set MNOPT_STALL_WARNING / MNOPT_TIMEOUT in the '
-                'environment of every process instead')
+        problem = rs.stall_settings_problem(settings.get('stall_warning'),
+                                            settings.get('timeout'))
+        if problem is not None:
+            raise problem
         return monitor
 
     def _owns_monitor(self):
