@@ -6,10 +6,12 @@ import importlib.util
 import logging
 import os
 import re
+import shutil
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy
 import pytest
@@ -282,3 +284,15 @@ def warns_on_rank_0(comm, match):
     said = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     if comm.rank == 0:
         assert any(re.search(match, m) for m in said), said
+
+
+@contextlib.contextmanager
+def shared_directory(comm, prefix):
+    """A fresh directory every rank of ``comm`` uses, removed after the
+    block (once every rank is done with it)."""
+    path = comm.bcast_obj(tempfile.mkdtemp(prefix=prefix)
+                          if comm.rank == 0 else None)
+    yield path
+    comm.allgather_obj(None)
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

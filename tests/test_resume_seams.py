@@ -8,12 +8,12 @@ tests (another number of ranks) spawn their own jobs."""
 import contextlib
 import os
 import shutil
-import tempfile
 
 import numpy
 import pytest
 
-from conftest import chainer, needs_chainer, run_mpi, warns_on_rank_0
+from conftest import (chainer, needs_chainer, run_mpi, shared_directory,
+                      warns_on_rank_0)
 
 pytestmark = needs_chainer
 # mnopt.zero is of the Chainer layer: the core stack (no Chainer) skips
@@ -35,12 +35,8 @@ def comm():
 @pytest.fixture
 def outdir(comm):
     """One directory shared by every rank."""
-    path = comm.bcast_obj(tempfile.mkdtemp(prefix='mnopt-seams-')
-                          if comm.rank == 0 else None)
-    yield path
-    comm.allgather_obj(None)
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
+    with shared_directory(comm, 'mnopt-seams-') as path:
+        yield path
 
 
 def make_trainer(comm, out, iterations):

@@ -4,13 +4,11 @@ on another number of ranks.  Serially and under mpiexec -n 2 / -n 3."""
 
 import contextlib
 import os
-import shutil
-import tempfile
 
 import numpy
 import pytest
 
-from conftest import chainer, needs_chainer, warns_on_rank_0
+from conftest import chainer, needs_chainer, shared_directory, warns_on_rank_0
 from damaged_npz import damage_deflate_stream
 
 pytestmark = needs_chainer
@@ -28,12 +26,8 @@ def comm():
 @pytest.fixture
 def outdir(comm):
     """One directory shared by every rank."""
-    path = comm.bcast_obj(tempfile.mkdtemp(prefix='mnopt-snap-')
-                          if comm.rank == 0 else None)
-    yield path
-    comm.allgather_obj(None)
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
+    with shared_directory(comm, 'mnopt-snap-') as path:
+        yield path
 
 
 def make_trainer(comm, out, iterations, replica_sets='each alone',
