@@ -43,11 +43,18 @@ def _measured_slowdown():
     return (time.perf_counter() - wall) / max(time.process_time() - cpu, 1e-6)
 
 
+#: How many pytest processes share the machine: pytest-xdist's workers
+#: (the Makefile's serial pass runs two), else 1.
+WORKERS = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT') or 1)
+
 #: The factor every timeout and time bound in the tests is multiplied by:
 #: MNOPT_TEST_SLOWDOWN if set, else measured at start-up (at least 1, at
-#: most 4), so that a test's pass never depends on an idle machine.
+#: most 4), so that a test's pass never depends on an idle machine.  Under
+#: xdist at least the number of workers: they start together, so each
+#: measures before the others' jobs load the machine.
 SLOWDOWN = float(os.environ.get('MNOPT_TEST_SLOWDOWN') or
-                 min(4.0, max(1.0, round(_measured_slowdown(), 1))))
+                 min(4.0, max(float(WORKERS),
+                              round(_measured_slowdown(), 1))))
 
 
 def slack(seconds):
@@ -70,6 +77,10 @@ def pytest_configure(config):
                    'and on every stack with another MPI library (what the '
                    'library and its launcher decide: how a job ends, MPMD '
                    'launches; see the Makefile)')
+    config.addinivalue_line(
+        'markers', 'three_ranks: also runs in the first stack\'s '
+                   'mpiexec -n 3 pass (where a third rank changes what is '
+                   'computed; see the Makefile)')
     if WORLD.rank > 0:
         # Only rank 0 reports progress; failures on any rank still print.
         config.option.verbose = -1

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO, slack
 from mnopt import netsim
 
-pytestmark = pytest.mark.spawn
+# One worker runs them all: they set up namespaces of the same names.
+pytestmark = [pytest.mark.spawn, pytest.mark.xdist_group('netsim')]
 
 try:
     netsim.check_environment()
