@@ -12,6 +12,9 @@ from conftest import run_mpi, slack
 import mnopt
 from mnopt import agreement
 
+# Also under mpiexec -n 3: a middle rank (neither first nor last) disagrees.
+pytestmark = pytest.mark.three_ranks
+
 WORLD = MPI.COMM_WORLD
 
 

@@ -13,6 +13,9 @@ import pytest
 import mnopt
 from conftest import WORLD
 
+# Also under mpiexec -n 3: server shares split unevenly over 3 processes.
+pytestmark = pytest.mark.three_ranks
+
 
 def test_requests_are_counted_per_channel():
     """The sync and async server threads share the communicator's

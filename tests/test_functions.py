@@ -7,7 +7,8 @@ import pytest
 
 from conftest import chainer, needs_chainer
 
-pytestmark = needs_chainer
+# Also under mpiexec -n 3: all-to-all and point-to-point chains over 3 ranks.
+pytestmark = [needs_chainer, pytest.mark.three_ranks]
 
 import mnopt  # NOQA
 

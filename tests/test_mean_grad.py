@@ -10,6 +10,9 @@ import mnopt
 from conftest import (WORLD, chainer, expected_mean, make_model, needs_chainer,
                       rank_grads)
 
+# Also under mpiexec -n 3: odd rank counts take other ring and node-split paths.
+pytestmark = pytest.mark.three_ranks
+
 PARAM_SETS = {
     'none': [],
     'one-element': [(1,)],

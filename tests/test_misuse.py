@@ -14,6 +14,9 @@ import mnopt
 from mnopt import launched
 from conftest import REPO, WORLD, chainer, needs_chainer, python_path, slack
 
+# Also under mpiexec -n 3: a middle rank misuses.
+pytestmark = pytest.mark.three_ranks
+
 
 # ------------------------------------------------- create_multi_node_optimizer
 

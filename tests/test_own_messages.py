@@ -18,6 +18,9 @@ from mpi4py import MPI
 import mnopt
 from conftest import WORLD, chainer, make_model, run_mpi, slack
 
+# Also under mpiexec -n 3: a third rank's messages interleave with mnopt's.
+pytestmark = pytest.mark.three_ranks
+
 
 def _communicator():
     # A short stall timeout: on a defect, the rank whose message was

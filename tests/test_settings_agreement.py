@@ -13,6 +13,9 @@ import mnopt
 from mnopt import communicators
 from conftest import run_mpi
 
+# Also under mpiexec -n 3: a middle rank disagrees.
+pytestmark = pytest.mark.three_ranks
+
 WORLD = MPI.COMM_WORLD
 
 #: A value other than the default for every keyword a communicator takes.
