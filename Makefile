@@ -140,17 +140,18 @@ experiments: setup
 # Every stack in turn.  The first stack of STACKS runs every test module
 # serially (on two pytest-xdist workers: most of the serial pass is
 # spawned jobs waiting on each other, which two workers overlap), under
-# mpiexec -n 2, and under -n 3 the modules marked ``three_ranks`` (where a
-# third rank changes what is computed: ring segments, uneven shards and
-# scatters, votes, node and server splits).  The other stacks run what can
+# mpiexec -n 2, and under -n 3 the modules marked ``many_ranks`` (where the
+# number of ranks changes what is computed: ring segments, uneven shards
+# and scatters, votes, a middle rank).  The other stacks run what can
 # differ on them: every test but the end-to-end jobs (``spawn``: restart,
-# examples, faults), serially and under -n 2, plus the jobs marked
-# ``every_stack`` (stack checks), and on a stack with another MPI library
-# (OWN_MPI) those marked ``every_mpi`` (what the library's launcher
-# decides: how a job ends, MPMD launches).  The core stack runs serially:
-# it adds the no-Chainer case and the kernel compile check, which must not
-# skip there.  TESTS_ALL=1 runs everything on every stack, and every
-# module under -n 3.
+# examples, faults) serially, plus the jobs marked ``every_stack`` (stack
+# checks), and on a stack with another MPI library (OWN_MPI) those marked
+# ``every_mpi`` (what the library's launcher decides: how a job ends, MPMD
+# launches); under -n 2 the ``many_ranks`` modules (the collectives, where
+# NumPy's buffers, Python's threads and the MPI library meet).  The core
+# stack runs serially: it adds the no-Chainer case and the kernel compile
+# check, which must not skip there.  TESTS_ALL=1 runs everything on every
+# stack, and every module under -n 3.
 ON_EVERY_STACK := not spawn or every_stack
 OWN_MPI_openmpi := or every_mpi
 WORKERS ?= 2
@@ -188,9 +189,9 @@ test-%: .venv/%/.installed
 	else \
 	    export MNOPT_TEST_MPIEXEC="$(LAUNCH_$*)" && \
 	    $$pytest $${only:+-m "$$only"} && \
-	    $$launch -n 2 $$under_mpi $${only:+-m "$$only"} && \
+	    $$launch -n 2 $$under_mpi $${only:+-m many_ranks} && \
 	    { [ -n "$$only" ] || $$launch -n 3 $$under_mpi \
-	        $$([ "$(TESTS_ALL)" = 1 ] || echo -m three_ranks); }; \
+	        $$([ "$(TESTS_ALL)" = 1 ] || echo -m many_ranks); }; \
 	fi && echo "== stack $*: tests took $$(( $$(date +%s) - start )) s"
 
 clean:

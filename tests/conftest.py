@@ -78,9 +78,11 @@ def pytest_configure(config):
                    'library and its launcher decide: how a job ends, MPMD '
                    'launches; see the Makefile)')
     config.addinivalue_line(
-        'markers', 'three_ranks: also runs in the first stack\'s '
-                   'mpiexec -n 3 pass (where a third rank changes what is '
-                   'computed; see the Makefile)')
+        'markers', 'many_ranks: where the number of ranks changes what '
+                   'is computed (ring segments, uneven shards and scatters, '
+                   'votes, a middle rank): the first stack runs it under '
+                   'mpiexec -n 3 too, the other stacks only it under -n 2 '
+                   '(see the Makefile)')
     if WORLD.rank > 0:
         # Only rank 0 reports progress; failures on any rank still print.
         config.option.verbose = -1

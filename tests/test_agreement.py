@@ -13,7 +13,7 @@ import mnopt
 from mnopt import agreement
 
 # Also under mpiexec -n 3: a middle rank (neither first nor last) disagrees.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 WORLD = MPI.COMM_WORLD
 

@@ -14,7 +14,7 @@ import mnopt
 from conftest import WORLD
 
 # Also under mpiexec -n 3: server shares split unevenly over 3 processes.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 
 def test_requests_are_counted_per_channel():

@@ -8,7 +8,7 @@ import pytest
 from conftest import chainer, needs_chainer
 
 # Also under mpiexec -n 3: all-to-all and point-to-point chains over 3 ranks.
-pytestmark = [needs_chainer, pytest.mark.three_ranks]
+pytestmark = [needs_chainer, pytest.mark.many_ranks]
 
 import mnopt  # NOQA
 

@@ -13,7 +13,7 @@ from conftest import naive_comm as comm  # NOQA: the comm fixture
 from conftest import chainer, needs_chainer
 
 # Also under mpiexec -n 3: a dataset scatters unevenly over 3 ranks.
-pytestmark = [needs_chainer, pytest.mark.three_ranks]
+pytestmark = [needs_chainer, pytest.mark.many_ranks]
 
 import mnopt  # NOQA
 

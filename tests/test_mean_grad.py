@@ -11,7 +11,7 @@ from conftest import (WORLD, chainer, expected_mean, make_model, needs_chainer,
                       rank_grads)
 
 # Also under mpiexec -n 3: odd rank counts take other ring and node-split paths.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 PARAM_SETS = {
     'none': [],

@@ -15,7 +15,7 @@ from mnopt import launched
 from conftest import REPO, WORLD, chainer, needs_chainer, python_path, slack
 
 # Also under mpiexec -n 3: a middle rank misuses.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 
 # ------------------------------------------------- create_multi_node_optimizer

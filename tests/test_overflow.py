@@ -10,7 +10,7 @@ from mnopt import grad_buffer, overflow
 from conftest import WORLD
 
 # Also under mpiexec -n 3: one of three ranks overflows.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 COMMUNICATORS = ('naive', 'flat', 'hierarchical', 'reduction_server')
 

@@ -14,7 +14,7 @@ import mnopt  # NOQA
 from conftest import WORLD  # NOQA
 
 # Also under mpiexec -n 3: the 16-bit ring case runs only above 2 ranks.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 STEPS = 20
 

@@ -19,7 +19,7 @@ import mnopt
 from conftest import WORLD, chainer, make_model, run_mpi, slack
 
 # Also under mpiexec -n 3: a third rank's messages interleave with mnopt's.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 
 def _communicator():

@@ -19,7 +19,7 @@ from mnopt import ring
 from conftest import WORLD, run_mpi, slack
 
 # Also under mpiexec -n 3: ring segments and neighbours differ at 3 ranks.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 N = WORLD.size
 WIRES = ['float32', 'float64', 'float16', 'bfloat16']

@@ -14,7 +14,7 @@ from mnopt import communicators
 from conftest import run_mpi
 
 # Also under mpiexec -n 3: a middle rank disagrees.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 WORLD = MPI.COMM_WORLD
 

@@ -14,7 +14,7 @@ from mnopt import sign
 from conftest import WORLD, chainer, make_model, needs_chainer, run_mpi
 
 # Also under mpiexec -n 3: votes of an odd number of ranks never tie.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 # Odd sizes, an empty array, a size that is not a multiple of 8.
 SHAPES = [(3,), (5, 7), (0,), (1,), (11, 13, 3), (2001,)]

@@ -12,7 +12,7 @@ from mnopt._mpi import LayoutMismatchError
 from conftest import chainer, needs_chainer
 
 # Also under mpiexec -n 3: parameters shard unevenly over 3 owners.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 if chainer is not None:   # the sharded optimizer is of the Chainer layer
     from mnopt import zero

@@ -18,7 +18,7 @@ import mnopt  # NOQA
 from conftest import WORLD  # NOQA
 
 # Also under mpiexec -n 3: gradients shard unevenly over 3 owners.
-pytestmark = pytest.mark.three_ranks
+pytestmark = pytest.mark.many_ranks
 
 STEPS = 6
 
