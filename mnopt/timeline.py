@@ -69,8 +69,13 @@ ORIGIN = clock()
 ENV = 'MNOPT_TIMELINE'
 
 
+def _nothing(*args, **kwargs):
+    pass
+
+
 class _NullSpan(object):
     __slots__ = ()
+    set = staticmethod(_nothing)
 
     def __enter__(self):
         return self
@@ -78,42 +83,25 @@ class _NullSpan(object):
     def __exit__(self, *exc):
         return False
 
-    def set(self, **args):
-        pass
-
 
 _NULL_SPAN = _NullSpan()
 
 
 class NullTimeline(object):
-    """A timeline that records nothing (the module's ``NULL``)."""
+    """A timeline that records nothing (the module's ``NULL``): every
+    method of Timeline, doing nothing; ``span()`` returns one shared
+    do-nothing context manager."""
 
     path = None
     enabled = False
+    record = instant = counter = name_thread = flush = close = \
+        staticmethod(_nothing)
 
     def __bool__(self):
         return False
 
     def span(self, name, cat='', **args):
         return _NULL_SPAN
-
-    def record(self, name, cat, start, end, **args):
-        pass
-
-    def instant(self, name, cat='', **args):
-        pass
-
-    def counter(self, name, **values):
-        pass
-
-    def name_thread(self, role):
-        pass
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
 
 
 NULL = NullTimeline()
@@ -315,7 +303,7 @@ def _plain(value):
 _DUMPS = json.JSONEncoder(separators=(',', ':'), default=_plain).encode
 
 
-# -- opening from the environment ----------------------------------------------
+# -- opening from the environment ---------------------------------------------
 
 _open = {}
 _open_lock = threading.Lock()
@@ -351,7 +339,7 @@ def open_from_environment(rank, explicit=None):
         return tl
 
 
-# -- reading -------------------------------------------------------------------
+# -- reading ------------------------------------------------------------------
 
 def loads(text):
     """The events of a trace's text: the JSON Array Format with or without
