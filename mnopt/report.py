@@ -51,9 +51,11 @@ def _cells(s):
 
 def format_text(a):
     """The report as text (``analyze``'s result)."""
+    files = a['files'] if len(a['files']) <= 3 else [
+        a['files'][0], '...', a['files'][-1]]
     lines = ['mnopt report: %d rank%s (%s); clocks aligned: %s' % (
         len(a['ranks']), '' if len(a['ranks']) == 1 else 's',
-        ', '.join(a['files']), a['alignment']), '']
+        ', '.join(files), a['alignment']), '']
     if a['overall']:
         lines.append('Mean step, where its time goes:')
         head = ('', 'step', 'compute', 'exposed comm', 'hidden comm', 'idle')

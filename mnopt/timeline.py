@@ -1,66 +1,59 @@
 """A recorder of where each step's time goes: Chrome trace-event JSON.
 
-One file per rank in the trace-event "JSON Array Format" that Perfetto
-(ui.perfetto.dev) and chrome://tracing load, and that ``python -m
-mnopt.report`` reads::
+One file per rank in the "JSON Array Format" that Perfetto and
+chrome://tracing load and ``python -m mnopt.report`` reads::
 
     tl = timeline.open_from_environment(rank)    # NULL unless MNOPT_TIMELINE
     with tl.span('forward', 'compute', step=i):
         ...
     tl.record('wire', 'comm', t0, t1, bytes=n, bucket=b, step=i, seq=k)
-    tl.close()                                   # also at exit
 
-Events: complete spans (``"ph": "X"``) with ``ts`` and ``dur`` in
-microseconds from one monotonic origin per process (``time.perf_counter``
-at import, shared by every thread and every Timeline of the process),
-``pid`` = the rank, ``tid`` = a small integer per thread (0 for the main
-thread, then 1, 2, ... in the order threads first record), ``name``,
-``cat`` and ``args``; instants (``"i"``) and counters (``"C"``); metadata
-(``"M"``) naming the process ("rank N") and each thread, and one
-``mnopt_clock`` event whose args give the origin on the wall clock
-(``unix_us``), so traces of several ranks can be put on one time axis.
+Events: complete spans (``"ph": "X"``), ``ts`` and ``dur`` in us from one
+origin per process (``clock()``, time.perf_counter, at import: shared by
+every thread), ``pid`` = the rank, ``tid`` = 0 for the main thread, then
+1, 2, ... as threads first record; instants (``"i"``), counters (``"C"``);
+metadata (``"M"``) naming the process ("rank N") and each thread, and
+``mnopt_clock``, the origin on the wall clock (``args.unix_us``).
 
-Phases (``name``; the report relies on them):
+Phases (``name``; the report relies on them).  On the main thread, cat
+'compute': 'step' (one iteration, holding the others), 'forward',
+'backward', 'update'; cat 'comm': 'wait' (the main thread blocked on
+averaging: exposed communication).  On the averaging thread ('averaging'),
+a reduction server's ('server'), or the main thread where averaging runs
+there (sync mode), cat 'comm': 'pack' (gradients into a bucket), 'cast' (to
+the wire's dtype), 'wire' (the collective, from this rank's arrival until
+its result is in), 'sum' (a reduction done here), 'unpack'.  Args where
+known: ``step``, ``bucket`` (its index in the step), ``bytes``, ``seq``
+(the n-th collective of the communicator, the same n on every rank),
+``comm`` (which communicator, where a rank has several), ``op`` (of a
+'wire': 'allreduce', 'reduce_scatter', 'allgather', 'bcast').
 
-- on the main thread, cat ``'compute'``: ``'step'`` (one iteration, the
-  span that holds the others), ``'forward'``, ``'backward'``, ``'update'``;
-  cat ``'comm'``: ``'wait'``, the main thread blocked on averaging (the
-  exposed communication);
-- on the averaging thread (``'averaging'``), a reduction server's threads
-  (``'server'``) or the main thread where averaging runs there (the sync
-  mode), cat ``'comm'``: ``'pack'`` (gradients into a bucket), ``'cast'``
-  (to the wire's dtype), ``'wire'`` (the collective itself: from this rank's
-  arrival until its result is in), ``'sum'`` (a reduction done here),
-  ``'unpack'`` (the result back into the gradients).
+Recording appends a tuple to a list (thread-safe, no lock); a background
+thread writes them in batches, at least every ``flush_every`` s (0.5),
+sooner once ``batch`` (1024) wait, and ``close()`` (also at exit) writes
+the rest and the closing ``]``.  A job killed outright leaves every event
+up to the last flush, without the ``]`` (the format allows it; ``load``
+reads it).  Should writing fail (a full disk), the timeline says so once
+(logger 'mnopt.timeline') and stops; the job goes on.
 
-Args, where known: ``step`` (the iteration), ``bucket`` (its index in the
-step), ``bytes`` (what the phase moves or touches), ``seq`` (the n-th
-collective of the communicator: the same n on every rank, so the report
-matches one collective across ranks), ``comm`` (which communicator, where a
-rank has several), ``op`` ('allreduce', 'reduce_scatter', 'allgather',
-'bcast': what bus bandwidth counts for a 'wire').
+``NULL`` records nothing: its ``span()`` returns one shared do-nothing
+context manager, so instrumented code costs a call when the timeline is
+off, and ``bool(NULL)`` is False (``if tl: tl.record(...)`` skips costly
+arguments).
 
-The file is written incrementally: events are kept in memory and written
-in batches by a background thread, at least every ``flush_every`` seconds
-(0.5), sooner once ``batch`` events (1024) wait, and at ``close()`` (registered
-with ``atexit``).  A job killed outright (SIGKILL) leaves a file that holds
-every event up to the last flush; its closing ``]`` is missing, which the
-format allows and ``load()`` accepts.  Recording is thread-safe: ``span``,
-``record``, ``instant`` and ``counter`` only append a tuple to a list.
-
-``NULL`` is the timeline that records nothing: its ``span()`` returns one
-shared do-nothing context manager, so instrumented code costs a method
-call when the timeline is off, and ``bool(NULL)`` is False, so costly
-arguments can be skipped (``if tl: tl.record(...)``).
-
-Leaf module: imports only the standard library.
+Leaf module: imports only the standard library and mnopt.log.
 """
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
+
+from mnopt import log
+
+logger = log.get(__name__)
 
 #: The clock every timestamp is read on (seconds), and its origin.
 clock = time.perf_counter
@@ -93,7 +86,6 @@ class NullTimeline(object):
     do-nothing context manager."""
 
     path = None
-    enabled = False
     record = instant = counter = name_thread = flush = close = \
         staticmethod(_nothing)
 
@@ -135,18 +127,15 @@ class Timeline(object):
     timestamps of its own choosing.
     """
 
-    enabled = True
-
     def __init__(self, path, rank, origin=None, flush_every=0.5,
                  batch=1024):
         self.path, self.rank = path, int(rank)
         self.origin = ORIGIN if origin is None else origin
-        self._batch = batch
+        self._batch, self._first = batch, True
         self._events = []           # appended without a lock (one C call)
         self._tids = {}             # thread ident -> tid
-        self._lock = threading.Lock()     # tids, the file, its first event
-        self._first = True
-        self._closed = False
+        self._lock = threading.Lock()     # tids, the file, _first
+        self._closed, self._pid = False, os.getpid()
         self._file = open(path, 'w', encoding='utf-8')
         self._file.write('[\n')
         unix_us = (time.time() - (clock() - self.origin)) * 1e6
@@ -257,9 +246,15 @@ class Timeline(object):
             batch = self._events[:n]
             del self._events[:n]      # appends since only add after them
             text = ',\n'.join(self._encode(ev) for ev in batch)
-            self._file.write(text if self._first else ',\n' + text)
+            try:
+                self._file.write(text if self._first else ',\n' + text)
+                self._file.flush()
+            except (OSError, ValueError) as e:     # a full disk: give up
+                self._closed = True
+                self._file = None
+                log.say(logger, logging.WARNING, 'mnopt: the timeline %s '
+                        'stopped recording: %s', self.path, e)
             self._first = False
-            self._file.flush()
 
     def _flush_loop(self, every):
         while not self._stop.is_set():
@@ -270,7 +265,8 @@ class Timeline(object):
     def close(self):
         """Write what is left and the closing bracket; later records are
         dropped.  Idempotent; also run at exit."""
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:
+            self._closed = True     # a forked child: the file is the parent's
             return
         self._closed = True
         self._stop.set()
@@ -279,9 +275,13 @@ class Timeline(object):
             self._flusher.join()
         self.flush()
         with self._lock:
-            self._file.write('\n]\n')
-            self._file.close()
-            self._file = None
+            if self._file is not None:
+                try:
+                    self._file.write('\n]\n')
+                    self._file.close()
+                except (OSError, ValueError):
+                    pass
+                self._file = None
         atexit.unregister(self.close)
 
 

@@ -343,13 +343,17 @@ def bucket_gaps(ranks):
 
 def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
             link_bits=None):
-    """Everything the report prints, as plain data (what --json writes)."""
+    """Everything the report prints, as plain data (what --json writes):
+    the means per rank and overall, and each step of each rank."""
     ranks = load_traces(paths)
     how = align(ranks, align_how)
-    per_rank, every = [], []
+    per_rank, every, each = [], [], []
     for rank in sorted(ranks):
         steps = breakdown(ranks[rank], skip)
         every += steps
+        each += [dict({k[:-3] + '_ms': v / 1e3 for k, v in s.items()
+                       if k.endswith('_us')}, rank=rank, step=s['step'])
+                 for s in steps]
         summary = summarize(steps)
         if summary:
             per_rank.append(dict(rank=rank, **summary))
@@ -357,6 +361,7 @@ def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
     out = {
         'files': list(paths), 'ranks': sorted(ranks), 'alignment': how,
         'per_rank': per_rank, 'overall': summarize(every),
+        'each_step': each,
         'collectives': dict(count=len(colls), **stragglers(colls,
                                                            min_late_us)),
         'bandwidth': bandwidth(colls, len(ranks)),

@@ -117,8 +117,12 @@ def test_the_breakdown_per_rank_and_overall(traces):
     assert o['steps'] == 3 * STEPS
     assert o['hidden_ms'] == pytest.approx((27 + 27 + 15) / 3, abs=0.01)
     assert o['compute_share'] == pytest.approx(0.8, abs=1e-4)
+    each = [s for s in a['each_step'] if s['rank'] == 2]
+    assert [s['step'] for s in each] == list(range(STEPS))
+    assert all(s['hidden_ms'] == pytest.approx(15, abs=0.01) for s in each)
     skipped = trace_analysis.analyze(traces, skip=4)
     assert skipped['overall']['steps'] == 3 * (STEPS - 4)
+    assert skipped['each_step'][0]['step'] == 4
 
 
 def test_the_straggler_is_named_with_its_share_and_lateness(traces):
@@ -189,6 +193,22 @@ def test_communication_on_the_main_thread_is_exposed(tmp_path):
     assert o['exposed_ms'] == pytest.approx(28, abs=0.01)
     assert o['compute_ms'] == pytest.approx(80 - 27, abs=0.01)
     assert o['hidden_ms'] == pytest.approx(0, abs=0.01)
+
+
+def test_a_trace_without_steps_still_reports_its_collectives(tmp_path,
+                                                            capsys):
+    paths = []
+    for rank in (0, 1):
+        _, avg = _steps(late=rank * 2 * MS)
+        paths.append(_write(str(tmp_path / ('c%d.json' % rank)), rank, [],
+                            avg))
+    assert report.main(paths) == 0
+    text = capsys.readouterr().out
+    assert "No 'step' spans" in text
+    assert 'rank 1 arrives last in 100% of collectives, by 2.0 ms' in text
+    a = trace_analysis.analyze(paths)
+    assert a['overall'] is None and a['buckets'] is None
+    assert [x['rule'] for x in a['advice']] == ['straggler']
 
 
 def test_the_command_line_text_and_json(traces, capsys):
