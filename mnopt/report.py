@@ -1,0 +1,187 @@
+"""``python -m mnopt.report TRACE...``: where each step's time went.
+
+Reads the timelines a job wrote (``MNOPT_TIMELINE``, mnopt/timeline.py:
+one file per rank, or one merged file) and prints, per rank and over all
+ranks, the mean step and its compute, exposed communication (the main
+thread blocked on it), hidden communication (behind compute) and idle
+time; the ranks that arrive last at the collectives; the bandwidth the
+collectives reach; and which setting would have helped, with the
+evidence (mnopt/report_rules.py)::
+
+    MNOPT_TIMELINE=trace.json mpiexec -n 4 python train.py
+    python -m mnopt.report trace.rank*.json
+    python -m mnopt.report --link-rate 1gbit --skip 5 trace.rank*.json
+    python -m mnopt.report --json trace.rank*.json > report.json
+    python -m mnopt.report --merge all.json trace.rank*.json  # for Perfetto
+
+How the numbers are computed: mnopt/trace_analysis.py.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from mnopt import report_rules as rules
+from mnopt import timeline, trace_analysis
+
+_RATE = re.compile(r'^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:bit)?(?:/s)?\s*$',
+                   re.I)
+
+
+def parse_rate(text):
+    """'1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second."""
+    m = _RATE.match(str(text))
+    if m is None:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError('not a link rate: %r (say 1gbit, 250mbit, '
+                             '10gbit/s: bits per second)' % (text,))
+    scale = {'': 1, 'k': 1e3, 'm': 1e6, 'g': 1e9, 't': 1e12}
+    return float(m.group(1)) * scale[m.group(2).lower()]
+
+
+def _cells(s):
+    return ('%9.1f ms' % s['step_ms'],) + tuple(
+        '%8.1f ms %4s' % (s[k + '_ms'], rules.pct(s[k + '_share']))
+        for k in ('compute', 'exposed', 'hidden', 'idle'))
+
+
+def format_text(a):
+    """The report as text (``analyze``'s result)."""
+    files = a['files'] if len(a['files']) <= 3 else [
+        a['files'][0], '...', a['files'][-1]]
+    lines = ['mnopt report: %d rank%s (%s); clocks aligned: %s' % (
+        len(a['ranks']), '' if len(a['ranks']) == 1 else 's',
+        ', '.join(files), a['alignment']), '']
+    if a['overall']:
+        lines.append('Mean step, where its time goes:')
+        head = ('', 'step', 'compute', 'exposed comm', 'hidden comm', 'idle')
+        lines.append('%-8s %12s %16s %16s %16s %16s' % head)
+        for s in a['per_rank']:
+            lines.append('%-8s %12s %16s %16s %16s %16s'
+                         % (('rank %d' % s['rank'],) + _cells(s)))
+        lines.append('%-8s %12s %16s %16s %16s %16s'
+                     % (('all',) + _cells(a['overall'])))
+        lines.append('  (%d steps; hidden communication runs beside '
+                     'compute, so it is not part of the sum)'
+                     % a['overall']['steps'])
+    else:
+        lines.append("No 'step' spans: no breakdown per step.")
+    c = a['collectives']
+    lines += ['', 'Collectives: %d, %d of them seen on 2 or more ranks.'
+              % (c['count'], c['matched'])]
+    for s in c['last']:
+        lines.append('  rank %d arrives last in %s of collectives, by '
+                     '%.1f ms on average%s' % (
+                         s['rank'], rules.pct(s['share']), s['late_ms'],
+                         ': a straggler' if s['share'] > 0.5 else ''))
+    if c['matched'] and not c['stragglers']:
+        lines.append('  no rank arrives last in more than half of them')
+    bw = a['bandwidth']
+    if bw:
+        lines.append('  bandwidth: %s of payload, %s on the bus%s' % (
+            rules.rate(bw['algbw_bits']), rules.rate(bw['busbw_bits']),
+            ' (%s of the %s link)' % (
+                rules.pct(bw['busbw_bits'] / a['link_bits']),
+                rules.rate(a['link_bits'])) if a['link_bits'] else ''))
+    b = a['buckets']
+    if b:
+        lines.append('  during backward: %.1f buckets%s each, the link '
+                     'idle %s of backward between them' % (
+                         b['buckets'], ' of %s' % rules.size(
+                             b['bucket_bytes']) if b['bucket_bytes'] else '',
+                         rules.pct(b['idle_share'])))
+    lines += ['', 'Advice:' if a['advice'] else 'Advice: none (no rule '
+              'applies; see mnopt/report_rules.py).']
+    for x in a['advice']:
+        lines.append('  - %s\n    because %s' % (x['advice'], x['evidence']))
+    return '\n'.join(lines)
+
+
+def merge(paths, out, how='auto'):
+    """Write the ranks of ``paths`` as one trace, on one time axis (for
+    Perfetto, which opens one file at a time)."""
+    ranks = trace_analysis.load_traces(paths)
+    trace_analysis.align(ranks, how)
+    low = min(r.offset for r in ranks.values())
+    ref = ranks[min(ranks)].unix_us
+    events = []
+    for path in paths:
+        for ev in timeline.load(path):
+            r = ranks.get(ev.get('pid'))
+            if r is None:
+                continue
+            if ev.get('ph') != 'M':
+                ev['ts'] = round(ev.get('ts', 0) + r.offset - low, 3)
+            elif ev.get('name') == 'mnopt_clock' and ref is not None:
+                ev['args'] = dict(ev['args'], unix_us=ref + low)
+            events.append(ev)
+    with open(out, 'w') as f:
+        json.dump(events, f, separators=(',', ':'))
+        f.write('\n')
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog='python -m mnopt.report',
+        description='Where each step of an mnopt job spent its time, from '
+                    'the timelines it wrote (MNOPT_TIMELINE=trace.json): '
+                    'compute, exposed and hidden communication, idle; the '
+                    'straggler ranks; advice with its evidence.')
+    p.add_argument('traces', nargs='+', metavar='TRACE',
+                   help='trace files: one per rank (trace.rank0.json ...) '
+                        'or one merged file')
+    p.add_argument('--json', action='store_true',
+                   help='print the report as JSON')
+    p.add_argument('--link-rate', default=os.environ.get('MNOPT_LINK_RATE'),
+                   metavar='RATE',
+                   help='the link rate, to compare the bus bandwidth with '
+                        '(1gbit, 250mbit, 10gbit; default $MNOPT_LINK_RATE)')
+    p.add_argument('--skip', type=int, default=0, metavar='N',
+                   help='leave out the first N steps of each rank (warm-up)')
+    p.add_argument('--min-late', type=float, default=0.1, metavar='MS',
+                   help='a rank counts as last at a collective only if it '
+                        'starts this much after the others (default 0.1 ms)')
+    p.add_argument('--align', choices=('auto', 'ends', 'wall', 'none'),
+                   default='auto',
+                   help="how the ranks' clocks are put on one axis: on the "
+                        "ends of their common collectives (auto, ends), "
+                        "their wall clocks (wall), or as recorded (none)")
+    p.add_argument('--merge', metavar='OUT',
+                   help='also write the ranks as one trace file OUT, on that '
+                        'one axis (to open in Perfetto)')
+    return p
+
+
+def main(argv=None):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for path in args.traces:
+        if not os.path.isfile(path):
+            parser.error('no such trace file: %s' % path)
+    try:
+        link = parse_rate(args.link_rate) if args.link_rate else None
+    except ValueError as e:
+        parser.error(str(e))
+    if args.skip < 0:
+        parser.error('--skip takes a count of steps, not %d' % args.skip)
+    try:
+        analysis = trace_analysis.analyze(
+            args.traces, args.align, args.skip, args.min_late * 1e3, link)
+        if args.merge:
+            merge(args.traces, args.merge, args.align)
+    except trace_analysis.TraceError as e:
+        parser.error(str(e))
+    if args.json:
+        json.dump(analysis, sys.stdout, indent=1)
+        sys.stdout.write('\n')
+    else:
+        print(format_text(analysis))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

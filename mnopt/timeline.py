@@ -1,0 +1,373 @@
+"""A recorder of where each step's time goes: Chrome trace-event JSON.
+
+One file per rank in the "JSON Array Format" that Perfetto and
+chrome://tracing load and ``python -m mnopt.report`` reads::
+
+    tl = timeline.open_from_environment(rank)    # NULL unless MNOPT_TIMELINE
+    with tl.span('forward', 'compute', step=i):
+        ...
+    tl.record('wire', 'comm', t0, t1, bytes=n, bucket=b, step=i, seq=k)
+
+Events: complete spans (``"ph": "X"``), ``ts`` and ``dur`` in us from one
+origin per process (``clock()``, time.perf_counter, at import: shared by
+every thread), ``pid`` = the rank, ``tid`` = 0 for the main thread, then
+1, 2, ... as threads first record; instants (``"i"``), counters (``"C"``);
+metadata (``"M"``) naming the process ("rank N") and each thread, and
+``mnopt_clock``, the origin on the wall clock (``args.unix_us``).
+
+Phases (``name``; the report relies on them).  On the main thread, cat
+'compute': 'step' (one iteration, holding the others), 'forward',
+'backward', 'update'; cat 'comm': 'wait' (the main thread blocked on
+averaging: exposed communication).  On the averaging thread ('averaging'),
+a reduction server's ('server'), or the main thread where averaging runs
+there (sync mode), cat 'comm': 'pack' (gradients into a bucket), 'cast' (to
+the wire's dtype), 'wire' (the collective, from this rank's arrival until
+its result is in), 'sum' (a reduction done here), 'unpack'.  Args where
+known: ``step``, ``bucket`` (its index in the step), ``bytes``, ``seq``
+(the n-th collective of the communicator, the same n on every rank),
+``comm`` (which communicator, where a rank has several), ``op`` (of a
+'wire': 'allreduce', 'reduce_scatter', 'allgather', 'bcast').
+
+Recording appends a tuple to a list (thread-safe, no lock); a background
+thread writes them in batches, at least every ``flush_every`` s (0.5),
+sooner once ``batch`` (1024) wait, and ``close()`` (also at exit) writes
+the rest and the closing ``]``.  A job killed outright leaves every event
+up to the last flush, without the ``]`` (the format allows it; ``load``
+reads it).  Should writing fail (a full disk), the timeline says so once
+(logger 'mnopt.timeline') and stops; the job goes on.
+
+``NULL`` records nothing: its ``span()`` returns one shared do-nothing
+context manager, so instrumented code costs a call when the timeline is
+off, and ``bool(NULL)`` is False (``if tl: tl.record(...)`` skips costly
+arguments).
+
+Leaf module: imports only the standard library and mnopt.log.
+"""
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+
+from mnopt import log
+
+logger = log.get(__name__)
+
+#: The clock every timestamp is read on (seconds), and its origin.
+clock = time.perf_counter
+ORIGIN = clock()
+#: The environment variable naming the file (see ``trace_path``).
+ENV = 'MNOPT_TIMELINE'
+
+
+def _nothing(*args, **kwargs):
+    pass
+
+
+class _NullSpan(object):
+    __slots__ = ()
+    set = staticmethod(_nothing)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_SPAN = _NullSpan()
+
+
+class NullTimeline(object):
+    """A timeline that records nothing (the module's ``NULL``): every
+    method of Timeline, doing nothing; ``span()`` returns one shared
+    do-nothing context manager."""
+
+    path = None
+    record = instant = counter = name_thread = flush = close = \
+        staticmethod(_nothing)
+
+    def __bool__(self):
+        return False
+
+    def span(self, name, cat='', **args):
+        return _NULL_SPAN
+
+
+NULL = NullTimeline()
+
+
+class _Span(object):
+    __slots__ = ('_tl', '_name', '_cat', 'args', '_start')
+
+    def __init__(self, tl, name, cat, args):
+        self._tl, self._name, self._cat, self.args = tl, name, cat, args
+
+    def __enter__(self):
+        self._start = clock()
+        return self
+
+    def __exit__(self, *exc):
+        self._tl.record(self._name, self._cat, self._start, clock(),
+                        **self.args)
+        return False
+
+    def set(self, **args):
+        """Add args known only inside the span (the bytes received)."""
+        self.args.update(args)
+
+
+class Timeline(object):
+    """Records this process's events as rank ``rank`` into ``path``.
+
+    ``origin`` (default: the module's ORIGIN) is the ``clock()`` reading
+    that is time zero in the file; a test gives 0.0 to record spans at
+    timestamps of its own choosing.
+    """
+
+    def __init__(self, path, rank, origin=None, flush_every=0.5,
+                 batch=1024):
+        self.path, self.rank = path, int(rank)
+        self.origin = ORIGIN if origin is None else origin
+        self._batch, self._first = batch, True
+        self._events = []           # appended without a lock (one C call)
+        self._tids = {}             # thread ident -> tid
+        self._lock = threading.Lock()     # tids, the file, _first
+        self._closed, self._pid = False, os.getpid()
+        self._file = open(path, 'w', encoding='utf-8')
+        self._file.write('[\n')
+        unix_us = (time.time() - (clock() - self.origin)) * 1e6
+        for name, args in (('process_name', {'name': 'rank %d' % self.rank}),
+                           ('process_sort_index', {'sort_index': self.rank}),
+                           ('mnopt_clock', {'unix_us': round(unix_us, 3),
+                                            'rank': self.rank})):
+            self._events.append(('M', name, None, 0.0, None, 0, args))
+        self.flush()
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._flusher = threading.Thread(
+            target=self._flush_loop, args=(flush_every,), daemon=True,
+            name='mnopt-timeline-flush')
+        self._flusher.start()
+        atexit.register(self.close)
+
+    def __bool__(self):
+        return not self._closed
+
+    def __repr__(self):
+        return 'Timeline(%r, rank=%d%s)' % (
+            self.path, self.rank, ', closed' if self._closed else '')
+
+    # -- recording ---------------------------------------------------------
+
+    def _tid(self):
+        ident = threading.get_ident()
+        tid = self._tids.get(ident)
+        return self._new_thread(ident) if tid is None else tid
+
+    def _new_thread(self, ident, role=None):
+        with self._lock:
+            thread = threading.current_thread()
+            if thread is threading.main_thread():
+                tid = 0
+            else:
+                tid = self._tids.get(ident) or max(
+                    [0] + list(self._tids.values())) + 1
+            role = role or ('main' if tid == 0 else thread.name)
+            self._tids[ident] = tid
+            self._events.append(('M', 'thread_name', None, 0.0, None, tid,
+                                 {'name': role}))
+            self._events.append(('M', 'thread_sort_index', None, 0.0, None,
+                                 tid, {'sort_index': tid}))
+        return tid
+
+    def name_thread(self, role):
+        """Name the calling thread in the trace ('averaging', 'server');
+        call it before the thread records (else its Python thread name
+        is used, 'main' for the main thread)."""
+        if not self._closed:
+            self._new_thread(threading.get_ident(), role)
+
+    def span(self, name, cat='', **args):
+        """A context manager recording a complete event around its block;
+        ``as s`` gives ``s.set(**args)`` for args known inside it."""
+        return _Span(self, name, cat, args)
+
+    def record(self, name, cat, start, end, **args):
+        """A complete event from ``start`` to ``end``, two ``clock()``
+        readings (seconds) taken elsewhere on this thread."""
+        if self._closed:
+            return
+        self._events.append(('X', name, cat, start, end - start,
+                             self._tid(), args))
+        if len(self._events) >= self._batch:
+            self._wake.set()        # the flusher writes them, not this thread
+
+    def instant(self, name, cat='', **args):
+        """A moment on this thread (a stall noticed, a rebuild)."""
+        if not self._closed:
+            self._events.append(('i', name, cat, clock(), None, self._tid(),
+                                 args))
+
+    def counter(self, name, **values):
+        """A counter track of this process (``bytes_in_flight=n``)."""
+        if not self._closed:
+            self._events.append(('C', name, None, clock(), None, 0, values))
+
+    # -- writing -----------------------------------------------------------
+
+    def _encode(self, ev):
+        """One event as a line of JSON, formatted by hand (about three
+        times as fast as json.dumps of a dict: names repeat, args are
+        mostly ints)."""
+        ph, name, cat, start, dur, tid, args = ev
+        text = '{"ph":"%s","name":%s,"pid":%d,"tid":%d,"ts":%s' % (
+            ph, _quoted(name), self.rank, tid,
+            '0' if ph == 'M' else '%.3f' % ((start - self.origin) * 1e6))
+        if cat is not None:
+            text += ',"cat":' + _quoted(cat)
+        if dur is not None:
+            text += ',"dur":%.3f' % (max(dur, 0.0) * 1e6)
+        if ph == 'i':
+            text += ',"s":"t"'
+        if args:
+            text += ',"args":{%s}' % ','.join([
+                _quoted(k) + ':' + (str(v) if type(v) is int else _DUMPS(v))
+                for k, v in args.items()])
+        return text + '}'
+
+    def flush(self):
+        """Write the events recorded so far (one write, then a flush)."""
+        with self._lock:
+            n = len(self._events)
+            if not n or self._file is None:
+                return
+            batch = self._events[:n]
+            del self._events[:n]      # appends since only add after them
+            text = ',\n'.join(self._encode(ev) for ev in batch)
+            try:
+                self._file.write(text if self._first else ',\n' + text)
+                self._file.flush()
+            except (OSError, ValueError) as e:     # a full disk: give up
+                self._closed = True
+                self._file = None
+                log.say(logger, logging.WARNING, 'mnopt: the timeline %s '
+                        'stopped recording: %s', self.path, e)
+            self._first = False
+
+    def _flush_loop(self, every):
+        while not self._stop.is_set():
+            self._wake.wait(every)
+            self._wake.clear()
+            self.flush()
+
+    def close(self):
+        """Write what is left and the closing bracket; later records are
+        dropped.  Idempotent; also run at exit."""
+        if self._closed or os.getpid() != self._pid:
+            self._closed = True     # a forked child: the file is the parent's
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._flusher is not threading.current_thread():
+            self._flusher.join()
+        self.flush()
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.write('\n]\n')
+                    self._file.close()
+                except (OSError, ValueError):
+                    pass
+                self._file = None
+        atexit.unregister(self.close)
+
+
+def _quoted(text, _cache={}):
+    """``text`` as a JSON string (names and categories repeat: cached)."""
+    quoted = _cache.get(text)
+    if quoted is None:
+        quoted = _cache[text] = json.dumps(str(text))
+    return quoted
+
+
+def _plain(value):
+    """An arg JSON cannot write as is: a NumPy scalar as its number, any
+    other object as its str()."""
+    item = getattr(value, 'item', None)
+    return item() if callable(item) else str(value)
+
+
+_DUMPS = json.JSONEncoder(separators=(',', ':'), default=_plain).encode
+
+
+# -- opening from the environment ---------------------------------------------
+
+_open = {}
+_open_lock = threading.Lock()
+
+
+def trace_path(template, rank):
+    """The file of ``rank``: ``{rank}`` in ``template`` replaced, else
+    ``.rank<N>`` put before the extension (trace.json -> trace.rank0.json,
+    trace -> trace.rank0)."""
+    if '{rank}' in template:
+        return template.replace('{rank}', str(rank))
+    base, ext = os.path.splitext(template)
+    return '%s.rank%d%s' % (base, rank, ext)
+
+
+def open_from_environment(rank, explicit=None):
+    """The timeline of ``rank``: the file ``explicit`` names (a path
+    template as for ``trace_path``), else the one $MNOPT_TIMELINE names,
+    else NULL.  One Timeline per file and process: communicators of one
+    rank share it.  A Timeline given as ``explicit`` is returned as is."""
+    if isinstance(explicit, (Timeline, NullTimeline)):
+        return explicit
+    template = explicit or os.environ.get(ENV, '').strip()
+    if not template:
+        return NULL
+    path = os.path.abspath(trace_path(template, rank))
+    with _open_lock:
+        tl = _open.get(path)
+        if tl is None or not tl:
+            parent = os.path.dirname(path)
+            os.makedirs(parent, exist_ok=True)
+            tl = _open[path] = Timeline(path, rank)
+        return tl
+
+
+# -- reading ------------------------------------------------------------------
+
+def loads(text):
+    """The events of a trace's text: the JSON Array Format with or without
+    its closing ``]``, a trailing comma, or a last event cut short by a
+    killed writer (dropped); also the JSON Object Format
+    (``{"traceEvents": [...]}``)."""
+    stripped = text.lstrip()
+    if stripped.startswith('{'):
+        return json.loads(stripped)['traceEvents']
+    if not stripped.startswith('['):
+        raise ValueError('not a trace-event JSON array')
+    decoder = json.JSONDecoder()
+    events, i, n = [], text.index('[') + 1, len(text)
+    while True:
+        while i < n and text[i] in ' \t\r\n,':
+            i += 1
+        if i >= n or text[i] == ']':
+            return events
+        try:
+            event, i = decoder.raw_decode(text, i)
+        except ValueError:
+            if '\n' in text[i:].rstrip():
+                raise               # damage before the end: not a kill
+            return events           # the last event, cut short
+        events.append(event)
+
+
+def load(path):
+    """The events of the trace file ``path`` (see ``loads``)."""
+    with open(path, encoding='utf-8') as f:
+        return loads(f.read())

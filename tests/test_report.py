@@ -1,0 +1,296 @@
+"""python -m mnopt.report on synthetic traces written with mnopt.timeline.
+
+The traces are built with ``Timeline.record`` at explicit timestamps
+(origin 0, times in seconds), as if ranks 0, 1, 2 had run, so every
+expected number is known in advance and nothing depends on how fast this
+machine runs.  One step, 100 ms, on every rank (ms from the step's start)::
+
+    main:       idle 0-5, forward 5-35, backward 35-75, wait 75-85,
+                update 85-95, idle 95-100
+    averaging:  4 buckets of 4 MiB: pack b-1..b, wire b..b+6 for b = 40,
+                50, 60, 70 (the last wire ends inside the wait)
+
+Rank 2 is the straggler: its pack and wire start 3 ms later (the wire
+still ends with the others'), and rank 1's clock is 250 ms ahead (its
+wall-clock origin says nothing of it: the report must align on the ends
+of the collectives).  So per step: compute 80 ms, exposed 10 ms, idle
+10 ms; hidden 27 ms on ranks 0 and 1 (pack 4 + wire 6+6+6+5 inside
+backward), 15 on rank 2; the link idle 12/40 of backward on ranks 0 and
+1 and 21/40 on rank 2.
+
+Nothing here depends on the ranks: each process writes its own files.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import python_path, slack
+from mnopt import report, report_rules, timeline, trace_analysis
+
+MS = 1e-3
+STEPS = 10
+BUCKET = 4 << 20
+
+
+def _write(path, rank, main, averaging, shift=0.0):
+    """A trace of ``rank``: ``main`` and ``averaging`` are lists of (name,
+    cat, start_s, end_s, args), recorded on the main thread and on a
+    thread named 'averaging'; ``shift`` moves every time (a host clock
+    off by that much)."""
+    tl = timeline.Timeline(path, rank, origin=0.0)
+    for name, cat, start, end, args in main:
+        tl.record(name, cat, start + shift, end + shift, **args)
+
+    def other():
+        tl.name_thread('averaging')
+        for name, cat, start, end, args in averaging:
+            tl.record(name, cat, start + shift, end + shift, **args)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    tl.close()
+    return path
+
+
+def _steps(late=0.0, wait=(75, 85), update=(85, 95), on_main=False,
+           step_ms=100):
+    """The main and averaging spans of STEPS steps (see the docstring);
+    ``late`` delays this rank's arrival at each collective; ``on_main``
+    puts the averaging on the main thread (the sync mode)."""
+    main, avg = [], []
+    for k in range(STEPS):
+        t = 10.0 + k * step_ms * MS
+
+        def at(ms):
+            return t + ms * MS
+
+        main += [('step', 'compute', at(0), at(step_ms), dict(step=k)),
+                 ('forward', 'compute', at(5), at(35), dict(step=k)),
+                 ('backward', 'compute', at(35), at(75), dict(step=k)),
+                 ('update', 'compute', at(update[0]), at(update[1]),
+                  dict(step=k))]
+        if wait:
+            main.append(('wait', 'comm', at(wait[0]), at(wait[1]),
+                         dict(step=k)))
+        for b, start in enumerate((40, 50, 60, 70)):
+            args = dict(step=k, bucket=b, bytes=BUCKET, seq=k * 4 + b)
+            avg += [('pack', 'comm', at(start - 1) + late, at(start) + late,
+                     dict(args)),
+                    ('wire', 'comm', at(start) + late, at(start + 6), args)]
+    return (main + avg, []) if on_main else (main, avg)
+
+
+@pytest.fixture
+def traces(tmp_path):
+    paths = []
+    for rank, late, shift in ((0, 0, 0), (1, 0, 0.25), (2, 3 * MS, 0)):
+        main, avg = _steps(late)
+        paths.append(_write(str(tmp_path / ('t.rank%d.json' % rank)), rank,
+                            main, avg, shift))
+    return paths
+
+
+def _by_rank(a):
+    return {s['rank']: s for s in a['per_rank']}
+
+
+def test_the_breakdown_per_rank_and_overall(traces):
+    a = trace_analysis.analyze(traces)
+    assert a['ranks'] == [0, 1, 2] and a['alignment'] == 'ends'
+    ranks = _by_rank(a)
+    for rank, hidden in ((0, 27), (1, 27), (2, 15)):
+        s = ranks[rank]
+        assert s['steps'] == STEPS
+        assert s['step_ms'] == pytest.approx(100, abs=0.01)
+        assert s['compute_ms'] == pytest.approx(80, abs=0.01)
+        assert s['exposed_ms'] == pytest.approx(10, abs=0.01)
+        assert s['idle_ms'] == pytest.approx(10, abs=0.01)
+        assert s['hidden_ms'] == pytest.approx(hidden, abs=0.01), rank
+        assert s['exposed_share'] == pytest.approx(0.1, abs=1e-4)
+    o = a['overall']
+    assert o['steps'] == 3 * STEPS
+    assert o['hidden_ms'] == pytest.approx((27 + 27 + 15) / 3, abs=0.01)
+    assert o['compute_share'] == pytest.approx(0.8, abs=1e-4)
+    each = [s for s in a['each_step'] if s['rank'] == 2]
+    assert [s['step'] for s in each] == list(range(STEPS))
+    assert all(s['hidden_ms'] == pytest.approx(15, abs=0.01) for s in each)
+    skipped = trace_analysis.analyze(traces, skip=4)
+    assert skipped['overall']['steps'] == 3 * (STEPS - 4)
+    assert skipped['each_step'][0]['step'] == 4
+
+
+def test_the_straggler_is_named_with_its_share_and_lateness(traces):
+    a = trace_analysis.analyze(traces)
+    c = a['collectives']
+    assert c['count'] == c['matched'] == 4 * STEPS
+    straggler, = c['stragglers']
+    assert straggler['rank'] == 2 and straggler['share'] == 1.0
+    assert straggler['late_ms'] == pytest.approx(3, abs=0.01)
+    assert [x['rank'] for x in c['last']] == [2]
+    said = [x for x in a['advice'] if x['rule'] == 'straggler']
+    assert 'rank 2 arrives last in 100% of collectives, by 3.0 ms' in (
+        said[0]['evidence'])
+    # On the wall clocks alone, rank 1 (250 ms ahead) looks late instead.
+    wall = trace_analysis.analyze(traces, align_how='wall')
+    assert wall['alignment'] == 'wall'
+    assert [x['rank'] for x in wall['collectives']['stragglers']] == [1]
+
+
+def test_bucket_advice_when_the_link_idles_between_buckets(traces):
+    a = trace_analysis.analyze(traces)
+    b = a['buckets']
+    assert b['buckets'] == 4 and b['bucket_bytes'] == BUCKET
+    assert b['idle_share'] == pytest.approx((12 + 12 + 21) / 120, abs=1e-4)
+    said, = [x for x in a['advice'] if x['rule'] == 'bucket_bytes']
+    assert 'bucket_bytes=%d) (16 MiB)' % (16 << 20) in said['advice']
+    assert 'buckets of 4 MiB leave the link idle 38% of backward' in (
+        said['evidence'])
+    assert {x['rule'] for x in a['advice']} == {'bucket_bytes', 'straggler'}
+
+
+def test_bandwidth_against_the_link_rate(traces):
+    # 4 MiB allreduced on 3 ranks in 3 ms after the last arrival.
+    busbw = BUCKET * 8 * (2 * 2 / 3) / 3e-3
+    slow = trace_analysis.analyze(traces, link_bits=100e9)
+    assert slow['bandwidth']['busbw_bits'] == pytest.approx(busbw, rel=1e-3)
+    said, = [x for x in slow['advice'] if x['rule'] == 'bandwidth']
+    assert '15% of the 100 Gbit/s link' in said['evidence']
+    fast = trace_analysis.analyze(traces, link_bits=10e9)
+    assert 'bandwidth' not in {x['rule'] for x in fast['advice']}
+
+
+def test_overlap_advice_when_communication_is_all_exposed(tmp_path):
+    paths = []
+    for rank in (0, 1):
+        main, avg = _steps(wait=(95, 135), update=(135, 145), step_ms=150)
+        avg = [(name, cat, s + 55 * MS, e + 55 * MS, args)   # in the wait
+               for name, cat, s, e, args in avg]
+        paths.append(_write(str(tmp_path / ('o%d.json' % rank)), rank,
+                            main, avg))
+    a = trace_analysis.analyze(paths)
+    o = a['overall']
+    assert o['hidden_ms'] == pytest.approx(0, abs=0.01)
+    assert o['exposed_ms'] == pytest.approx(40, abs=0.01)
+    assert o['idle_ms'] == pytest.approx(150 - 80 - 40, abs=0.01)
+    said, = [x for x in a['advice'] if x['rule'] == 'overlap']
+    assert 'overlap=True' in said['advice'] and '27%' in said['evidence']
+    assert 'wire_dtype' not in {x['rule'] for x in a['advice']}
+    assert a['collectives']['stragglers'] == []
+
+
+def test_communication_on_the_main_thread_is_exposed(tmp_path):
+    main, avg = _steps(wait=None, on_main=True)
+    path = _write(str(tmp_path / 'sync.json'), 0, main, avg)
+    o = trace_analysis.analyze([path])['overall']
+    # pack 4 + wire 23 inside backward, 1 after it: all exposed, no
+    # longer compute; nothing hidden.
+    assert o['exposed_ms'] == pytest.approx(28, abs=0.01)
+    assert o['compute_ms'] == pytest.approx(80 - 27, abs=0.01)
+    assert o['hidden_ms'] == pytest.approx(0, abs=0.01)
+
+
+def test_a_trace_without_steps_still_reports_its_collectives(tmp_path,
+                                                            capsys):
+    paths = []
+    for rank in (0, 1):
+        _, avg = _steps(late=rank * 2 * MS)
+        paths.append(_write(str(tmp_path / ('c%d.json' % rank)), rank, [],
+                            avg))
+    assert report.main(paths) == 0
+    text = capsys.readouterr().out
+    assert "No 'step' spans" in text
+    assert 'rank 1 arrives last in 100% of collectives, by 2.0 ms' in text
+    a = trace_analysis.analyze(paths)
+    assert a['overall'] is None and a['buckets'] is None
+    assert [x['rule'] for x in a['advice']] == ['straggler']
+
+
+def test_the_command_line_text_and_json(traces, capsys):
+    assert report.main(traces) == 0
+    text = capsys.readouterr().out
+    assert 'rank 2 arrives last in 100% of collectives, by 3.0 ms' in text
+    assert 'bucket_bytes=16777216' in text
+    row = [line for line in text.splitlines() if line.startswith('all ')][0]
+    assert '100.0 ms' in row and '80.0 ms  80%' in row
+    assert report.main(['--json', '--link-rate', '100gbit'] + traces) == 0
+    printed = json.loads(capsys.readouterr().out)
+    again = trace_analysis.analyze(traces, link_bits=100e9)
+    assert printed == json.loads(json.dumps(again))
+    assert printed['per_rank'] == again['per_rank']
+    assert printed['advice'] == again['advice']
+
+
+def test_a_merged_file_reads_as_the_ranks_did(traces, tmp_path, capsys):
+    merged = str(tmp_path / 'merged.json')
+    assert report.main(['--merge', merged] + traces) == 0
+    capsys.readouterr()
+    with open(merged) as f:
+        events = json.load(f)
+    assert {e['pid'] for e in events} == {0, 1, 2}
+    assert min(e['ts'] for e in events if e['ph'] == 'X') >= 0
+    one, three = (trace_analysis.analyze([merged]),
+                  trace_analysis.analyze(traces))
+    for key in ('per_rank', 'overall', 'buckets', 'advice'):
+        assert json.dumps(one[key]) == json.dumps(three[key]), key
+    assert one['collectives']['stragglers'][0]['rank'] == 2
+    # On the merged file's axis the ranks already agree: rank 1's
+    # collectives end with rank 0's.
+    ranks = trace_analysis.load_traces([merged])
+    trace_analysis.align(ranks, 'none')
+    ends = [trace_analysis._wire_ends(ranks[r]) for r in (0, 1)]
+    assert all(abs(ends[0][k] - ends[1][k]) < 1 for k in ends[0])
+
+
+def test_bad_input_is_an_argparse_error(traces, tmp_path, capsys):
+    copy = str(tmp_path / 'copy.json')
+    with open(traces[0]) as f, open(copy, 'w') as g:
+        g.write(f.read())
+    for argv, said in (([str(tmp_path / 'missing.json')], 'no such trace'),
+                       (['--link-rate', 'fast'] + traces, 'not a link rate'),
+                       (traces + [copy], 'rank 0 is in both'),
+                       (traces + [traces[0]], 'given twice'),
+                       ([], 'required')):
+        with pytest.raises(SystemExit) as e:
+            report.main(argv)
+        assert e.value.code == 2
+        assert said in capsys.readouterr().err
+    garbage = tmp_path / 'garbage.json'
+    garbage.write_text('hello')
+    with pytest.raises(SystemExit):
+        report.main([str(garbage)])
+    assert 'not a trace-event JSON array' in capsys.readouterr().err
+
+
+def test_link_rates_and_sizes():
+    assert report.parse_rate('1gbit') == 1e9
+    assert report.parse_rate('250mbit') == 250e6
+    assert report.parse_rate('10Gbit/s') == 10e9
+    assert report.parse_rate('1.5g') == 1.5e9
+    assert report.parse_rate('1e9') == 1e9
+    for bad in ('1gbps', 'gbit', '-1gbit'):
+        with pytest.raises(ValueError):
+            report.parse_rate(bad)
+    assert report_rules.size(4 << 20) == '4 MiB'
+    assert report_rules.rate(2.5e8) == '250 Mbit/s'
+
+
+def test_python_m_mnopt_report(traces):
+    def run(*argv):
+        return subprocess.run(
+            [sys.executable, '-m', 'mnopt.report'] + list(argv),
+            env=dict(os.environ, PYTHONPATH=python_path(),
+                     MNOPT_LINK_RATE='100gbit'),
+            capture_output=True, text=True, timeout=slack(60))
+    helped = run('--help')
+    assert helped.returncode == 0 and '--link-rate' in helped.stdout
+    done = run(*traces)
+    assert done.returncode == 0, done.stderr
+    assert 'of the 100 Gbit/s link' in done.stdout     # $MNOPT_LINK_RATE
+    missing = run('/nonexistent/trace.json')
+    assert missing.returncode == 2 and 'no such trace' in missing.stderr
