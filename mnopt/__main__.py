@@ -28,6 +28,8 @@ COMMANDS = (
      'the reduction server processes (reduction_server communicator)'),
     ('netsim', 'python -m mnopt.netsim run --nodes 2 --rate 1gbit -- ...',
      'a simulated cluster on one machine (root: network namespaces)'),
+    ('report', 'python -m mnopt.report trace.rank*.json',
+     'where each step\'s time went, from MNOPT_TIMELINE traces'),
 )
 
 

@@ -48,7 +48,7 @@ HELPS = [
     ('mnopt.check',), ('mnopt.benchmark',), ('mnopt.launch',),
     ('mnopt.server',), ('mnopt.netsim',), ('mnopt.netsim', 'up'),
     ('mnopt.netsim', 'run'), ('mnopt.netsim', 'exec'),
-    ('mnopt.netsim', 'down'),
+    ('mnopt.netsim', 'down'), ('mnopt.report',),
 ]
 
 
