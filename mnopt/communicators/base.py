@@ -217,6 +217,16 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         (freed with it), not shared with others."""
         return True
 
+    def background_collectives_problem(self) -> str | None:
+        """Why collectives cannot run on a background thread (a sentence),
+        or None: MPI initialised below MPI_THREAD_MULTIPLE."""
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return ('shard_state with overlap reduce-scatters gradients on '
+                    'a background thread during backward, which needs '
+                    'MPI_THREAD_MULTIPLE; this MPI was initialised with a '
+                    'lower thread level')
+        return None
+
     # ----------------------------------------------------------- lifecycle
     def finalize(self) -> None:
         """Wait for background work and free this communicator's MPI

@@ -153,6 +153,11 @@ class CommunicatorBase(object):
         (local)."""
         raise NotImplementedError
 
+    def background_collectives_problem(self) -> str | None:
+        """Why collectives cannot run on a background thread (a
+        sentence), or None (local)."""
+        raise NotImplementedError
+
     def shard_buffer_nbytes(self) -> int:
         """Bytes of the buffers the sharded collectives keep (local)."""
         raise NotImplementedError
