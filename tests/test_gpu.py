@@ -77,7 +77,7 @@ def test_pure_nccl_makes_no_nccl_communicator_until_the_first_sum(
     monkeypatch.setattr(_cuda, 'require_gpu', lambda name: None)
     monkeypatch.setattr(_cuda, 'nccl_communicator', no_nccl)
     comm = mnopt.create_communicator('pure_nccl')
-    assert comm._sync_group.nccl is None
+    assert comm._sync_group.state.nccl is None
     comm.finalize()
 
 
@@ -330,8 +330,8 @@ def test_pure_nccl_through_the_optimizer(cupy, wire, double_buffering):
             group = comm._async_group if double_buffering \
                 else comm._sync_group
             device = cupy.cuda.Device().id
-            assert group.nccl is not None
-            assert group.nccl.device_id() == device
+            assert group.state.nccl is not None
+            assert group.state.nccl.device_id() == device
             if double_buffering:
                 assert list(group.side_streams) == [device]
                 stream = group.side_streams[device]

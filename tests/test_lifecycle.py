@@ -200,13 +200,13 @@ def test_a_collection_frees_no_mpi_communicator_itself(monkeypatch, name):
     import gc
     import threading
     from mpi4py import MPI
-    from mnopt.communicators import base
+    from mnopt.communicators import janitor
     # The janitor waits on the original event: it is not woken here.
-    monkeypatch.setattr(base, '_collected_waiting', threading.Event())
+    monkeypatch.setattr(janitor, '_collected_waiting', threading.Event())
     held = _collected_communicator(name)
     gc.collect()
     assert held != MPI.COMM_NULL
-    base.release_collected()             # as an entry point does
+    janitor.release_collected()             # as an entry point does
     assert held == MPI.COMM_NULL
 
 
@@ -228,27 +228,27 @@ def test_a_failing_release_is_said_and_the_rest_released(monkeypatch,
     what was collected after it is still released."""
     import threading
     from mpi4py import MPI
-    from mnopt.communicators import base
+    from mnopt.communicators import janitor
     released = []
 
     def failing():
         raise RuntimeError('a release that fails')
     # The janitor asleep: this thread releases, as an entry point does.
-    monkeypatch.setattr(base, '_collected_waiting', threading.Event())
-    base.release_after_collection(failing)
-    base.release_after_collection(lambda: released.append('entry point'))
-    base.release_collected()
+    monkeypatch.setattr(janitor, '_collected_waiting', threading.Event())
+    janitor.release_after_collection(failing)
+    janitor.release_after_collection(lambda: released.append('entry point'))
+    janitor.release_collected()
     assert released == ['entry point']
     assert 'RuntimeError: a release that fails' in capfd.readouterr().err
     monkeypatch.undo()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         return   # no janitor
-    base._start_janitor()
-    base.release_after_collection(failing)
-    _wait_for(lambda: not base._collected, 30, 'the janitor')
-    base.release_after_collection(lambda: released.append('janitor'))
+    janitor.start_janitor()
+    janitor.release_after_collection(failing)
+    _wait_for(lambda: not janitor._collected, 30, 'the janitor')
+    janitor.release_after_collection(lambda: released.append('janitor'))
     _wait_for(lambda: 'janitor' in released, 30, 'the janitor, once more')
-    assert base._janitor.is_alive()
+    assert janitor._janitor.is_alive()
 
 
 # ------------------------------------------------------- how a job ends

@@ -16,6 +16,7 @@ import pytest
 import mnopt
 from mnopt import _cuda, grad_buffer
 from mnopt.communicators.reduction_server import ReductionServerCommunicator
+from mnopt.communicators.reduction_server import ServerChannel
 from conftest import WORLD
 
 
@@ -76,7 +77,10 @@ def _gpu_buffer(n=1000, wire='float16'):
 
 
 class _Group(object):
-    result = None
+    """A reduction_server group: its state holds the result buffer."""
+
+    def __init__(self):
+        self.state = ServerChannel(None)
 
 
 def _exchange_adds_one(group, data, result, wire, digest, step=0,
@@ -100,9 +104,9 @@ def test_the_reduction_servers_result_buffer_is_pinned_for_a_gpu_buffer(
         # The GPU copied the means from the buffer's host buffer
         # (from_host), and into it next step (host_parts): both pinned.
         assert _made_by(buf._host, pinned), step
-        assert _made_by(group.result, pinned), step
-        assert buf._host is not group.result
-        hosts.update((id(buf._host), id(group.result)))
+        assert _made_by(group.state.result, pinned), step
+        assert buf._host is not group.state.result
+        hosts.update((id(buf._host), id(group.state.result)))
         assert (numpy.asarray(buf.wire) == step + 1).all()
     # Two pinned buffers alternate; none is allocated per step.
     assert len(hosts) == 2 and len(pinned) == 2
@@ -115,11 +119,12 @@ def test_a_pageable_result_left_by_a_cpu_layout_is_not_reused(pinned):
     buf = _gpu_buffer()
     buf.wire[...] = 0   # (what empty() left could be NaN: a warning)
     group = _Group()
-    group.result = numpy.empty(buf.wire.size, buf.dtype)   # same shape
+    group.state.result = numpy.empty(buf.wire.size, buf.dtype)   # same shape
     server = ReductionServerCommunicator.__new__(ReductionServerCommunicator)
     server._exchange = _exchange_adds_one
     ReductionServerCommunicator._sum(server, buf, group)
-    assert _made_by(buf._host, pinned) and _made_by(group.result, pinned)
+    assert _made_by(buf._host, pinned) and \
+        _made_by(group.state.result, pinned)
 
 
 @pytest.mark.skipif(WORLD.size > 1, reason='no communication')
@@ -174,7 +179,7 @@ def test_host_buffers_of_gpu_copies_are_page_locked_on_the_gpu(cupy):
              ('/b', cupy.ones(7, cupy.float32))]
     for _ in range(3):
         comm.mean_grads(grads)
-        result = comm._sync_group.result
+        result = comm._sync_group.state.result
         assert result is not None
         assert cuda_host_memory_type(cupy, result) == page_locked
     comm.finalize()

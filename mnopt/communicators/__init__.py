@@ -182,12 +182,7 @@ def _agree_to_start(comm, problem, shared, name, stall_warning, timeout):
         comm, (agreement.describe(problem), shared),
         '%s (waiting for every rank to create it)' % what, stall_warning,
         timeout)
-    if problem is not None:
-        raise problem
-    failed = ['rank %d: %s' % (r, p) for r, (p, _) in enumerate(said)
-              if p is not None]
-    if failed:
-        raise RuntimeError('%s failed on %s' % (what, '; '.join(failed)))
+    agreement.settle(problem, [p for p, _ in said], what)
     message = agreement.disagreement([s for _, s in said],
                                      'the settings of %s' % what)
     if message:

@@ -1,7 +1,18 @@
-"""Work on a communicator's background thread: what GPU arrays need
-there (shared by the background averaging and the sharded reduce-scatter)."""
+"""Work on a communicator's background thread: its set-up, and what GPU
+arrays need there (shared by the background averaging and the sharded
+reduce-scatter)."""
 
 import numpy
+
+from mnopt import _sched
+from mnopt import ring
+
+
+def thread_setup():
+    """The background thread's initializer.  It is latency-bound
+    (mnopt/_sched.py): a short scheduler slice, and with it the ring's
+    waits yield the core instead of napping (mnopt/ring.py)."""
+    ring.yield_while_waiting(_sched.prefer_low_latency())
 
 
 def caller_ready(named, xp):

@@ -45,7 +45,7 @@ def device_message(msg):
 
 class ChainerMNCollectives(object):
     """Needs ``self.mpi_comm``, ``self.rank``, ``self.size`` and the stall
-    monitor that ``watched`` uses (CommunicatorBase has them)."""
+    monitor that ``watched`` uses (MpiCommunicatorBase has them)."""
 
     @watched('send', collective=False)
     def send(self, data: Any, dest: int, tag: int) -> None:

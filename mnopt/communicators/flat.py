@@ -1,9 +1,12 @@
+"""The flat communicator: every rank's gradients summed in one ring (or
+MPI's Allreduce) over all ranks."""
+
 from mnopt import _mpi
 from mnopt import ring
-from mnopt.communicators.base import CommunicatorBase
+from mnopt.communicators.base import MpiCommunicatorBase
 
 
-class FlatCommunicator(CommunicatorBase):
+class FlatCommunicator(MpiCommunicatorBase):
     """Gradients packed into one buffer (large ones that need no cast are
     reduced where they are) and summed across all ranks: on mnopt's
     pipelined ring (mnopt/ring.py), every part in one ring, or with MPI's

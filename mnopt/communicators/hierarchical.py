@@ -1,12 +1,35 @@
+"""The hierarchical communicator: reduce inside each node, allreduce among
+the node leaders, broadcast inside the node."""
+
 from mpi4py import MPI
 
 from mnopt import _mpi
 from mnopt import ring
-from mnopt.communicators.base import CommunicatorBase, _Group, node_split
-from mnopt.communicators.sharded import _views
+from mnopt.communicators.base import MpiCommunicatorBase
+from mnopt.communicators.group import Group
+from mnopt.communicators.node_split import node_split
+from mnopt.communicators.shard_layout import views
 
 
-class HierarchicalCommunicator(CommunicatorBase):
+class NodeComms(object):
+    """hierarchical's state of a group (``Group.state``): the group's
+    intra-node communicator and the node leaders', freed with it, and
+    (sharded collectives) where the nodes lie."""
+
+    def __init__(self, intra, inter):
+        self.intra, self.inter = intra, inter
+        #: (this node's index, the first rank of every node and one past
+        #: the last), found at the first sharded collective (``_nodes``).
+        self.nodes = None
+
+    def free(self):
+        for c in (self.intra, self.inter):
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self.intra = self.inter = MPI.COMM_NULL
+
+
+class HierarchicalCommunicator(MpiCommunicatorBase):
     """Reduce every bucket inside the node to its leader, allreduce them
     among the node leaders (on mnopt's ring or with MPI's Allreduce, as
     for ``flat``: $MNOPT_ALLREDUCE), broadcast them inside the node.  Only
@@ -20,23 +43,22 @@ class HierarchicalCommunicator(CommunicatorBase):
     name = 'hierarchical'
 
     def _make_group(self, comm):
-        group = _Group(comm)
-        group.intra, group.inter, _, _ = node_split(comm)
-        group.subcomms = [group.intra, group.inter]
-        return group
+        intra, inter, _, _ = node_split(comm)
+        return Group(comm, NodeComms(intra, inter))
 
     def _sum(self, buffer, group):
         wire = buffer.layout.wire
-        leader = group.intra.rank == 0
+        intra, inter = group.state.intra, group.state.inter
+        leader = intra.rank == 0
         parts = list(buffer.host_parts())
         for part in parts:
-            _mpi.reduce_sum(group.intra, part, wire, root=0)
+            _mpi.reduce_sum(intra, part, wire, root=0)
         if leader:
             # All buckets in one call: the ring pipelines them together.
-            _mpi.allreduce_sum_parts(group.inter, parts, wire,
+            _mpi.allreduce_sum_parts(inter, parts, wire,
                                      self.allreduce_algorithm)
         for part in parts:
-            _mpi.bcast_bytes(group.intra, part, root=0)
+            _mpi.bcast_bytes(intra, part, root=0)
         buffer.from_host()
 
     # The sharded optimizer's transports (mnopt/communicators/sharded.py),
@@ -53,12 +75,12 @@ class HierarchicalCommunicator(CommunicatorBase):
         node, bounds = _nodes(group)
         for part in parts:
             for piece in _pieces(part, self.bucket_bytes):
-                _mpi.reduce_sum(group.intra, piece, wire, root=0)
+                _mpi.reduce_sum(group.state.intra, piece, wire, root=0)
         mpi_type, _ = _mpi.wire_sum(wire)
-        if group.intra.rank == 0:
+        if group.state.intra.rank == 0:
             node_counts = [sum(shards.counts[bounds[k]:bounds[k + 1]])
                            for k in range(len(bounds) - 1)]
-            ring.reduce_scatter_sum_parts(group.inter, parts, wire,
+            ring.reduce_scatter_sum_parts(group.state.inter, parts, wire,
                                           node_counts, check=False)
         _scatter_in_node(group, bounds[node], bounds[node + 1], parts,
                          shards.starts, shards.counts, mpi_type)
@@ -69,14 +91,14 @@ class HierarchicalCommunicator(CommunicatorBase):
         node, bounds = _nodes(group)
         _gather_in_node(group, bounds[node], bounds[node + 1], parts,
                         shards.byte_starts, shards.byte_counts)
-        if group.intra.rank == 0:
+        if group.state.intra.rank == 0:
             node_counts = [sum(shards.byte_counts[bounds[k]:bounds[k + 1]])
                            for k in range(len(bounds) - 1)]
-            ring.allgather_parts(group.inter, parts, node_counts,
+            ring.allgather_parts(group.state.inter, parts, node_counts,
                                  check=False)
         for part in parts:
             for piece in _pieces(part, self.bucket_bytes):
-                _mpi.bcast_bytes(group.intra, piece, root=0)
+                _mpi.bcast_bytes(group.state.intra, piece, root=0)
 
 
 #: Tag of the sharded transports' messages inside a node.
@@ -87,11 +109,11 @@ def _nodes(group):
     """(this node's index, the first rank of every node and one past the
     last): the ranks of a node must be consecutive, which every rank
     checks alike (so a bad placement is the same error everywhere)."""
-    known = getattr(group, 'shard_nodes', None)
+    known = group.state.nodes
     if known is not None:
         return known
-    node = group.intra.bcast(group.inter.rank if group.intra.rank == 0
-                             else None, root=0)
+    intra, inter = group.state.intra, group.state.inter
+    node = intra.bcast(inter.rank if intra.rank == 0 else None, root=0)
     nodes = group.comm.allgather(node)
     bounds = [0] + [r for r in range(1, len(nodes))
                     if nodes[r] != nodes[r - 1]] + [len(nodes)]
@@ -101,8 +123,8 @@ def _nodes(group):
             'hierarchical sharded collectives need the ranks of each node '
             'to be consecutive (ranks by node: %s); launch with block '
             'placement, or use the flat communicator' % nodes)
-    group.shard_nodes = (node, bounds)
-    return group.shard_nodes
+    group.state.nodes = (node, bounds)
+    return group.state.nodes
 
 
 def _pieces(array, nbytes):
@@ -117,15 +139,15 @@ def _scatter_in_node(group, first, stop, parts, starts, counts, mpi_type):
     """The leader (global rank ``first``) sends every other rank r of the
     node its range [starts[r], starts[r] + counts[r]) of ``parts``' buffer,
     which r receives where it is."""
-    rank, intra = group.comm.rank, group.intra
+    rank, intra = group.comm.rank, group.state.intra
     if intra.rank == 0:
         requests = [intra.Isend([view, mpi_type], r - first, _SHARD_TAG)
                     for r in range(first + 1, stop)
-                    for view in _views(parts, starts[r],
+                    for view in views(parts, starts[r],
                                        starts[r] + counts[r])]
     else:
         requests = [intra.Irecv([view, mpi_type], 0, _SHARD_TAG)
-                    for view in _views(parts, starts[rank],
+                    for view in views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
     _mpi.wait_all(requests)
 
@@ -133,14 +155,14 @@ def _scatter_in_node(group, first, stop, parts, starts, counts, mpi_type):
 def _gather_in_node(group, first, stop, parts, starts, counts):
     """Every rank of the node sends the leader its byte range of
     ``parts``' buffer, which the leader receives where it is."""
-    rank, intra = group.comm.rank, group.intra
+    rank, intra = group.comm.rank, group.state.intra
     if intra.rank == 0:
         requests = [intra.Irecv([view, MPI.BYTE], r - first, _SHARD_TAG)
                     for r in range(first + 1, stop)
-                    for view in _views(parts, starts[r],
+                    for view in views(parts, starts[r],
                                        starts[r] + counts[r])]
     else:
         requests = [intra.Isend([view, MPI.BYTE], 0, _SHARD_TAG)
-                    for view in _views(parts, starts[rank],
+                    for view in views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
     _mpi.wait_all(requests)

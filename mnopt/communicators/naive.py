@@ -1,3 +1,6 @@
+"""The naive communicator: one allreduce per gradient array, the reference
+the others are checked against."""
+
 import numpy
 from mpi4py import MPI
 

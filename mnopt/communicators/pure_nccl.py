@@ -1,9 +1,28 @@
+"""The pure_nccl communicator: one NCCL allreduce of the packed buffer on
+the GPU."""
+
 from mnopt import _cuda
 from mnopt import grad_buffer
-from mnopt.communicators.base import CommunicatorBase
+from mnopt.communicators.base import MpiCommunicatorBase
+from mnopt.communicators.group import Group
 
 
-class PureNcclCommunicator(CommunicatorBase):
+class NcclState(object):
+    """pure_nccl's state of a group (``Group.state``): its NCCL
+    communicator and the stream its collectives run on, made at the first
+    collective."""
+
+    def __init__(self):
+        self.nccl = None
+        self.stream = None
+
+    def free(self):
+        if self.nccl is not None:
+            self.nccl.destroy()
+            self.nccl = None
+
+
+class PureNcclCommunicator(MpiCommunicatorBase):
     """One NCCL allreduce of the packed buffer on a non-blocking CUDA stream,
     ordered after the pack and before the unpack with events (no host
     synchronisation).  One process per GPU.
@@ -27,6 +46,9 @@ class PureNcclCommunicator(CommunicatorBase):
         _cuda.require_gpu(self.name)
         super(PureNcclCommunicator, self).__init__(mpi_comm, **kwargs)
 
+    def _make_group(self, comm):
+        return Group(comm, NcclState())
+
     def _buffer_options(self):
         # One NCCL call over the whole packed buffer.
         return {'bucket_bytes': 1 << 62}
@@ -36,19 +58,20 @@ class PureNcclCommunicator(CommunicatorBase):
             raise TypeError(
                 "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
                 "move the model to the GPU (model.to_gpu()) or use 'flat'")
-        if group.nccl is None:
+        state = group.state
+        if state.nccl is None:
             # Collective: every rank reaches its first sum at the same
             # averaging.  The current device is the gradients' (_mean).
-            group.nccl = _cuda.nccl_communicator(group.comm)
-            group.stream = _cuda.new_stream()
-        elif group.nccl.device_id() != buffer.device:
+            state.nccl = _cuda.nccl_communicator(group.comm)
+            state.stream = _cuda.new_stream()
+        elif state.nccl.device_id() != buffer.device:
             raise RuntimeError(
                 'pure_nccl: the gradients moved from GPU %d to GPU %d after '
                 'the first averaging; NCCL is bound to the first GPU (create '
                 'the communicator again after moving the model)'
-                % (group.nccl.device_id(), buffer.device))
-        _cuda.nccl_allreduce_sum(group.nccl, buffer.wire, buffer.layout.wire,
-                                 group.stream)
+                % (state.nccl.device_id(), buffer.device))
+        _cuda.nccl_allreduce_sum(state.nccl, buffer.wire, buffer.layout.wire,
+                                 state.stream)
 
     # ZeRO's collectives (mnopt/communicators/sharded.py) on NCCL, on the
     # group's side stream.  NCCL's reduceScatter and allGather move equal
@@ -57,16 +80,17 @@ class PureNcclCommunicator(CommunicatorBase):
     # the averaging's, with the padded offsets.  Unverified on a GPU.
 
     def _nccl_for(self, group, device):
-        if group.nccl is None:
-            group.nccl = _cuda.nccl_communicator(group.comm)
-            group.stream = _cuda.new_stream()
-        elif group.nccl.device_id() != device:
+        state = group.state
+        if state.nccl is None:
+            state.nccl = _cuda.nccl_communicator(group.comm)
+            state.stream = _cuda.new_stream()
+        elif state.nccl.device_id() != device:
             raise RuntimeError(
                 'pure_nccl: the arrays moved from GPU %d to GPU %d after the '
                 'first collective; NCCL is bound to the first GPU (create '
                 'the communicator again after moving the model)'
-                % (group.nccl.device_id(), device))
-        return group.nccl
+                % (state.nccl.device_id(), device))
+        return state.nccl
 
     def _reduce_scatter_mean(self, group, shards, arrays, xp, counted):
         if xp is not _cuda.cupy():
@@ -94,7 +118,7 @@ class PureNcclCommunicator(CommunicatorBase):
         bufs['pack'].pack(arrays, bufs['wire'], self._pack_divisor())
         _cuda.nccl_reduce_scatter_sum(nccl, bufs['wire'], bufs['mine'],
                                       bufs['stride'], layout.wire,
-                                      group.stream)
+                                      group.state.stream)
         bufs['unpack'].unpack(bufs['mine'], [arrays[i] for i in own])
         if not counted:
             return None
@@ -124,7 +148,8 @@ class PureNcclCommunicator(CommunicatorBase):
         for i in shards.own(rank):
             slot(rank, i)[...] = xp.ascontiguousarray(
                 arrays[i]).reshape(-1).view(xp.uint8)
-        _cuda.nccl_allgather_bytes(nccl, flat, stride, rank, group.stream)
+        _cuda.nccl_allgather_bytes(nccl, flat, stride, rank,
+                                   group.state.stream)
         for r in range(self.size):
             if r != rank:
                 for i in shards.own(r):

@@ -1,7 +1,8 @@
-import atexit
+"""The reduction_server communicator: workers push shards of the packed
+gradients to reduction servers and pull back their mean."""
+
 import collections
 import functools
-import threading
 import time
 import weakref
 
@@ -11,13 +12,27 @@ from mpi4py import MPI
 from mnopt import _mpi
 from mnopt import server as rs
 from mnopt._mpi import LayoutMismatchError
-from mnopt.global_except_hook import run_or_abort
-from mnopt.communicators.base import CommunicatorBase, _Group
-from mnopt.communicators.base import release_after_collection
-from mnopt.communicators.base import whole_argument
+from mnopt.communicators.arguments import whole_argument
+from mnopt.communicators.base import MpiCommunicatorBase
+from mnopt.communicators.colocated import ColocatedServers
+from mnopt.communicators.group import Group
+from mnopt.communicators.janitor import release_after_collection
 
 
-class ReductionServerCommunicator(CommunicatorBase):
+class ServerChannel(object):
+    """reduction_server's state of a group (``Group.state``): the channel
+    its exchanges run on (the job's, or its colocated servers': freed by
+    them) and the second host buffer the means arrive in."""
+
+    def __init__(self, chan):
+        self.chan = chan
+        self.result = None
+
+    def free(self):
+        pass
+
+
+class ReductionServerCommunicator(MpiCommunicatorBase):
     """Push shards of the packed gradients to reduction servers, pull back
     their mean (see mnopt/server.py).  Each worker moves S bytes each way.
 
@@ -75,7 +90,7 @@ class ReductionServerCommunicator(CommunicatorBase):
         super(ReductionServerCommunicator, self).__init__(mpi_comm,
                                                           **settings)
         if not job.servers:  # colocated: this worker serves shard `rank`
-            self._colocated = _ColocatedServers(
+            self._colocated = ColocatedServers(
                 channels, mpi_comm.rank, settings['server_memory'],
                 self._monitor)
             # Garbage collection stops them too (after it, as it frees
@@ -110,10 +125,7 @@ class ReductionServerCommunicator(CommunicatorBase):
     def _make_group(self, comm):
         if self._unused_channels[0] is not self._channels[0]:
             self._claim_async_channel(comm)
-        group = _Group(comm)
-        group.chan = self._unused_channels.pop(0)
-        group.result = None
-        return group
+        return Group(comm, ServerChannel(self._unused_channels.pop(0)))
 
     def _buffer_options(self):
         # Everything is packed (nothing is summed in place), divided by the
@@ -144,12 +156,13 @@ class ReductionServerCommunicator(CommunicatorBase):
         self._exchange(group, data, result, buffer.layout.wire,
                        buffer.layout.digest)
         # The means arrived in the second buffer: adopt it, keep the other.
-        group.result = buffer.swap_host(result)
+        group.state.result = buffer.swap_host(result)
         buffer.from_host()
 
     def _vote(self, group, bits, n_elements, step):
         """Bernstein et al.'s scheme: push the packed sign bits, the
         servers count the votes and push back the majority bits."""
+        self.vote_stats = {}
         majority = numpy.empty_like(bits)
         self._exchange(group, bits, majority, 'sign',
                        group.sign_codec.layout.digest, step)
@@ -186,9 +199,10 @@ class ReductionServerCommunicator(CommunicatorBase):
         """The second host buffer the means arrive in (kept per group,
         swapped with the buffer's own): made by the buffer, so pinned
         where a GPU copies it."""
-        if group.result is None or not buffer.fits_host(group.result):
-            group.result = buffer.new_host_buffer()
-        return group.result
+        channel = group.state
+        if channel.result is None or not buffer.fits_host(channel.result):
+            channel.result = buffer.new_host_buffer()
+        return channel.result
 
     def _exchange(self, group, data, result, wire, digest, step=0,
                   on_push=None, on_result=None):
@@ -200,7 +214,7 @@ class ReductionServerCommunicator(CommunicatorBase):
             return
         chunk = max(1, self._chunk_bytes // data.itemsize)
         bounds = rs.shard_bounds(data.size, self.n_servers)
-        chan = group.chan
+        chan = group.state.chan
         if self._colocated is not None:
             self._colocated.wake(chan)
         t0 = time.perf_counter()
@@ -286,118 +300,3 @@ class ReductionServerCommunicator(CommunicatorBase):
             self._release_async_channel()
             if self._colocated is not None:
                 self._colocated.close(wait=True)
-
-
-class _ColocatedServers(object):
-    """A colocated communicator's two server threads, one per channel.
-    ``close`` says this worker's goodbye on both channels; each thread
-    ends once every worker has said it, and ``close(wait=True)`` (or the
-    next colocated servers made, or the exit) frees the channels.
-
-    Closed by the communicator's finalize(), when it is garbage-collected
-    (all workers drop it at the same point of the program), or at exit;
-    holds no reference to the communicator."""
-
-    def __init__(self, channels, rank, memory, monitor):
-        self.channels = channels
-        self.n_workers = channels[0].size
-        self._closed = False   # every goodbye sent
-        self._lock = threading.Lock()
-        # Per channel: set when this worker starts an exchange on it (or
-        # says goodbye), which wakes that channel's idle server thread.
-        self._cues = [threading.Event() for _ in channels]
-        # Set once this worker said goodbye: the threads then look for the
-        # other workers' goodbyes in earnest (a finalize waits for them).
-        self._leaving = threading.Event()
-        self.threads = []
-        for chan, name, cue in zip(channels, rs.CHANNEL_NAMES, self._cues):
-            t = threading.Thread(
-                target=run_or_abort, daemon=True, args=(
-                    _serve, chan, rank, memory, monitor, 'serve.' + name,
-                    functools.partial(_idle, cue, self._leaving), cue.clear),
-                name='mnopt-colocated-server')
-            t.start()
-            self.threads.append(t)
-        for ended in [c for c in _open_colocated if c._closed and not any(
-                t.is_alive() for t in c.threads)]:
-            ended.close(wait=True)   # frees their channels
-        _open_colocated.add(self)
-
-    def wake(self, chan):
-        """This worker starts an exchange on ``chan``: its server thread
-        there looks for requests in earnest."""
-        self._cues[self.channels.index(chan)].set()
-
-    def close(self, wait):
-        """Say goodbye (once); with ``wait``, until the threads have ended,
-        which needs every worker's goodbye (not from a garbage collection,
-        which may run at another point on another rank).  Safe from two
-        threads at once (the janitor closes a collected one while the
-        main thread makes the next, which frees the ended ones)."""
-        with self._lock:
-            if not self._closed:
-                rs.say_goodbye(self.channels, range(self.n_workers))
-                self._leaving.set()
-                for cue in self._cues:
-                    cue.set()
-                # Only now: this rank's server threads may end before its
-                # own goodbye has left for the other ranks' servers, and
-                # _closed with the threads ended lets the channels be freed.
-                self._closed = True
-        if wait:
-            for t in self.threads:
-                t.join()
-            # Here, not in the threads: a thread ends as soon as it has
-            # every goodbye, while this one may still be sending its own.
-            with self._lock:
-                if not MPI.Is_finalized():
-                    for chan in self.channels:
-                        if chan != MPI.COMM_NULL:
-                            chan.Free()
-                _open_colocated.discard(self)
-
-
-#: Longest sleep of an idle colocated server thread before it looks at
-#: MPI anyway (seconds): the other workers' goodbyes, which no cue of
-#: this worker announces, are seen within it.
-IDLE_LOOK_S = 0.05
-
-
-def _idle(cue, leaving):
-    """serve()'s ``idle`` for a colocated server thread: sleep until this
-    worker's cue (True) or IDLE_LOOK_S (False); once this worker is
-    ``leaving``, look at once (True).  Polling MPI with naps of
-    up to 1 ms between averagings cost the CPU the training needs (16
-    simulated nodes on 2 cores: flat ran with the CPU 0-4% idle, 27%
-    without a colocated communicator in the processes)."""
-    if leaving.is_set():
-        return True
-    if cue.wait(IDLE_LOOK_S):
-        cue.clear()
-        return True
-    return False
-
-
-def _serve(chan, rank, memory, monitor, name, idle, on_headers):
-    workers = list(range(chan.size))
-    rs.serve(chan, workers, rank, len(workers), memory, None, None,
-             monitor, name, idle, on_headers)
-
-
-#: Colocated servers not yet known to have ended: at exit, this worker
-#: says goodbye to those still open and waits for all of them, before
-#: MPI is finalized under their threads.
-_open_colocated = set()
-
-
-@atexit.register
-def _close_colocated_at_exit():
-    # Every goodbye first, then the waits: a set's order differs between
-    # processes, and a worker waiting for one communicator's threads
-    # before saying goodbye to the next would wait for a worker doing the
-    # same the other way round.
-    still_open = list(_open_colocated)
-    for servers in still_open:
-        servers.close(wait=False)
-    for servers in still_open:
-        servers.close(wait=True)

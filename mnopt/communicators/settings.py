@@ -60,3 +60,13 @@ def environment_settings():
         'MNOPT_BLAS_THREADS': cores.blas_threads_setting(),
         'MNOPT_THREAD_SLICE_US': _sched.slice_us(),
     }
+
+
+def shared_settings(kind, settings):
+    """What every rank must share (SHARED_SETTINGS) of a ``kind``
+    communicator's ``settings`` (check_arguments' result), the kind and
+    the environment; the start-up exchange compares them.  Unset ones are
+    left out.  CommunicatorBase.shared_settings."""
+    everything = dict(settings, communicator=kind, **environment_settings())
+    return {name: everything[name] for name in SHARED_SETTINGS
+            if everything.get(name) is not None}

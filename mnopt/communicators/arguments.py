@@ -1,0 +1,56 @@
+"""The checks of the keyword arguments every communicator takes: refused
+without communicating, so that the factory can check them on every rank
+before any collective."""
+
+import numpy
+
+from mnopt import grad_buffer
+from mnopt import overflow
+from mnopt import sign
+from mnopt import stall
+from mnopt.communicators.settings import environment_settings
+
+
+def whole_argument(name, value, minimum):
+    """``value`` as an int if it is a whole number >= ``minimum`` (not a
+    bool, not a string), else a ValueError naming ``name``."""
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(
+            value, (int, numpy.integer)) or value < minimum:
+        raise ValueError('%s must be a whole number >= %d, not %r'
+                         % (name, minimum, value))
+    return int(value)
+
+
+def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
+                    compression, error_feedback, warmup_steps, vote,
+                    stall_warning, timeout, on_overflow, batched_copy):
+    """The settings of a ``kind`` communicator (its name) made with these
+    keyword arguments and ``options`` (those left over: none is known),
+    checked and normalized; ValueError/TypeError for what it would refuse
+    (MNOPT_* settings included).  CommunicatorBase.check_arguments."""
+    if options:
+        raise TypeError('%s communicator: unknown option(s) %s'
+                        % (kind, ', '.join(sorted(options))))
+    compression = sign.normalize_compression(compression)
+    settings = {
+        'allreduce_grad_dtype': grad_buffer.normalize_wire_dtype(
+            allreduce_grad_dtype),
+        'bucket_bytes': whole_argument('bucket_bytes', bucket_bytes, 1),
+        'compression': compression,
+        'error_feedback': bool(error_feedback),
+        'warmup_steps': whole_argument('warmup_steps', warmup_steps, 0),
+        'vote': vote, 'stall_warning': stall_warning,
+        'timeout': timeout, 'on_overflow': overflow.normalize(on_overflow),
+        'batched_copy': bool(batched_copy)}
+    if settings['warmup_steps'] and compression is None:
+        raise ValueError("warmup_steps=%r only applies with "
+                         "compression='sign' (it counts the averagings "
+                         "before compression starts)" % (warmup_steps,))
+    if vote is not None and compression is None:
+        raise ValueError("vote=%r only applies with compression='sign'"
+                         % (vote,))
+    if compression is not None:  # None is the default vote, 'ring'
+        settings['vote'] = sign.normalize_vote(vote)
+    stall.settings(stall_warning, timeout)
+    environment_settings()
+    return settings

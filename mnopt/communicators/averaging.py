@@ -1,0 +1,231 @@
+"""The averaging pipeline: a gradient set packed, summed by the algorithm
+and unpacked, in the caller or on the background thread; and the state
+every averaging of a communicator shares (``Averaging``).
+
+``AveragingPipeline`` is a communicator's ``mean_grads`` and
+``mean_grads_async`` over its hooks: a subclass says how to sum a buffer
+(``_sum``) and may override how groups are made, buffers cut, and votes
+counted.  What the averagings share, the pipeline's and the sharded
+collectives' alike, is an ``Averaging``: the communicator's public
+``averaging``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy
+from mpi4py import MPI
+
+from mnopt import grad_buffer
+from mnopt import sign
+from mnopt.arrays import array_module
+from mnopt.communicators.background import caller_ready, on_side_stream
+from mnopt.communicators.background import thread_setup
+from mnopt.communicators.devices import device_of
+from mnopt.communicators.group import Group
+from mnopt.communicators.janitor import release_collected
+from mnopt.communicators.mean_handle import MeanHandle
+from mnopt.stall import watched
+
+
+class Averaging(object):
+    """What every averaging of one communicator shares: its groups and
+    background thread (``resources``, a Resources), the averaging in
+    flight, the averaging counter, the time spent, the overflow reporter
+    and the sign compression state.  Holds no reference to the
+    communicator, so a dropped one is freed at once: ``make_group`` (its
+    hook, which makes the background thread's group) is held weakly."""
+
+    def __init__(self, mpi_comm, name, make_group, resources, reporter,
+                 signs):
+        self._mpi_comm = mpi_comm
+        self._name = name
+        self._make_group = weakref.WeakMethod(make_group)
+        self.resources = resources
+        #: The overflow.Reporter of ``on_overflow``.
+        self.overflow = reporter
+        #: The SignCompression (compression='sign').
+        self.signs = signs
+        #: The MeanHandle of the last background operation started.
+        self.in_flight = MeanHandle()
+        #: Averagings so far (warm-up, and the votes' coin).
+        self.steps = 0
+        #: Seconds spent averaging (in the caller or in the background),
+        #: all averagings so far.
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    sync_group = property(lambda self: self.resources.sync_group)
+    async_group = property(lambda self: self.resources.async_group)
+
+    def groups(self):
+        """The groups made so far: the synchronous one, the background's."""
+        return [g for g in (self.sync_group, self.async_group)
+                if g is not None]
+
+    def label(self, group):
+        """'sync' or 'async': which of the two ``group`` is."""
+        return 'sync' if group is self.sync_group else 'async'
+
+    def next_step(self):
+        """This averaging's number; counts it."""
+        step, self.steps = self.steps, self.steps + 1
+        return step
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Count the time spent inside as time spent averaging."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:   # the caller's and the background's
+                self.seconds += time.perf_counter() - start
+
+    def background(self):
+        """The background thread, and the second MPI communicator its
+        work uses, made at first use: one queue for every background
+        operation (averaging, the sharded reduce-scatter)."""
+        resources = self.resources
+        if resources.executor is None:
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                raise RuntimeError(
+                    'asynchronous averaging needs MPI_THREAD_MULTIPLE; this '
+                    'MPI was initialised with a lower thread level')
+            # Dup is collective: every rank reaches this at the same call.
+            resources.async_group = self._make_group()(self._mpi_comm.Dup())
+            resources.executor = ThreadPoolExecutor(
+                1, thread_name_prefix='mnopt-%s' % self._name,
+                initializer=thread_setup)
+        return resources.executor
+
+
+class AveragingPipeline(object):
+    """``mean_grads`` and ``mean_grads_async``.  Needs the host's public
+    ``averaging`` (an Averaging), ``size``, ``allreduce_grad_dtype``,
+    ``compression``, ``warmup_steps``, ``skip_single_rank``, ``vote``,
+    ``vote_stats`` and ``bucket_bytes``, and the stall monitor ``watched``
+    uses.  Subclasses implement ``_sum(buffer, group)``: sum the group's
+    buffer in place across all ranks; optionally they override the other
+    hooks below."""
+
+    # ----------------------------------------------------------- hooks
+    def _make_group(self, comm):
+        return Group(comm)
+
+    def _buffer_options(self):
+        return {'bucket_bytes': self.bucket_bytes,
+                'in_place_min_bytes': grad_buffer.DEFAULT_IN_PLACE_MIN_BYTES}
+
+    def _sum(self, buffer, group):
+        raise NotImplementedError
+
+    def _pack_divisor(self):
+        """Gradients are divided by this while packed (the world size:
+        divide before summing, so that only each gradient / N and the
+        partial sums must fit the wire, not a sum of whole gradients)."""
+        return self.size
+
+    def _pack_sum_unpack(self, buffer, group, arrays):
+        """Overridden by transports that pack and unpack piece by piece."""
+        buffer.pack(arrays, self._pack_divisor())
+        self._sum(buffer, group)
+        buffer.unpack(arrays)
+
+    def _vote(self, group, bits, n_elements, step):
+        """Element-wise majority of every rank's packed sign bits over the
+        group's communicator: the counting ring (in rank order, which for
+        ranks numbered node by node crosses each node's link once), or the
+        all-to-all.  Says the bytes it sent in ``vote_stats``."""
+        self.vote_stats = {}
+        vote = sign.counting_ring_vote if self.vote == 'ring' \
+            else sign.alltoall_vote
+        return vote(group.comm, bits, n_elements, step, self.vote_stats)
+
+    # ----------------------------------------------------------- gradients
+    @watched('mean_grads')
+    def mean_grads(self, named_grads: Iterable[tuple[str, Any]],
+                   iteration: int | None = None) -> None:
+        """Average ``[(name, array), ...]`` in place across all ranks.
+
+        Arrays are matched across ranks by position; names, shapes and
+        dtypes are checked to agree.  ``iteration``: the training
+        iteration these gradients are of, which ``warmup_steps`` counts
+        (default: each averaging is an iteration of its own); a caller
+        that averages an iteration in pieces passes the same for each.
+        """
+        release_collected()
+        with self.averaging.timed():
+            self._mean(self.averaging.sync_group, list(named_grads),
+                       iteration)
+
+    @watched('mean_grads_async')
+    def mean_grads_async(self, named_grads: Iterable[tuple[str, Any]],
+                         queue: bool = False,
+                         iteration: int | None = None) -> MeanHandle:
+        """Start averaging ``named_grads`` in place in the background.
+
+        Returns a MeanHandle.  The arrays must not be touched until its
+        ``wait()`` returns.  One averaging runs at a time: starting another
+        waits for the previous one first, or with ``queue=True`` queues it
+        behind (averagings run in the order they were started; wait for
+        each handle to see its errors).  All ranks must call this (and
+        ``mean_grads``) in the same order.  ``iteration``: as for
+        ``mean_grads``.
+        """
+        release_collected()
+        averaging = self.averaging
+        named = list(named_grads)
+        if not queue:
+            averaging.in_flight.wait()
+        executor = averaging.background()
+        xp = array_module([a for _, a in named])
+        device, ready = caller_ready(named, xp)
+        averaging.in_flight = MeanHandle(executor.submit(
+            self._mean_in_background, averaging.async_group, named, xp,
+            device, ready, iteration))
+        return averaging.in_flight
+
+    @watched('mean_grads_async.background')
+    def _mean_in_background(self, group, named, xp, device, ready,
+                            iteration):
+        with self.averaging.timed():
+            self._mean_in_background_untimed(group, named, xp, device,
+                                             ready, iteration)
+
+    def _mean_in_background_untimed(self, group, named, xp, device, ready,
+                                    iteration):
+        on_side_stream(group, xp, device, ready, self._mean, group, named,
+                       iteration)
+
+    def _mean(self, group, named, iteration=None):
+        xp = array_module([a for _, a in named])
+        if xp is numpy:
+            return self._mean_on_device(group, named, xp, iteration)
+        # Kernels, buffers and NCCL calls go to the gradients' GPU, whatever
+        # GPU is current.
+        with xp.cuda.Device(device_of(named, xp)):
+            return self._mean_on_device(group, named, xp, iteration)
+
+    def _mean_on_device(self, group, named, xp, iteration=None):
+        averaging = self.averaging
+        step = averaging.next_step()
+        # Warm-up counts iterations; the votes' coin, averagings.
+        warm = step if iteration is None else iteration
+        if self.compression == 'sign' and warm >= self.warmup_steps:
+            return averaging.signs.mean(group, averaging.label(group), named,
+                                        xp, step, self._vote)
+        buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
+                                  **self._buffer_options())
+        if self.size == 1 and self.skip_single_rank:
+            return  # the mean of one gradient is itself: nothing to move
+        buffer.reset_counts()
+        self._pack_sum_unpack(buffer, group, [a for _, a in named])
+        averaging.overflow.check(buffer, group.comm, step)

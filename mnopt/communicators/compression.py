@@ -1,0 +1,99 @@
+"""Sign compression in a communicator: the sign-compressed mean of a
+gradient set (majority vote times the mean scale, mnopt/sign.py) and the
+state a snapshot keeps of it (the error-feedback residuals)."""
+
+import numpy
+
+from mnopt import log
+from mnopt import sign
+from mnopt.arrays import to_host
+
+#: The logger of mnopt.communicators.base, where this was said before.
+logger = log.get('mnopt.communicators.base')
+
+
+class SignCompression(object):
+    """``compression='sign'`` for one communicator.  Holds no reference
+    to it: the communicator passes its groups (an Averaging) and its vote
+    (``vote(group, bits, n_elements, step)``, the algorithm's) per call."""
+
+    def __init__(self, error_feedback):
+        self.error_feedback = error_feedback
+        #: Residuals from a loaded snapshot ({('sync' or 'async', parameter
+        #: names): numpy array}) kept until their codec is built.
+        self.loaded_residuals = {}
+
+    def mean(self, group, label, named, xp, step, vote):
+        """The sign-compressed 'mean' of ``named`` over ``group`` (labelled
+        'sync' or 'async'), in place.  Runs at N=1 too: one worker's vote
+        is its sign."""
+        codec = group.sign_codec_for(named, xp, self.error_feedback)
+        if self.loaded_residuals:
+            residual = self.loaded_residuals.pop(
+                (label, tuple(n for n, _ in named)), None)
+            if residual is not None and codec.residual is not None \
+                    and residual.size == codec.total:
+                codec.residual[...] = xp.asarray(residual)
+        arrays = [a for _, a in named]
+        bits, scales = codec.encode(arrays, step)
+        bits = codec.bits_to_host(bits)
+        scales = sign.mean_scales(group.comm, scales)
+        majority = vote(group, bits, codec.total, step)
+        codec.decode(codec.majority_to_device(majority), scales, arrays)
+
+    def save(self, serializer, averaging, rank, size, shared, local):
+        """Write the averaging counter (``shared``) and this rank's
+        residuals (``local``): CommunicatorBase.serialize_compression."""
+        if shared:
+            serializer('steps', numpy.int64(averaging.steps))
+        if not local:
+            return
+        entries = dict(self.loaded_residuals)   # loaded, not yet used
+        for group in averaging.groups():
+            label = averaging.label(group)
+            for names, residual in group.sign_residuals().items():
+                entries[(label, names)] = numpy.array(to_host(residual),
+                                                      numpy.float32)
+        serializer('rank', numpy.int64(rank))
+        serializer('size', numpy.int64(size))
+        serializer('n_residuals', numpy.int64(len(entries)))
+        for i, (label, names) in enumerate(sorted(entries)):
+            serializer('group%d' % i, numpy.array(label))
+            serializer('names%d' % i, numpy.array(names, dtype=str))
+            serializer('residual%d' % i, entries[(label, names)])
+
+    def load(self, serializer, averaging, rank, size, shared, local):
+        """Read what ``save`` wrote (a snapshot without it changes
+        nothing); residuals only from this rank's own snapshot of a job of
+        this size."""
+        def read(key):   # None where absent (a strict one raises KeyError)
+            try:
+                return serializer(key, None)
+            except KeyError:
+                return None
+
+        steps = read('steps') if shared else None
+        if steps is not None:
+            averaging.steps = int(steps)
+        saved_rank, saved_size = (read('rank'), read('size')) if local \
+            else (None, None)
+        if saved_rank is None or saved_size is None:
+            return   # a snapshot without it: nothing changes
+        loaded = {}
+        if (int(saved_rank), int(saved_size)) != (rank, size):
+            if self.error_feedback and int(serializer('n_residuals', None)):
+                logger.warning(
+                    'mnopt: warning: rank %d loaded the snapshot of rank %d '
+                    'of %d: its sign compression residuals restart at zero, '
+                    'so the resumed run is not the uninterrupted one bit for '
+                    'bit (give each rank a replica set of its own for an '
+                    'exact resume)', rank, int(saved_rank), int(saved_size))
+        else:
+            for i in range(int(serializer('n_residuals', None))):
+                key = (str(serializer('group%d' % i, None)),
+                       tuple(str(n) for n in serializer('names%d' % i, None)))
+                loaded[key] = numpy.array(serializer('residual%d' % i, None),
+                                          numpy.float32).reshape(-1)
+        self.loaded_residuals = loaded
+        for group in averaging.groups():
+            group.forget_sign_codecs()

@@ -1,0 +1,39 @@
+"""Resources: what a communicator must give back (its groups' MPI
+communicators, its monitor's, its background thread), held apart from it so
+that they can be released after it is garbage-collected."""
+
+import threading
+
+from mpi4py import MPI
+
+
+class Resources(object):
+    """What a communicator must give back: its groups' MPI communicators,
+    its monitor's, and its background thread.  Holds no reference to the
+    communicator, so it can be released when the communicator is
+    garbage-collected (communicators are local handles in MPI: freeing
+    one on each rank at different times is sound)."""
+
+    def __init__(self):
+        self.sync_group = self.async_group = None
+        self.executor = None
+        self.monitor = None
+
+    def release(self):
+        """Free everything (once; later calls do nothing)."""
+        executor, self.executor = self.executor, None
+        if executor is not None:
+            # Not from the executor's own thread (a collection may run
+            # there): that thread is idle, it ends by itself.
+            executor.shutdown(wait=not any(
+                t is threading.current_thread()
+                for t in getattr(executor, '_threads', ())))
+        groups = (self.sync_group, self.async_group)
+        self.sync_group = self.async_group = None
+        if not MPI.Is_finalized():
+            for group in groups:
+                if group is not None:
+                    group.free()
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            monitor.free()
