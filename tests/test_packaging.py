@@ -260,6 +260,8 @@ WRONG_USES = {
     'allreduce_obj': 'comm.allreduce_obj(1, 0)',
     'scatter_obj': 'comm.scatter_obj(5)',
     'sharding_problem': 'count: int = comm.sharding_problem()',
+    'background_collectives_problem':
+        'count2: int = comm.background_collectives_problem()',
     'shard_buffer_nbytes': 'text3: str = comm.shard_buffer_nbytes()',
     'reduce_scatter_mean': 'comm.reduce_scatter_mean(grads, 3)',
     'reduce_scatter_mean_async': 'comm.reduce_scatter_mean_async(grads, 3)',

@@ -574,6 +574,14 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
             ready, iteration))
         return self._in_flight
 
+    def background_collectives_problem(self) -> str | None:
+        """Why collectives cannot run on a background thread, or None."""
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return ('collectives on a background thread need '
+                    'MPI_THREAD_MULTIPLE; this MPI was initialised with a '
+                    'lower thread level')
+        return None
+
     def _background(self):
         """The background thread, and the second MPI communicator its
         work uses, made at first use: one queue for every background
