@@ -238,7 +238,7 @@ class Overlap(object):
         self.next_bucket += 1
 
     def bucket_gradient(self, name, params):
-        """What bucket holds of parameter ``name``: the copy its node
+        """What a bucket holds of parameter ``name``: the copy its node
         kept, else its gradient (zeros if none, with zero_fill)."""
         if name in self.early:
             return self.early[name][1]
