@@ -1,4 +1,4 @@
-"""Sharded optimizer state (mnopt/zero.py) and its collectives
+"""Sharded optimizer state (mnopt/optimizers/zero/) and its collectives
 (mnopt/communicators/sharded.py).  Runs serially and under mpiexec -n 2
 and -n 3, as every test module."""
 

@@ -1,6 +1,7 @@
-"""ZeRO stage 2 (``shard_state=True, overlap=True``, mnopt/zero.py's
-ShardedGradsOptimizer): gradients reduce-scattered to their owners bucket
-by bucket during backward, the other ranks' gradients freed.  Runs
+"""ZeRO stage 2 (``shard_state=True, overlap=True``,
+mnopt/optimizers/zero/stage2.py's ShardedGradsOptimizer): gradients
+reduce-scattered to their owners bucket by bucket during backward, the
+other ranks' gradients freed.  Runs
 serially and under mpiexec -n 2 / -n 3, as every test module."""
 
 import gc
@@ -259,8 +260,8 @@ def test_backward_holds_the_owned_gradients_and_the_buckets_in_flight():
 
 
 def zero_max_in_flight():
-    from mnopt import zero
-    return zero._ShardedOverlap.max_in_flight
+    from mnopt.optimizers.zero.stage2 import ShardedOverlap
+    return ShardedOverlap.max_in_flight
 
 
 def test_plans_that_differ_between_ranks_are_an_error_on_every_rank():

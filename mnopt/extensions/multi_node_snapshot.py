@@ -62,6 +62,7 @@ from chainer.training import extension
 from mnopt import log
 from mnopt.extensions.retention import agreed_retention
 from mnopt.iterators.resize import load_resizing_iterators
+from mnopt.optimizers.zero.trainer import load_shards_of, sharded_optimizers
 
 logger = log.get(__name__)
 
@@ -313,8 +314,7 @@ class _MultiNodeSnapshot(extension.Extension):
         share of the state: no two ranks are replicas), agreed by every
         rank; with the default replica sets every rank then writes its
         own file."""
-        from mnopt import zero
-        sharded = bool(zero.sharded_optimizers(self._target(trainer)))
+        sharded = bool(sharded_optimizers(self._target(trainer)))
         said = self.comm.everyone(
             (sharded, secrets.token_hex(6)), 'multi_node_snapshot start')
         everyone = [s for s, _ in said]
@@ -456,8 +456,7 @@ class _MultiNodeSnapshot(extension.Extension):
             # Another number of ranks wrote it: every rank's share is
             # re-sharded (problems are raised on every rank at the next
             # update).
-            from mnopt import zero
-            zero.load_shards_of(target, lambda r: os.path.join(
+            load_shards_of(target, lambda r: os.path.join(
                 outdir, '%s.%d' % (newest, r)))
         self.loaded = newest
 

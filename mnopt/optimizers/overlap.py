@@ -1,6 +1,8 @@
-"""Overlap without staleness: ``create_multi_node_optimizer(...,
-overlap=True)`` averages gradients during backward, bucket by bucket, as
-they become final, and updates with the exact mean.
+"""Averaging during backward: the identity nodes that find a gradient
+final, the buckets and their plan (``create_multi_node_optimizer(...,
+overlap=True)``: mnopt/optimizers/overlap_optimizer.py; ZeRO stage 2
+extends it: mnopt/optimizers/zero/stage2.py).  Overlap without staleness:
+the optimizer updates with the exact mean.
 
 How a gradient is known to be final.  Chainer 7 has no per-parameter hook
 and sets leaf gradients only when backward ends.  So while the optimizer
@@ -58,7 +60,7 @@ class _Ready(chainer.FunctionNode):
     def backward(self, indexes, grad_outputs):
         gy, = grad_outputs
         if gy is not None and self._report(self._name, gy.array) is False:
-            # The report took the gradient (ZeRO stage 2: mnopt/zero.py):
+            # The report took the gradient (ZeRO stage 2: Overlap.keep):
             # the parameter gets none from Chainer, which then holds the
             # array no longer.
             gy = None
@@ -122,7 +124,15 @@ class _Wrapper(chainer.LinkHook):
 
 class Overlap(object):
     """One optimizer's overlapped averaging: the plan, and per iteration
-    what fired, what was launched, and the handles to wait for."""
+    what fired, what was launched, and the handles to wait for.
+
+    Extension points (ZeRO stage 2's ShardedOverlap overrides them, and
+    uses the helpers ``params``, ``gradient``, ``launch_remaining`` and
+    ``set_plan``): ``reset`` (per-iteration state), ``unplanned`` (a node
+    fired during the planning iteration), ``keep`` (a node fired for a
+    planned parameter), ``bucket_gradient`` (what a bucket holds of a
+    parameter), ``send`` (queue one collective), ``finish``, ``adopt`` and
+    ``make_plan``.  ``ready`` counts the buckets down and launches them."""
 
     def __init__(self, communicator, target, zero_fill):
         self.comm = communicator
@@ -133,9 +143,10 @@ class Overlap(object):
         #: Buckets of the last iteration, and how many were handed to the
         #: communicator during backward.
         self.stats = {'buckets': 0, 'during_backward': 0}
-        self._reset()
+        self.reset()
 
-    def _reset(self):
+    def reset(self):
+        """The state of one iteration (before its forward pass)."""
         self.wraps = collections.OrderedDict()   # name -> times wrapped
         self.early = {}      # name -> (gradient received, its copy)
         self.handles = []
@@ -143,7 +154,8 @@ class Overlap(object):
         self.remaining = None if self.plan is None else \
             [len(b) for b in self.plan]
 
-    def _params(self):
+    def params(self):
+        """{name: parameter} of the target."""
         return dict(self.target.namedparams())
 
     def _own_params(self):
@@ -165,11 +177,11 @@ class Overlap(object):
         hands buckets to the communicator as they become final.  Every
         averaging until ``finish`` is of ``iteration`` (the optimizer's
         update count), however many buckets it takes."""
-        self._reset()
+        self.reset()
         self.iteration = iteration
-        self._bucket_of = {} if self.plan is None else {
+        self.bucket_of = {} if self.plan is None else {
             n: b for b, names in enumerate(self.plan) for n in names}
-        hook = _Wrapper(self._own_params(), self._wrapped, self._ready)
+        hook = _Wrapper(self._own_params(), self._wrapped, self.ready)
         try:
             with hook:
                 loss = lossfun(*args, **kwds)
@@ -182,36 +194,64 @@ class Overlap(object):
     def _wrapped(self, name):
         self.wraps[name] = self.wraps.get(name, 0) + 1
 
-    def _ready(self, name, grad):
-        if self.wraps.get(name) != 1 or name not in self._bucket_of:
-            return
-        # A copy is averaged: Chainer still holds the gradient it passed
-        # (and would add another use's to it, if any).
-        self.early[name] = (grad, grad.copy())
-        b = self._bucket_of[name]
+    def ready(self, name, grad):
+        """A node's report: ``grad`` is the gradient of parameter ``name``
+        from its link's call.  Returns False if ``keep`` took it (the
+        parameter gets none from Chainer)."""
+        if self.wraps.get(name) != 1:
+            return None
+        if self.plan is None:
+            return self.unplanned(name, grad)
+        if name not in self.bucket_of:
+            return None
+        taken = self.keep(name, grad)
+        b = self.bucket_of[name]
         self.remaining[b] -= 1
         while (self.next_bucket < len(self.plan)
                and self.remaining[self.next_bucket] == 0):
-            self._launch(self.next_bucket, {})
+            self.launch(self.next_bucket, {})
+        return taken
 
-    def _launch(self, b, params):
+    def unplanned(self, name, grad):
+        """A node fired during the planning iteration (no plan yet):
+        nothing to do here."""
+        return None
+
+    def keep(self, name, grad):
+        """Keep the final gradient of planned parameter ``name`` for its
+        bucket; False to take it from Chainer (the parameter then gets
+        none)."""
+        # A copy is averaged: Chainer still holds the gradient it passed
+        # (and would add another use's to it, if any).
+        self.early[name] = (grad, grad.copy())
+        return None
+
+    def launch(self, b, params):
+        """Hand bucket ``b`` to the communicator (``params``: {name:
+        parameter}, needed for names no node fired for)."""
         named = []
         for name in self.plan[b]:
-            if name in self.early:
-                named.append((name, self.early[name][1]))
-            else:
-                grad = self._grad(params[name])
-                if grad is not None:
-                    named.append((name, grad))
-        self.handles.append(self._mean_async(named))
+            grad = self.bucket_gradient(name, params)
+            if grad is not None:
+                named.append((name, grad))
+        self.handles.append(self.send(named))
         self.next_bucket += 1
 
-    def _mean_async(self, named):
-        """Queue one averaging of this iteration's gradients."""
+    def bucket_gradient(self, name, params):
+        """What a bucket holds of parameter ``name``: the copy its node
+        kept, else its gradient (zeros if none, with zero_fill)."""
+        if name in self.early:
+            return self.early[name][1]
+        return self.gradient(params[name])
+
+    def send(self, named):
+        """Queue one averaging of this iteration's gradients; its handle."""
         return self.comm.mean_grads_async(named, queue=True,
                                           iteration=self.iteration)
 
-    def _grad(self, param):
+    def gradient(self, param):
+        """``param``'s gradient (zeros where it has none, with
+        zero_fill: then set as its gradient)."""
         if param.grad is None and self.zero_fill and param.array is not None:
             xp = chainer.backend.get_array_module(param.array)
             with chainer.using_device(param.device):
@@ -220,13 +260,13 @@ class Overlap(object):
 
     # ------------------------------------------------------------ update
 
-    def _launch_remaining(self, params):
+    def launch_remaining(self, params):
         """Launch the planned buckets backward did not; returns the names
         the plan covers (none without a plan)."""
         if self.plan is None:
             return set()
         while self.next_bucket < len(self.plan):
-            self._launch(self.next_bucket, params)
+            self.launch(self.next_bucket, params)
         return {n for names in self.plan for n in names}
 
     def finish(self):
@@ -234,8 +274,8 @@ class Overlap(object):
         same averagings, in the same order), then return the handles.
         Gradients that a node vouched for must then be adopted (``adopt``)
         once the handles are done."""
-        params = self._params()
-        covered = self._launch_remaining(params)
+        params = self.params()
+        covered = self.launch_remaining(params)
         self.stats['buckets'] = 0 if self.plan is None else len(self.plan)
         # Vouched for: the gradient a node received is the final one.
         self.clean = {n for n, (grad, _) in self.early.items()
@@ -243,14 +283,14 @@ class Overlap(object):
         rest = [n for n in sorted(params) if params[n].array is not None
                 and (n not in covered or (n in self.early
                                           and n not in self.clean))]
-        named = [(n, g) for n, g in ((n, self._grad(params[n]))
+        named = [(n, g) for n, g in ((n, self.gradient(params[n]))
                                      for n in rest) if g is not None]
-        self.handles.append(self._mean_async(named))
+        self.handles.append(self.send(named))
         return self.handles
 
     def adopt(self):
         """The averaged copies become the parameters' gradients."""
-        params = self._params()
+        params = self.params()
         for name in self.clean:
             params[name].grad = self.early[name][1]
         self.early = {}
@@ -258,12 +298,12 @@ class Overlap(object):
     def make_plan(self):
         """Buckets in backward order from this iteration's forward pass,
         checked to be the same on every rank."""
-        params = self._params()
+        params = self.params()
         order = [n for n, k in self.wraps.items()
                  if k == 1 and params[n].grad is not None]
-        self._set_plan([(n, params[n].grad.nbytes) for n in order])
+        self.set_plan([(n, params[n].grad.nbytes) for n in order])
 
-    def _set_plan(self, order):
+    def set_plan(self, order):
         """Buckets of ``[(name, nbytes), ...]`` (forward order), checked
         to be the same on every rank."""
         # A bucket closes once it holds bucket_bytes (as DDP's do): a small
@@ -286,4 +326,5 @@ class Overlap(object):
         self.plan = plan
 
     def forget_plan(self):
+        """No plan: the next iteration plans again."""
         self.plan = None

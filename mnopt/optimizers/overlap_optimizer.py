@@ -1,0 +1,92 @@
+"""The overlapped optimizer (``overlap=True``): the multi-node step with
+its averaging during backward (mnopt/optimizers/overlap.py)."""
+
+import chainer
+import numpy
+
+from mnopt.optimizers.overlap import Overlap
+from mnopt.optimizers.protocol import BROADCAST, RESUME, MultiNodeOptimizer
+
+
+class OverlapOptimizer(MultiNodeOptimizer):
+    """Averages gradients during backward, bucket by bucket as they become
+    final (mnopt/optimizers/overlap.py), and updates with the exact mean:
+    the same parameters as without overlap.  Needs ``update(lossfun,
+    *args)`` (as Chainer's updaters call it); ``update()`` alone averages
+    after the fact, as without overlap."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill):
+        super(OverlapOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        object.__setattr__(self, '_overlap', None)
+
+    def setup(self, link):
+        super(OverlapOptimizer, self).setup(link)
+        object.__setattr__(self, '_overlap', Overlap(
+            self.communicator, link, self.zero_fill))
+        return self
+
+    @property
+    def overlap_stats(self):
+        """{'buckets': n, 'during_backward': k}: of the last update's n
+        buckets, k were handed to the communicator during backward."""
+        return dict(self._overlap.stats)
+
+    def serialize(self, serializer):
+        """With ``compression='sign'`` also the buckets (the plan): a vote
+        depends on them (each bucket is a layout of its own, with its own
+        residuals and its own turn of the counter), so a resumed run keeps
+        them to continue bit for bit.  Every rank must then load the same
+        snapshot (a rank that loaded none would average other buckets:
+        an error on every rank).  Without compression, or from a snapshot
+        without them, the plan is made again, as after a broadcast."""
+        super(OverlapOptimizer, self).serialize(serializer)
+        sign = self.communicator.compression == 'sign'
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        if not loading:
+            if sign:
+                plan = self._overlap.plan or []
+                serializer('mnopt_plan_names', numpy.array(
+                    [n for names in plan for n in names], dtype=str))
+                serializer('mnopt_plan_sizes', numpy.array(
+                    [len(names) for names in plan], numpy.int64))
+            return
+        self._overlap.forget_plan()
+        try:
+            names = serializer('mnopt_plan_names', None) if sign else None
+            sizes = serializer('mnopt_plan_sizes', None) if sign else None
+        except KeyError:
+            names = sizes = None
+        if names is None or sizes is None or not len(sizes):
+            return
+        names, plan = [str(n) for n in names], []
+        for size in (int(s) for s in sizes):
+            plan.append(names[:size])
+            names = names[size:]
+        if not names and set(n for b in plan for n in b) <= set(
+                n for n, _ in self.target.namedparams()):
+            self._overlap.plan = plan
+
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is None:
+            return super(OverlapOptimizer, self).update(None, *args, **kwds)
+        overlap = self._overlap
+        # Warm-up (``warmup_steps``) counts iterations, not buckets: every
+        # averaging of this update is of iteration t.
+        overlap.forward_backward(lossfun, args, kwds,
+                                 self.actual_optimizer._loss_scale,
+                                 self.actual_optimizer.t)
+        handles = overlap.finish()
+        step = self._next_step()
+        for handle in handles:
+            self._blocked(handle.wait)
+        if step is BROADCAST:
+            overlap.forget_plan()
+            self.communicator.bcast_data(self.target)
+            return
+        if step is RESUME and not self._make_replicas_agree():
+            return
+        overlap.adopt()
+        if overlap.plan is None:
+            overlap.make_plan()
+        self.actual_optimizer.update(None, *args, **kwds)

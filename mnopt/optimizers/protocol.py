@@ -1,0 +1,236 @@
+"""The multi-node step protocol every variant follows, and the plain
+multi-node optimizer: average the gradients, then let the wrapped Chainer
+optimizer update.  Uses only the communicator's public API."""
+
+import hashlib
+import time
+
+import chainer
+import numpy
+
+
+LOADED = object()  # _param_set after a snapshot was loaded
+
+# What an update does, agreed by every rank (MultiNodeOptimizer._next_step).
+BROADCAST = 'broadcast'   # rank 0's parameters to all; nothing applied
+RESUME = 'resume'         # after a load: _make_replicas_agree, then as
+#                           AVERAGE if the parameters already agreed
+AVERAGE = 'average'       # the mean gradient applied
+
+
+def host(array):
+    """``array`` as a numpy array (a copy only when it lives elsewhere)."""
+    return numpy.ascontiguousarray(chainer.backend.CpuDevice().send(array))
+
+
+def digest(named_arrays):
+    """A short digest of ``[(name, array), ...]``: names, dtypes, shapes
+    and bytes.  Equal digests on two ranks mean equal values, bit for
+    bit."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, array in named_arrays:
+        host_array = host(array)
+        h.update(repr((name, host_array.dtype.str,
+                       host_array.shape)).encode())
+        # An object array's bytes are pointers: hash what they point to.
+        h.update(repr(host_array.tolist()).encode()
+                 if host_array.dtype.hasobject else host_array.tobytes())
+    return h.hexdigest()
+
+
+def state_of(serialize):
+    """What ``serialize(serializer)`` writes, as {key: numpy array}."""
+    state = {}
+    serialize(chainer.serializers.DictionarySerializer(state))
+    return state
+
+
+class MultiNodeOptimizer(object):
+    """ChainerMN's semantics: the first update (and any update after the
+    parameter set changed) broadcasts the parameters from rank 0 and applies
+    nothing; every other update applies the mean gradient.
+
+    The first update after a snapshot was loaded (on any rank) gives every
+    rank rank 0's parameters and optimizer state where they differ, so
+    replicas cannot diverge.  It then applies the mean gradient if the
+    parameters were the same everywhere (a run resumed from one snapshot
+    on every rank continues bit for bit), and nothing if they had to be
+    broadcast (some ranks' gradients were of other weights: as after any
+    broadcast).
+
+    Without ``double_buffering`` or ``overlap`` this is the optimizer
+    ``create_multi_node_optimizer`` returns.  Its variants (double
+    buffering, overlap, the sharded ones) extend it by overriding the
+    steps ``update``, ``_next_step``, ``_make_replicas_agree`` and
+    ``_serialize_state``.  Those and its helpers are underscored because
+    the wrapper passes every other attribute through to the wrapped
+    optimizer (``__getattr__``, ``__setattr__``): a public name here would
+    hide the wrapped optimizer's attribute of that name."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill):
+        object.__setattr__(self, 'actual_optimizer', actual_optimizer)
+        object.__setattr__(self, 'communicator', communicator)
+        object.__setattr__(self, 'zero_fill', zero_fill)
+        object.__setattr__(self, '_param_set', None)
+        #: Seconds the caller has spent blocked in gradient averaging.
+        object.__setattr__(self, 'communication_time', 0.0)
+
+    def _blocked(self, fn, *args):
+        """Run ``fn`` and add its duration to ``communication_time``."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            object.__setattr__(self, 'communication_time',
+                               self.communication_time
+                               + time.perf_counter() - start)
+
+    def setup(self, link):
+        self.actual_optimizer.setup(link)
+        # A new target: its first update broadcasts, as ChainerMN's does.
+        object.__setattr__(self, '_param_set', None)
+        return self
+
+    def _backward(self, lossfun, args, kwds):
+        target = self.target
+        loss = lossfun(*args, **kwds)
+        if getattr(self.actual_optimizer, '_use_cleargrads', True):
+            target.cleargrads()
+        else:
+            target.zerograds()
+        loss.backward(loss_scale=self.actual_optimizer._loss_scale)
+
+    def _current_param_set(self):
+        return [(name, p.array is not None)
+                for name, p in sorted(self.target.namedparams())]
+
+    def serialize(self, serializer):
+        """The wrapped optimizer's state (with its target).  After a load
+        the next update makes the replicas agree (see the class): a
+        snapshot loaded on every rank resumes bit for bit, one loaded on
+        rank 0 alone (model, optimizer or both) is given to every rank.
+
+        Also this rank's part of the communicator's compression state
+        (``serialize_compression``; with ``compression='sign'``, its
+        error-feedback residuals), apart from ``_serialize_state``: it
+        differs from rank to rank, so it is not part of the state the
+        replicas agree on."""
+        self._serialize_state(serializer)   # waits for double buffering
+        self.communicator.serialize_compression(
+            serializer['mnopt_compression'], shared=False)
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            # Chainer's updater loads the optimizer before the model, so the
+            # parameters may not have their data yet: the next update takes
+            # whatever set it finds as the current one.
+            self._mark_loaded()
+
+    def _mark_loaded(self):
+        """A snapshot was loaded: the next update is RESUME."""
+        object.__setattr__(self, '_param_set', LOADED)
+
+    def _serialize_state(self, serializer):
+        """What a snapshot of this optimizer holds, the same on every
+        rank: the wrapped optimizer's state and the communicator's shared
+        compression state (with ``compression='sign'``, its averaging
+        counter, which drives warm-up and the votes' coin)."""
+        self.actual_optimizer.serialize(serializer)
+        self.communicator.serialize_compression(
+            serializer['mnopt_compression'], local=False)
+
+    def _next_step(self):
+        """What this update does (BROADCAST, RESUME or AVERAGE), agreed
+        by every rank: RESUME if any rank loaded a snapshot since its last
+        update, else BROADCAST on the first update and whenever parameters
+        appeared, disappeared or got their data since the previous one.
+
+        Ranks must agree: one that re-broadcasts while the others average
+        would hang the job, so a parameter set that changed on some ranks
+        only is an error on every rank.
+        """
+        loaded, changed = self._take_param_set()
+        votes = self.communicator.everyone(
+            (loaded, changed), 'the multi-node optimizer\'s next step')
+        if any(v_loaded for v_loaded, _ in votes):
+            return RESUME
+        if any(v_changed != changed for _, v_changed in votes):
+            raise RuntimeError(
+                'the parameter set changed on ranks %s but not on ranks %s; '
+                'every rank must add or initialise parameters at the same '
+                'update' % ([r for r, (_, c) in enumerate(votes) if c],
+                            [r for r, (_, c) in enumerate(votes) if not c]))
+        return BROADCAST if changed else AVERAGE
+
+    def _take_param_set(self):
+        """(whether a snapshot was loaded since the last update, whether
+        the parameter set changed since then), this rank's; the current
+        set becomes the last one."""
+        loaded = self._param_set is LOADED
+        current = self._current_param_set()
+        changed = not loaded and current != self._param_set
+        object.__setattr__(self, '_param_set', current)
+        return loaded, changed
+
+    def _named_params(self):
+        return [(n, p.array) for n, p in sorted(self.target.namedparams())
+                if p.array is not None]
+
+    def _make_replicas_agree(self):
+        """Give every rank rank 0's parameters and optimizer state where
+        they differ (a digest of each, compared across ranks): nothing
+        moves when every rank loaded the same snapshot.  True if the
+        parameters were already the same on every rank."""
+        comm = self.communicator
+        state = state_of(self._serialize_state)
+        mine = (digest(self._named_params()), digest(sorted(state.items())))
+        digests = comm.everyone(mine, 'the digests of the replicas')
+        same_params = all(d[0] == digests[0][0] for d in digests)
+        if not same_params:
+            comm.bcast_data(self.target)
+        if all(d[1] == digests[0][1] for d in digests):
+            return same_params
+        state = comm.bcast_obj(state if comm.rank == 0 else None)
+        problem = None
+        if comm.rank != 0:
+            problem = self._load_state(state, digests[0][1])
+        problems = comm.everyone(problem, 'loading rank 0\'s optimizer '
+                                 'state')
+        bad = ['rank %d: %s' % (r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            raise RuntimeError(
+                "could not give every rank rank 0's optimizer state after "
+                'a snapshot was loaded (%s)' % '; '.join(bad))
+        return same_params
+
+    def _load_state(self, state, expected):
+        """Load rank 0's ``state``; None if this rank's state then has the
+        ``expected`` digest, else what went wrong."""
+        try:
+            # Not strict: a key rank 0 lacks is reported by the digest.
+            self._serialize_state(chainer.serializers.NpzDeserializer(
+                state, strict=False))
+        except Exception as e:
+            return '%s: %s' % (type(e).__name__, e)
+        if digest(sorted(state_of(self._serialize_state).items())) \
+                != expected:
+            return ('its optimizer state still differs from rank 0\'s '
+                    '(entries rank 0 does not have)')
+        return None
+
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is not None:
+            self._backward(lossfun, args, kwds)
+        step = self._next_step()
+        if step is BROADCAST:
+            self.communicator.bcast_data(self.target)
+            return
+        if step is RESUME and not self._make_replicas_agree():
+            return
+        self._blocked(self.communicator.multi_node_mean_grad, self.target,
+                      self.zero_fill)
+        self.actual_optimizer.update(None, *args, **kwds)
+
+    def __getattr__(self, name):
+        return getattr(self.actual_optimizer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.actual_optimizer, name, value)

@@ -1,0 +1,233 @@
+"""ZeRO stage 1 (``shard_state=True``): the multi-node step with the
+optimizer state sharded; each rank updates the parameters it owns."""
+
+import chainer
+
+from mnopt.arrays import named_grads
+from mnopt.optimizers.protocol import AVERAGE, BROADCAST, RESUME
+from mnopt.optimizers.protocol import MultiNodeOptimizer, digest
+from mnopt.optimizers.zero import snapshots
+from mnopt.optimizers.zero.owned_update import optimizer_problem
+from mnopt.optimizers.zero.owned_update import update_owned
+from mnopt.optimizers.zero.ownership import assign_owners, layout_by_owner
+
+
+class ShardedStateOptimizer(MultiNodeOptimizer):
+    """ChainerMN's multi-node optimizer semantics (the first update, and
+    any after the parameter set changed, broadcasts rank 0's parameters and
+    applies nothing), with the optimizer state sharded (see
+    mnopt/optimizers/zero/__init__.py).
+
+    A snapshot of it holds this rank's share only (``mnopt_shard/size``,
+    ``/rank``, ``/names``, ``/owners`` say whose): every rank saves its own
+    and loads its own, on the same number of ranks; on another number,
+    every rank re-shards from all the shares (``load_shards``), else the
+    next update is an error on every rank.  A snapshot of an unsharded
+    optimizer loads on any number of ranks, each rank keeping its share of
+    it."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill):
+        super(ShardedStateOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        object.__setattr__(self, 'owners', {})  # name -> rank
+        # After a load: (owners from the snapshot, problem or None).
+        object.__setattr__(self, '_loaded_share', None)
+        # After a load of a sharded snapshot: (its size, its rank), and the
+        # key prefix the optimizer was loaded under (load_shards' default).
+        object.__setattr__(self, '_loaded_shape', None)
+        object.__setattr__(self, '_loaded_path', None)
+
+    def setup(self, link):
+        super(ShardedStateOptimizer, self).setup(link)
+        object.__setattr__(self, 'owners', {})
+        return self
+
+    # ------------------------------------------------------------ plan
+    def _plan(self):
+        """(names laid out by owner, arrays per rank) for the parameters
+        with data; new parameters get owners (``assign_owners``)."""
+        params = [(n, p.array.nbytes) for n, p in
+                  sorted(self.target.namedparams()) if p.array is not None]
+        size = self.communicator.size
+        owners = assign_owners(params, size, self.owners)
+        object.__setattr__(self, 'owners', owners)
+        return layout_by_owner(owners, size)
+
+    def owned_names(self):
+        """The names of the parameters this rank updates."""
+        rank = self.communicator.rank
+        return sorted(n for n, r in self.owners.items() if r == rank)
+
+    def state_nbytes(self):
+        """Bytes of optimizer state this rank holds (every update rule's
+        state arrays)."""
+        total = 0
+        for param in self.target.params():
+            rule = getattr(param, 'update_rule', None)
+            state = None if rule is None else rule.state
+            for value in (state or {}).values():
+                total += getattr(value, 'nbytes', 0)
+        return total
+
+    # ------------------------------------------------------------ steps
+    def _next_step(self):
+        """As the unsharded optimizer's, plus: every rank's problems (an
+        unsupported hook, a snapshot of another sharding) are raised on
+        every rank, and a snapshot must be loaded on every rank or on
+        none."""
+        loaded, changed = self._take_param_set()
+        problem = optimizer_problem(self.actual_optimizer)
+        if loaded and problem is None and self._loaded_share is not None:
+            problem = self._loaded_share[1]
+        votes = self.communicator.everyone(
+            (loaded, changed, problem), 'the sharded optimizer\'s next step')
+        bad = ['rank %d: %s' % (r, p) for r, (_, _, p) in enumerate(votes)
+               if p]
+        if bad:
+            raise ValueError('sharded optimizer: %s' % '; '.join(bad))
+        if any(v[0] for v in votes):
+            if not all(v[0] for v in votes):
+                raise RuntimeError(
+                    'a sharded optimizer\'s snapshot holds one rank\'s share '
+                    'of the state: every rank must load its own (ranks %s '
+                    'loaded one, ranks %s did not)'
+                    % ([r for r, v in enumerate(votes) if v[0]],
+                       [r for r, v in enumerate(votes) if not v[0]]))
+            return RESUME
+        if any(v[1] != changed for v in votes):
+            raise RuntimeError(
+                'the parameter set changed on ranks %s but not on ranks %s; '
+                'every rank must add or initialise parameters at the same '
+                'update' % ([r for r, v in enumerate(votes) if v[1]],
+                            [r for r, v in enumerate(votes) if not v[1]]))
+        return BROADCAST if changed else AVERAGE
+
+    def _make_replicas_agree(self):
+        """After every rank loaded its share: the owners from the
+        snapshots (the same on every rank, checked); rank 0's parameters
+        where they differ.  True if they were the same everywhere."""
+        comm = self.communicator
+        owners = self._loaded_share[0] if self._loaded_share else {}
+        mine = (digest(self._named_params()),
+                repr(sorted(owners.items())))
+        digests = comm.everyone(mine, 'the digests of the replicas')
+        if any(d[1] != digests[0][1] for d in digests):
+            raise RuntimeError(
+                'the loaded snapshots were written by different shardings '
+                '(their parameter owners differ): load every rank\'s share '
+                'of one snapshot')
+        object.__setattr__(self, 'owners', owners)
+        object.__setattr__(self, '_loaded_share', None)
+        same = all(d[0] == digests[0][0] for d in digests)
+        if not same:
+            comm.bcast_data(self.target)
+        return same
+
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is not None:
+            self._backward(lossfun, args, kwds)
+        step = self._next_step()
+        comm = self.communicator
+        if step is BROADCAST:
+            comm.bcast_data(self.target)
+            self._plan()
+            return
+        if step is RESUME and not self._make_replicas_agree():
+            self._plan()
+            return
+        order, per_rank = self._plan()
+        params = dict(self.target.namedparams())
+        # Every parameter with data takes part (zeros where it has no
+        # gradient): its owner must receive its mean.
+        grads = dict(named_grads(self.target, True))
+        self._blocked(comm.reduce_scatter_mean,
+                      [(n, grads[n]) for n in order], per_rank)
+        del grads
+        # The other ranks' gradients were packed and are not means: drop
+        # them (their memory is free until the next backward, and nobody
+        # reads a gradient that is not the mean).
+        for name in order:
+            if self.owners[name] != comm.rank:
+                params[name].cleargrad()
+        self._update_owned()
+        self._blocked(comm.allgather_params,
+                      [(n, params[n].array) for n in order], per_rank)
+
+    def _update_owned(self):
+        """Chainer's GradientMethod.update after the backward, on this
+        rank's parameters only (mnopt/optimizers/zero/owned_update.py)."""
+        update_owned(self.actual_optimizer, self.communicator, self.target,
+                     self.owners)
+
+    # ------------------------------------------------------------ snapshots
+    def _serialize_state(self, serializer):
+        """This rank's share: the optimizer's ``t`` and ``epoch``, the
+        update rules of the parameters it owns, and whose share it is
+        (mnopt/optimizers/zero/snapshots.py)."""
+        actual = self.actual_optimizer
+        comm = self.communicator
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        actual.t = serializer('t', actual.t)
+        actual.epoch = serializer('epoch', actual.epoch)
+        params = dict(self.target.namedparams())
+        if not loading:
+            snapshots.write_share(serializer, comm, self.owners, params)
+            return
+        meta = snapshots.read_meta(serializer)
+        if meta is None:   # an unsharded optimizer's snapshot
+            object.__setattr__(self, '_loaded_shape', None)
+            object.__setattr__(self, '_loaded_share',
+                               snapshots.load_unsharded(serializer, comm,
+                                                        params, self.owners))
+            return
+        object.__setattr__(self, '_loaded_path', getattr(serializer, 'path',
+                                                         None))
+        object.__setattr__(self, '_loaded_share', snapshots.load_share(
+            serializer, meta, comm, params))
+        object.__setattr__(self, '_loaded_shape', (meta[0], meta[1]))
+
+    def needs_shards(self):
+        """The number of ranks whose shares the last loaded snapshot was
+        written by, where this rank cannot resume from the share it loaded
+        (another rank's, or another number of ranks): every share must then
+        be given to ``load_shards``.  None otherwise."""
+        shape = self._loaded_shape
+        if self._loaded_share is None or shape is None or \
+                self._loaded_share[1] is None:
+            return None
+        return shape[0]
+
+    def load_shards(self, shares, path=None):
+        """Re-shard a sharded snapshot: ``shares`` are every rank's files
+        of it (paths of .npz files, or mappings as ``numpy.load`` gives),
+        rank 0's first; ``path`` the key prefix of the optimizer in them
+        (default: the one it was last loaded under, e.g.
+        ``updater/optimizer:main/``).  On as many ranks as wrote it, this
+        rank loads its own share; on another number, the owners are
+        assigned anew for this number of ranks (as a fresh run's) and this
+        rank loads, for each parameter it now owns, that parameter's
+        update rule (``t`` and state: Adam's m and v...) from the share of
+        the rank that owned it.  The per-parameter state is moved whole,
+        never recomputed, so it is the saved state bit for bit.
+
+        Every parameter must be initialised.  No communication: each rank
+        reads only the files of its parameters' previous owners, so every
+        rank must see them (a shared directory).  Returns None, or what is
+        wrong (a share missing, of another snapshot...), which the next
+        update also raises on every rank."""
+        comm = self.communicator
+        problem = None
+        try:
+            owners, problem = snapshots.reshard(
+                shares, self._loaded_path if path is None else path, comm,
+                dict(self.target.namedparams()), self.actual_optimizer)
+        except Exception as e:   # a file missing or damaged
+            problem = '%s: %s' % (type(e).__name__, e)
+        if problem is None:
+            object.__setattr__(self, '_loaded_share', (owners, None))
+            object.__setattr__(self, '_loaded_shape', (comm.size, comm.rank))
+        else:
+            object.__setattr__(self, '_loaded_share',
+                               ({}, 'cannot re-shard: %s' % problem))
+        self._mark_loaded()
+        return problem

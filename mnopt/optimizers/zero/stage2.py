@@ -1,0 +1,219 @@
+"""ZeRO stage 2 (``shard_state=True, overlap=True``): stage 1 with the
+gradients sharded too, each bucket reduce-scattered to its owners during
+backward (overlap's machinery, extended)."""
+
+from mnopt.optimizers.overlap import Overlap
+from mnopt.optimizers.protocol import BROADCAST, RESUME
+from mnopt.optimizers.zero.stage1 import ShardedStateOptimizer
+
+
+class ShardedOverlap(Overlap):
+    """Overlap's machinery (mnopt/optimizers/overlap.py) for stage 2: a
+    bucket is reduce-scattered to its parameters' owners as soon as
+    backward has finished every gradient in it, and the gradients of the
+    other ranks' parameters are let go as soon as that is done.
+
+    The node of a planned parameter takes its gradient (a copy, as
+    overlap's: Chainer may share the array it passes) and gives the
+    parameter none, so Chainer drops its own array at once instead of
+    holding every parameter's gradient until backward ends.  A bucket
+    holds its arrays laid out by owner (rank 0's, then rank 1's...: plan
+    order within each) and goes to ``reduce_scatter_mean_async``; the
+    copies of other ranks' parameters are referenced by that job only,
+    so they are freed when its reduce-scatter ends."""
+
+    #: Buckets in flight at most: launching one more first waits for the
+    #: oldest (whose other ranks' gradients are then freed), so that a
+    #: backward faster than the network holds a few buckets' copies, not
+    #: every gradient.
+    max_in_flight = 2
+
+    def __init__(self, communicator, target, owners):
+        self._owners = owners   # () -> {name: rank}
+        super(ShardedOverlap, self).__init__(communicator, target, True)
+
+    def reset(self):
+        super(ShardedOverlap, self).reset()
+        self.oldest = 0      # handles before it have been waited for
+        self.seen = {}       # planning: name -> the array its node got
+        self.fired = set()   # names whose node took the gradient
+        self.extra = set()   # of those, also used outside their link
+        self.vouched = set()
+
+    def unplanned(self, name, grad):
+        """Planning: remember the array, to vouch for it in ``finish``."""
+        self.seen[name] = grad   # Chainer holds it anyway
+        return None
+
+    def keep(self, name, grad):
+        """Take the gradient: a copy for the bucket, none for Chainer."""
+        self.early[name] = grad.copy()
+        self.fired.add(name)
+        return False   # the parameter gets no gradient from Chainer
+
+    def bucket_gradient(self, name, params):
+        """The copy its node took (the bucket's job alone holds it where
+        another rank owns the parameter), else its gradient."""
+        if name in self.early:
+            return self.early[name] if self._owners()[name] == \
+                self.comm.rank else self.early.pop(name)   # the job's alone
+        # Unused by its link this time: zeros, or what a use outside gave.
+        return self.gradient(params[name])
+
+    def send(self, named):
+        """Queue the reduce-scatter of ``named`` laid out by owner."""
+        owners, size = self._owners(), self.comm.size
+        named = sorted(named, key=lambda x: owners[x[0]])   # stable
+        per_rank = [0] * size
+        for name, _ in named:
+            per_rank[owners[name]] += 1
+        while len(self.handles) - self.oldest >= self.max_in_flight:
+            self.handles[self.oldest].wait()
+            self.oldest += 1
+        return self.comm.reduce_scatter_mean_async(named, per_rank)
+
+    def finish(self):
+        """Queue the buckets backward did not finish, then one
+        reduce-scatter of the rest: the parameters outside the plan, and
+        the gradients that planned parameters got from a use outside
+        their link (added to the mean in ``adopt``).  Returns the
+        handles."""
+        params = self.params()
+        covered = self.launch_remaining(params)
+        if self.plan is None:
+            # Planning: a node vouches for a parameter whose final
+            # gradient is the array it received.
+            self.vouched = {n for n, g in self.seen.items()
+                            if params[n].grad is g}
+            self.seen = {}
+        self.stats['buckets'] = 0 if self.plan is None else len(self.plan)
+        self.extra = {n for n in self.fired if params[n].grad is not None}
+        rest = [n for n in sorted(params) if params[n].array is not None
+                and (n not in covered or n in self.extra)]
+        self.handles.append(self.send(
+            [(n, g) for n, g in ((n, self.gradient(params[n]))
+                                 for n in rest) if g is not None]))
+        return self.handles
+
+    def adopt(self):
+        """Once every handle is done: this rank's parameters get their
+        means, the others' gradients are dropped."""
+        owners, rank = self._owners(), self.comm.rank
+        for name, param in self.params().items():
+            if owners.get(name) != rank:
+                param.grad = None
+                continue
+            mean = self.early.get(name)
+            if mean is not None:
+                if name in self.extra:   # mean of the link's + the rest's
+                    mean += param.grad
+                param.grad = mean
+        self.early, self.fired, self.extra = {}, set(), set()
+
+    def make_plan(self):
+        """From the planning iteration: parameters its nodes vouched for,
+        in forward order."""
+        params = self.params()
+        self.set_plan([(n, params[n].array.nbytes)
+                       for n, k in self.wraps.items()
+                       if k == 1 and n in self.vouched])
+        self.vouched = set()
+
+
+class ShardedGradsOptimizer(ShardedStateOptimizer):
+    """ZeRO stage 2 (``shard_state=True, overlap=True``): the optimizer
+    state and the gradients are sharded.  During ``update(lossfun, ...)``'s
+    backward each bucket of gradients goes to its parameters' owners in a
+    reduce-scatter as soon as backward has finished it, and the other
+    ranks' gradients are freed then, so a rank holds its own gradients
+    and the buckets in flight rather than every gradient.  The owners
+    then update and the parameters are all-gathered, as in stage 1
+    (``ShardedStateOptimizer``, whose snapshots, hooks and checks it
+    keeps).  ``update()`` without a loss function is stage 1's.
+
+    The first update broadcasts; the next one (the planning iteration)
+    reduce-scatters after backward, as stage 1, and makes the plan of
+    buckets (checked the same on every rank); from the third on, buckets
+    leave during backward."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill):
+        super(ShardedGradsOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        object.__setattr__(self, '_overlap', None)
+
+    def setup(self, link):
+        super(ShardedGradsOptimizer, self).setup(link)
+        object.__setattr__(self, '_overlap', ShardedOverlap(
+            self.communicator, link, lambda: self.owners))
+        return self
+
+    @property
+    def overlap_stats(self):
+        """{'buckets': n, 'during_backward': k}: of the last update's n
+        buckets, k were reduce-scattered during backward."""
+        return dict(self._overlap.stats)
+
+    def _wait_all(self, handles, quiet=False):
+        """Wait for every handle; then raise the first error unless
+        ``quiet``."""
+        first = None
+        for handle in handles:
+            try:
+                self._blocked(handle.wait)
+            except Exception as e:
+                first = first or e
+        if first is not None and not quiet:
+            raise first
+
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is None:
+            return super(ShardedGradsOptimizer, self).update(
+                None, *args, **kwds)
+        loaded = self._loaded_share
+        if loaded is not None and loaded[1] is None and loaded[0]:
+            # The snapshot's owners (checked the same on every rank at
+            # this update), before any bucket leaves for its owner.
+            object.__setattr__(self, 'owners', dict(loaded[0]))
+        ov, actual, comm = self._overlap, self.actual_optimizer, \
+            self.communicator
+        try:
+            ov.forward_backward(lossfun, args, kwds, actual._loss_scale,
+                                actual.t)
+            order, per_rank = self._plan()   # owners of new parameters
+            used = dict(self.owners)
+            handles = ov.finish()
+        except Exception:
+            # A bucket's error (every rank has it) or the loss's: nothing
+            # is left running.
+            self._wait_all(ov.handles, quiet=True)
+            raise
+        try:
+            step = self._next_step()
+        except Exception:
+            # Every rank raises this; what is in flight fails or ends
+            # alike: wait for it, so that nothing is left running.
+            self._wait_all(handles, quiet=True)
+            raise
+        self._wait_all(handles)
+        ov.adopt()
+        if step is BROADCAST:
+            ov.forget_plan()
+            comm.bcast_data(self.target)
+            self._plan()
+            return
+        if step is RESUME and (not self._make_replicas_agree() or any(
+                self.owners.get(n) != r for n, r in used.items())):
+            # Other weights' gradients, or sent to other owners than the
+            # snapshot's: nothing applied (as after a broadcast).
+            ov.forget_plan()
+            self._plan()
+            for name, param in self.target.namedparams():
+                if self.owners.get(name) != comm.rank:
+                    param.cleargrad()
+            return
+        if ov.plan is None:
+            ov.make_plan()
+        self._update_owned()
+        params = dict(self.target.namedparams())
+        self._blocked(comm.allgather_params,
+                      [(n, params[n].array) for n in order], per_rank)
