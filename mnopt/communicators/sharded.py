@@ -188,8 +188,8 @@ def _on_device(xp, named):
     import contextlib
     if xp is numpy:
         return contextlib.nullcontext()
-    from mnopt import _cuda
-    return xp.cuda.Device(_cuda.device_id([a for _, a in named]))
+    from mnopt.gpu.device import device_id
+    return xp.cuda.Device(device_id([a for _, a in named]))
 
 
 def _own_bytes(array):
@@ -515,11 +515,11 @@ class ShardedCollectives(object):
             if counted:
                 return buffer.nonfinite_in, buffer.nonfinite_out
             return None
-        from mnopt import _cuda
         own = list(shards.own(rank))
         if shards.own_codec is None:
             offs = shards.layout.offsets
-            shards.own_codec = _cuda.Codec(
+            from mnopt.gpu.codec import Codec
+            shards.own_codec = Codec(
                 shards.layout.wire, [shards.layout.sizes[i] for i in own],
                 [offs[i] - lo for i in own])
         shards.own_codec.reset()
