@@ -28,7 +28,8 @@ import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
 from mnopt import grad_buffer
-from mnopt.benchmark import grad_list, resnet50_grad_shapes, spread
+from mnopt.benchmarking.harness import spread
+from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes
 from mnopt.transport.nccl import nccl_allreduce_sum, nccl_communicator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
