@@ -27,10 +27,14 @@ import time
 import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
-from mnopt import _cuda, grad_buffer
-from mnopt.benchmark import grad_list, resnet50_grad_shapes, spread
+from mnopt import grad_buffer
+from mnopt.benchmarking.harness import spread
+from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes
+from mnopt.transport.nccl import nccl_allreduce_sum, nccl_communicator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, 'tests'))
+from gpu_spin import spin_kernel  # NOQA  (the tests' busy kernel)
 
 
 def gpu_seconds(cp, fn, reps):
@@ -76,7 +80,7 @@ def codec(cp, rounds, reps):
     wires = ('float32', 'float16', 'bfloat16')
     buffers = {w: grad_buffer.GradBuffer(grad_buffer.make_layout(named, w),
                                          cp) for w in wires}
-    spin = _cuda.spin_kernel()
+    spin = spin_kernel()
     calls = {'copy': (lambda: cp.copyto(flat, src), 8 * n_elements)}
     for w in wires:
         buf = buffers[w]
@@ -118,7 +122,7 @@ def codec(cp, rounds, reps):
 def nccl(cp, rounds, reps):
     from cupy.cuda import nccl as libnccl
     from mpi4py import MPI
-    comm = _cuda.nccl_communicator(MPI.COMM_SELF)
+    comm = nccl_communicator(MPI.COMM_SELF)
     stream = cp.cuda.Stream(non_blocking=True)
     out = []
     for nbytes in (1 << 20, 16 << 20, 4 * 25557032):
@@ -129,7 +133,7 @@ def nccl(cp, rounds, reps):
                            libnccl.NCCL_FLOAT32, libnccl.NCCL_SUM, stream.ptr)
 
         def ours():
-            _cuda.nccl_allreduce_sum(comm, buf, 'float32', stream)
+            nccl_allreduce_sum(comm, buf, 'float32', stream)
 
         times = {'raw': [], 'mnopt': []}
         for _ in range(rounds):

@@ -4,8 +4,8 @@ time, and optionally fewer cases.
     mpiexec -n 2 python -m mpi4py benchmarks/idle_bench.py \\
         [--keep REGEX] [mnopt.benchmark's arguments ...]
 
-Runs mnopt/benchmark.py unchanged (its cases, its round-robin order, the
-slowest rank's time) but times each repetition of each case next to the
+Runs ``python -m mnopt.benchmark`` unchanged (its cases, its round-robin
+order, the slowest rank's time) but times each repetition of each case next to the
 machine's CPU idle share over the same interval (/proc/stat, every core:
 the simulated nodes of ``mnopt.netsim`` share them).  That says whether
 the cores or the links set the pace: a case whose cores were ~0% idle was
@@ -18,6 +18,7 @@ over the repetitions, from rank 0.
 
 import json
 import re
+import runpy
 import statistics
 import sys
 import time
@@ -25,7 +26,11 @@ import time
 import numpy
 from mpi4py import MPI
 
-import mnopt.benchmark as bench
+try:
+    from mnopt.benchmarking import cases, harness
+except ImportError:  # a tree from before the library (rerun.py --code)
+    import mnopt.benchmark as cases
+    harness = cases
 
 IDLE = {}   # case label -> idle shares of its repetitions (last run_cases)
 
@@ -43,7 +48,8 @@ def cpu_times():
 
 
 def run_cases(cases, world, reps, warmup=2, progress=''):
-    """mnopt.benchmark.run_cases, recording CPU idle per repetition."""
+    """mnopt.benchmarking.harness.run_cases, recording CPU idle per
+    repetition."""
     times = numpy.zeros((len(cases), reps))
     idle = numpy.zeros((len(cases), reps))
     for rep in range(warmup + reps):
@@ -69,15 +75,19 @@ def main(argv):
         k = argv.index('--keep')
         keep = re.compile(argv[k + 1])
         argv = argv[:k] + argv[k + 2:]
-    bench.run_cases = run_cases
+    harness.run_cases = run_cases
     if keep is not None:
-        build = bench.build_cases
+        build = cases.build_cases
 
         def build_cases(args, world):
-            cases, total = build(args, world)
-            return [c for c in cases if keep.search(c[0])], total
-        bench.build_cases = build_cases
-    bench.main(argv)
+            timed, total = build(args, world)
+            return [c for c in timed if keep.search(c[0])], total
+        cases.build_cases = build_cases
+    if harness is cases:  # the old tree: the command was the library
+        cases.main(argv)
+    else:
+        sys.argv[1:] = argv
+        runpy.run_module('mnopt.benchmark', run_name='__main__')
     path = argv[argv.index('--json') + 1] if '--json' in argv else None
     if path is None or MPI.COMM_WORLD.rank != 0:
         return

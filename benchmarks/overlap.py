@@ -24,7 +24,10 @@ import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
 from mnopt import _sched
-from mnopt.benchmark import spread
+try:
+    from mnopt.benchmarking.harness import spread
+except ImportError:  # a tree from before the library (rerun.py --code)
+    from mnopt.benchmark import spread
 import chainer  # NOQA
 import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA

@@ -26,7 +26,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..'))
 import mnopt  # NOQA
 from mnopt import ring  # NOQA
-from mnopt.benchmark import grad_list, resnet50_grad_shapes  # NOQA
+from mnopt.benchmarking.workloads import (grad_list,  # NOQA
+                                          resnet50_grad_shapes)
 import gloo_bench  # NOQA
 from ring_bench import (COUNTERS, run_cases, spread,  # NOQA
                         tcp_and_scheduling)

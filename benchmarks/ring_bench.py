@@ -37,7 +37,8 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import mnopt  # NOQA
 from mnopt import ring  # NOQA
-from mnopt.benchmark import grad_list, resnet50_grad_shapes  # NOQA
+from mnopt.benchmarking.workloads import (grad_list,  # NOQA
+                                          resnet50_grad_shapes)
 
 
 def cpu_times():

@@ -15,7 +15,7 @@ import time
 import numpy
 
 from mnopt import grad_buffer, sign
-from mnopt.benchmark import resnet50_grad_shapes
+from mnopt.benchmarking.workloads import resnet50_grad_shapes
 
 
 def main():

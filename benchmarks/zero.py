@@ -51,7 +51,8 @@ import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
 from mnopt import ring
-from mnopt.benchmark import resnet50_grad_shapes, spread
+from mnopt.benchmarking.harness import spread
+from mnopt.benchmarking.workloads import resnet50_grad_shapes
 import chainer  # NOQA
 import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
@@ -68,9 +69,10 @@ OPTIMIZERS = {'Adam': lambda: chainer.optimizers.Adam(alpha=1e-4),
 def make_model(width, layers, model='mlp'):
     numpy.random.seed(0)
     if model == 'resnet50':
-        # ResNet-50's parameters (mnopt.benchmark.resnet50_grad_shapes:
-        # Chainer's ImageNet example's), without its forward: the update
-        # sees arrays, not layers.
+        # ResNet-50's parameters
+        # (mnopt.benchmarking.workloads.resnet50_grad_shapes: Chainer's
+        # ImageNet example's), without its forward: the update sees
+        # arrays, not layers.
         link = chainer.Link()
         with link.init_scope():
             for i, shape in enumerate(resnet50_grad_shapes()):

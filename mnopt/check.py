@@ -33,8 +33,8 @@ def _version(module):
 
 def describe_process():
     """What this process runs on, as a dict of strings and numbers."""
-    from mnopt import _cuda
-    cupys = _cuda.cupy_distributions()
+    from mnopt.gpu import device, diagnosis
+    cupys = diagnosis.cupy_distributions()
     info = {
         'host': socket.gethostname(),
         'python': platform.python_version(),
@@ -46,11 +46,11 @@ def describe_process():
         'cupy': ', '.join('%s %s' % kv for kv in sorted(cupys.items()))
         or None,
         'nccl': None, 'gpus': 0,
-        'gpu_problem': _cuda.gpu_problem() if cupys else 'CuPy not installed',
+        'gpu_problem': diagnosis.gpu_problem() if cupys else 'CuPy not installed',
         'cuda_visible_devices': os.environ.get('CUDA_VISIBLE_DEVICES'),
     }
     if info['gpu_problem'] is None:
-        cupy = _cuda.cupy()
+        cupy = device.cupy()
         from cupy.cuda import nccl
         info['nccl'] = nccl.get_version()
         info['gpus'] = cupy.cuda.runtime.getDeviceCount()

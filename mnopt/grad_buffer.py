@@ -166,8 +166,8 @@ def pinned_host_empty(n, dtype):
     """A page-locked host array: the host side of every copy to or from a
     GPU buffer, so that the copy runs at full speed and can overlap (a copy
     through pageable memory is staged by the driver and cannot)."""
-    from mnopt import _cuda
-    a = _cuda.pinned_empty(n, dtype)
+    from mnopt.gpu.device import pinned_empty
+    a = pinned_empty(n, dtype)
     _pinned[id(a)] = a
     return a
 
@@ -219,8 +219,8 @@ class GradBuffer(object):
         self._host = None
         self._in_place_arrays = []
         if xp is not numpy:
-            from mnopt import _cuda
-            self._codec = _cuda.Codec(layout.wire, layout.sizes, self.offsets)
+            from mnopt.gpu.codec import Codec
+            self._codec = Codec(layout.wire, layout.sizes, self.offsets)
             self.device = self.wire.device.id
         else:
             self.device = None
@@ -262,7 +262,7 @@ class GradBuffer(object):
         offs = self.offsets
         self._in_place_arrays = []
         self._divisor = divisor
-        if self.xp is not numpy:  # one batched kernel (mnopt/_cuda.py)
+        if self.xp is not numpy:  # one batched kernel (mnopt/gpu/codec.py)
             return self._codec.pack(arrays, self.wire, divisor)
         for i, a in enumerate(arrays):
             if self.in_place[i]:
@@ -337,7 +337,6 @@ class GradBuffer(object):
     def _host_parts(self):
         host = self.wire
         if self.xp is not numpy:
-            from mnopt import _cuda
             if self._host is None:
                 self._host = self.new_host_buffer()
             self.wire.get(out=self._host)

@@ -129,8 +129,8 @@ def naive_comm():
 def cupy():
     """CuPy, where a GPU is usable; else the test skips (fails under
     MNOPT_REQUIRE_GPU=1, as on the GPU machine)."""
-    from mnopt import _cuda
-    problem = _cuda.gpu_problem()
+    from mnopt.gpu import diagnosis
+    problem = diagnosis.gpu_problem()
     if problem is not None:
         if os.environ.get('MNOPT_REQUIRE_GPU') == '1':
             pytest.fail('MNOPT_REQUIRE_GPU=1 but %s' % problem)

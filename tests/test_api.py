@@ -279,8 +279,8 @@ def test_unknown_option_is_refused():
 
 
 def test_pure_nccl_says_what_is_missing():
-    from mnopt import _cuda
-    if _cuda.gpu_available():
+    from mnopt.gpu import diagnosis
+    if diagnosis.gpu_available():
         c = mnopt.create_communicator('pure_nccl')
         assert c.name == 'pure_nccl'
         assert mnopt.create_communicator().name == 'pure_nccl'

@@ -63,8 +63,8 @@ def elementwise_source(name, inputs, outputs, body, types):
             core._get_header_dir_path(), 'cupy', 'float16.cuh')):
         lines.append('#include <cupy/float16.cuh>')
     lines += ['typedef %s %s;' % (C_TYPES[types[k]], k) for k in sorted(types)]
-    from mnopt import _cuda
-    lines.append(_cuda.PREAMBLE)     # where CuPy puts a preamble
+    from mnopt.gpu import kernels
+    lines.append(kernels.PREAMBLE)     # where CuPy puts a preamble
     params, loads = [], []
     for kind, plist in (('in', inputs), ('out', outputs)):
         for param in _parse(plist):
@@ -74,7 +74,7 @@ def elementwise_source(name, inputs, outputs, body, types):
             if raw:  # the whole array, indexed by the body
                 params.append('%sCArray<%s, 1, true, true> %s' % (
                     'const ' if kind == 'in' else '', ctype, pname))
-            elif pname not in _cuda.KERNEL_SCALARS:
+            elif pname not in kernels.KERNEL_SCALARS:
                 params.append('%sCArray<%s, 1, true, true> _raw_%s'
                               % ('const ' if kind == 'in' else '', ctype,
                                  pname))
@@ -104,9 +104,9 @@ def _options(cupy):
 
 
 def _cases():
-    from mnopt import _cuda
-    for name, (inputs, outputs, body) in sorted(_cuda.KERNELS.items()):
-        for types in _cuda.KERNEL_TYPES[name]:
+    from mnopt.gpu import kernels
+    for name, (inputs, outputs, body) in sorted(kernels.KERNELS.items()):
+        for types in kernels.KERNEL_TYPES[name]:
             for arch in ARCHS:
                 yield pytest.param(name, types, arch, id='%s-%s-%s' % (
                     name, '-'.join('%s=%s' % kv for kv in sorted(
@@ -116,8 +116,8 @@ def _cases():
 @pytest.mark.parametrize('name,types,arch', list(_cases()))
 def test_kernel_compiles(name, types, arch):
     cupy, nvrtc = _nvrtc()
-    from mnopt import _cuda
-    source = elementwise_source(name, *_cuda.KERNELS[name], types)
+    from mnopt.gpu import kernels
+    source = elementwise_source(name, *kernels.KERNELS[name], types)
     prog = nvrtc.createProgram(source, name + '.cu', [], [])
     try:
         try:
@@ -134,10 +134,10 @@ def test_kernel_compiles(name, types, arch):
 
 @pytest.mark.parametrize('arch', ARCHS)
 def test_spin_kernel_compiles(arch):
-    """The tests' and benchmarks' busy kernel (_cuda.SPIN_SOURCE)."""
+    """The tests' and benchmarks' busy kernel (tests/gpu_spin.py)."""
     cupy, nvrtc = _nvrtc()
-    from mnopt import _cuda
-    prog = nvrtc.createProgram(_cuda.SPIN_SOURCE, 'mnopt_spin.cu', [], [])
+    from gpu_spin import SPIN_SOURCE
+    prog = nvrtc.createProgram(SPIN_SOURCE, 'mnopt_spin.cu', [], [])
     try:
         try:
             nvrtc.compileProgram(prog, ['-arch=' + arch])
@@ -150,18 +150,23 @@ def test_spin_kernel_compiles(arch):
 
 
 def test_every_kernel_is_checked():
-    from mnopt import _cuda
-    assert set(_cuda.KERNELS) == set(_cuda.KERNEL_TYPES)
+    from mnopt.gpu import kernels
+    assert set(kernels.KERNELS) == set(kernels.KERNEL_TYPES)
     # Every kernel mnopt calls is in the table.
-    source = open(os.path.join(REPO, 'mnopt', '_cuda.py')).read()
-    assert "_kernel(_kernel_name(" in source
-    used = {_cuda._kernel_name(d, w) for d in ('pack', 'unpack')
+    source = open(os.path.join(REPO, 'mnopt', 'gpu', 'codec.py')).read()
+    assert "kernel(kernel_name(" in source
+    used = {kernels.kernel_name(d, w) for d in ('pack', 'unpack')
             for w in ('float16', 'bfloat16', 'float32', 'float64')}
-    assert used == set(_cuda.KERNELS)
-    # The one RawKernel is the spin kernel, checked above.
-    assert 'ElementwiseKernel(' in source
-    assert source.count('RawKernel(') == source.count(
-        'RawKernel(SPIN_SOURCE') == 1
+    assert used == set(kernels.KERNELS)
+    # mnopt compiles ElementwiseKernels only; the one RawKernel is the
+    # tests' spin kernel, checked above.
+    assert 'ElementwiseKernel(' in open(os.path.join(
+        REPO, 'mnopt', 'gpu', 'kernels.py')).read()
+    for folder, _, files in os.walk(os.path.join(REPO, 'mnopt')):
+        for f in files:
+            if f.endswith('.py'):
+                assert 'RawKernel(' not in open(os.path.join(folder,
+                                                             f)).read(), f
 
 
 # --------------------------------------------------------------- the API
@@ -245,8 +250,8 @@ def test_every_cupy_and_nccl_name_mnopt_uses_exists():
 
 def _ptx(name, types, arch=ARCHS[0]):
     cupy, nvrtc = _nvrtc()
-    from mnopt import _cuda
-    source = elementwise_source(name, *_cuda.KERNELS[name], types)
+    from mnopt.gpu import kernels
+    source = elementwise_source(name, *kernels.KERNELS[name], types)
     prog = nvrtc.createProgram(source, name + '.cu', [], [])
     try:
         nvrtc.compileProgram(prog, list(_options(cupy)) + ['-arch=' + arch])
@@ -256,11 +261,11 @@ def _ptx(name, types, arch=ARCHS[0]):
 
 
 def _every_kernel():
-    from mnopt import _cuda
+    from mnopt.gpu import kernels
     return [pytest.param(name, types, id='%s-%s' % (name, '-'.join(
         '%s=%s' % kv for kv in sorted(types.items()))))
-        for name in sorted(_cuda.KERNELS)
-        for types in _cuda.KERNEL_TYPES[name]]
+        for name in sorted(kernels.KERNELS)
+        for types in kernels.KERNEL_TYPES[name]]
 
 
 @pytest.mark.parametrize('name,types', _every_kernel())
@@ -296,7 +301,7 @@ def test_pack_divides_in_the_host_codecs_precision(name, types):
 # float32 gradients on 16-bit wires, numpy otherwise.  Needs no CuPy.
 
 def kernel_pack(x, wire, divisor):
-    """What the pack kernels compute (mnopt/_cuda.py _SCALED and the
+    """What the pack kernels compute (mnopt/gpu/kernels.py _SCALED and the
     bfloat16 body)."""
     from mnopt import grad_buffer
     with numpy.errstate(over='ignore', invalid='ignore'):
@@ -387,20 +392,20 @@ def test_dividing_float32_in_float64_would_not_be_the_hosts():
 
 
 def _launch_map(sizes, aligned):
-    """Emulates the index mapping of mnopt/_cuda.py's bodies: for each
+    """Emulates the index mapping of mnopt/gpu/kernels.py's bodies: for each
     array, how often each element is visited over the whole launch."""
-    from mnopt import _cuda
-    chunk, lanes, vec = 1 << _cuda.CHUNK_BITS, 1 << _cuda.LANE_BITS, \
-        _cuda.VEC
+    from mnopt.gpu import kernels
+    chunk, lanes, vec = 1 << kernels.CHUNK_BITS, 1 << kernels.LANE_BITS, \
+        kernels.VEC
     chunks = [(n + chunk - 1) // chunk for n in sizes]
     vstarts = numpy.concatenate([[0], numpy.cumsum(chunks)[:-1]]) * chunk
     entry = numpy.repeat(numpy.arange(len(sizes)), chunks)
     seen = [numpy.zeros(n, numpy.int64) for n in sizes]
     for i in range(int(sum(chunks)) * lanes):
-        c = i >> _cuda.LANE_BITS
+        c = i >> kernels.LANE_BITS
         k = entry[c]
         n = sizes[k]
-        base = (c << _cuda.CHUNK_BITS) - vstarts[k]
+        base = (c << kernels.CHUNK_BITS) - vstarts[k]
         lane = i & (lanes - 1)
         if aligned[k]:
             j0 = base + lane * vec

@@ -16,10 +16,12 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import _cuda, grad_buffer
+from mnopt import grad_buffer
+from mnopt.communicators import pure_nccl
 from conftest import (REPO, WORLD, chainer, expected_mean, make_model,
                       needs_chainer, rank_grads, run_mpi,
                       snapshot_models_equal)
+from gpu_spin import spin_kernel
 
 
 
@@ -74,8 +76,8 @@ def test_pure_nccl_makes_no_nccl_communicator_until_the_first_sum(
     intra_rank): NCCL must not be initialised in the constructor."""
     def no_nccl(*args):
         raise AssertionError('NCCL initialised in the constructor')
-    monkeypatch.setattr(_cuda, 'require_gpu', lambda name: None)
-    monkeypatch.setattr(_cuda, 'nccl_communicator', no_nccl)
+    monkeypatch.setattr(pure_nccl, 'require_gpu', lambda name: None)
+    monkeypatch.setattr(pure_nccl, 'nccl_communicator', no_nccl)
     comm = mnopt.create_communicator('pure_nccl')
     assert comm._sync_group.state.nccl is None
     comm.finalize()
@@ -394,7 +396,7 @@ def test_background_averaging_runs_on_its_own_stream(cupy, name):
     device-wide synchronisation, no wait on the caller's stream."""
     if name == 'pure_nccl':
         _one_gpu_per_rank(cupy)
-    spin = _cuda.spin_kernel()
+    spin = spin_kernel()
     comm = mnopt.create_communicator(name)
     comm.skip_single_rank = False
     grads = [('/a', cupy.zeros(1000, cupy.float32)),

@@ -2,7 +2,7 @@
 through pageable memory is staged by the driver and cannot overlap.
 
 Without a GPU, a GPU GradBuffer is built over a stand-in device array
-module and a recording pinned allocator (``_cuda.pinned_empty``), and the
+module and a recording pinned allocator (``mnopt.gpu.device.pinned_empty``), and the
 reduction server's result buffer, which it swaps with the buffer's own
 every step, is checked to come from that allocator.  With a GPU, the same
 buffers are checked with CUDA's pointer attributes (tests/test_gpu.py's
@@ -14,7 +14,8 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import _cuda, grad_buffer
+from mnopt import grad_buffer
+from mnopt.gpu import codec, device
 from mnopt.communicators.reduction_server import ReductionServerCommunicator
 from mnopt.communicators.reduction_server import ServerChannel
 from conftest import WORLD
@@ -61,8 +62,8 @@ def pinned(monkeypatch):
         a = numpy.empty(n, dtype)
         made.append(a)
         return a
-    monkeypatch.setattr(_cuda, 'pinned_empty', pinned_empty)
-    monkeypatch.setattr(_cuda, 'Codec', FakeCodec)
+    monkeypatch.setattr(device, 'pinned_empty', pinned_empty)
+    monkeypatch.setattr(codec, 'Codec', FakeCodec)
     return made
 
 

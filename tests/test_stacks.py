@@ -159,14 +159,14 @@ def test_added_names_are_added_once_and_only_when_missing():
 
 
 def test_a_wrong_gpu_stack_names_the_fix():
-    from mnopt import _cuda
-    assert _cuda.stack_conflict({}, '2.1.0') is None
-    assert _cuda.stack_conflict({'cupy-cuda13x': '14.2.0'}, '2.3.1') is None
-    assert _cuda.stack_conflict({'cupy-cuda12x': '13.6.0'}, '1.26.4') is None
-    msg = _cuda.stack_conflict({'cupy-cuda12x': '14.0.1'}, '1.26.4')
+    from mnopt.gpu import diagnosis
+    assert diagnosis.stack_conflict({}, '2.1.0') is None
+    assert diagnosis.stack_conflict({'cupy-cuda13x': '14.2.0'}, '2.3.1') is None
+    assert diagnosis.stack_conflict({'cupy-cuda12x': '13.6.0'}, '1.26.4') is None
+    msg = diagnosis.stack_conflict({'cupy-cuda12x': '14.0.1'}, '1.26.4')
     assert 'CuPy 14.0.1 needs NumPy 2' in msg
     assert "pip install 'numpy>=2,<2.6'" in msg and "mnopt[gpu]" in msg
-    msg = _cuda.stack_conflict({'cupy-cuda12x': '13.6.0',
+    msg = diagnosis.stack_conflict({'cupy-cuda12x': '13.6.0',
                                 'cupy-cuda13x': '14.2.0'}, '2.3.1')
     assert 'cupy-cuda12x' in msg and 'cupy-cuda13x' in msg
     assert 'pip uninstall' in msg
@@ -175,8 +175,8 @@ def test_a_wrong_gpu_stack_names_the_fix():
 def test_what_is_missing_for_a_gpu_names_the_fix():
     """Here (no GPU): without CuPy, the extras to install; with a CuPy that
     cannot load NCCL, the NCCL wheel to install."""
-    from mnopt import _cuda
-    problem = _cuda.gpu_problem()
+    from mnopt.gpu import diagnosis
+    problem = diagnosis.gpu_problem()
     try:
         import cupy  # NOQA
     except ImportError:

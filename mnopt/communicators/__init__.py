@@ -25,8 +25,8 @@ NAMES = tuple(_REGISTRY) + ('auto',)
 
 def communicator_class(name):
     if name == 'auto':
-        from mnopt import _cuda
-        name = 'pure_nccl' if _cuda.gpu_available() else 'flat'
+        from mnopt.gpu.diagnosis import gpu_available
+        name = 'pure_nccl' if gpu_available() else 'flat'
     if name not in _REGISTRY:
         raise ValueError('unknown communicator %r; choose one of %s'
                          % (name, ', '.join(NAMES)))

@@ -21,8 +21,8 @@ def caller_ready(named, xp):
     far (the backward that produced them); (None, None) for numpy arrays."""
     if xp is numpy:
         return None, None
-    from mnopt import _cuda
-    device = _cuda.device_id([a for _, a in named])
+    from mnopt.gpu.device import device_id
+    device = device_id([a for _, a in named])
     with xp.cuda.Device(device):
         return device, xp.cuda.get_current_stream().record()
 

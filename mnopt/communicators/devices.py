@@ -9,8 +9,8 @@ def device_of(named, xp):
     """The GPU holding the arrays of ``named``, None for numpy ones."""
     if xp is numpy:
         return None
-    from mnopt import _cuda
-    return _cuda.device_id([a for _, a in named])
+    from mnopt.gpu.device import device_id
+    return device_id([a for _, a in named])
 
 
 def on_device(xp, named):

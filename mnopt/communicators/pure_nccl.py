@@ -1,7 +1,12 @@
 """The pure_nccl communicator: one NCCL allreduce of the packed buffer on
 the GPU."""
 
-from mnopt import _cuda
+from mnopt.gpu.codec import Codec
+from mnopt.gpu.device import cupy, device_id, new_stream
+from mnopt.gpu.diagnosis import require_gpu
+from mnopt.transport.nccl import (
+    nccl_allgather_bytes, nccl_allreduce_sum, nccl_communicator,
+    nccl_reduce_scatter_sum)
 from mnopt import grad_buffer
 from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.group import Group
@@ -39,11 +44,11 @@ class PureNcclCommunicator(MpiCommunicatorBase):
 
     @classmethod
     def check_arguments(cls, **kwargs):
-        _cuda.require_gpu(cls.name)
+        require_gpu(cls.name)
         return super(PureNcclCommunicator, cls).check_arguments(**kwargs)
 
     def __init__(self, mpi_comm, **kwargs):
-        _cuda.require_gpu(self.name)
+        require_gpu(self.name)
         super(PureNcclCommunicator, self).__init__(mpi_comm, **kwargs)
 
     def _make_group(self, comm):
@@ -54,7 +59,7 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         return {'bucket_bytes': 1 << 62}
 
     def _sum(self, buffer, group):
-        if buffer.xp is not _cuda.cupy():
+        if buffer.xp is not cupy():
             raise TypeError(
                 "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
                 "move the model to the GPU (model.to_gpu()) or use 'flat'")
@@ -62,16 +67,16 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         if state.nccl is None:
             # Collective: every rank reaches its first sum at the same
             # averaging.  The current device is the gradients' (_mean).
-            state.nccl = _cuda.nccl_communicator(group.comm)
-            state.stream = _cuda.new_stream()
+            state.nccl = nccl_communicator(group.comm)
+            state.stream = new_stream()
         elif state.nccl.device_id() != buffer.device:
             raise RuntimeError(
                 'pure_nccl: the gradients moved from GPU %d to GPU %d after '
                 'the first averaging; NCCL is bound to the first GPU (create '
                 'the communicator again after moving the model)'
                 % (state.nccl.device_id(), buffer.device))
-        _cuda.nccl_allreduce_sum(state.nccl, buffer.wire, buffer.layout.wire,
-                                 state.stream)
+        nccl_allreduce_sum(state.nccl, buffer.wire, buffer.layout.wire,
+                           state.stream)
 
     # ZeRO's collectives (mnopt/communicators/sharded.py) on NCCL, on the
     # group's side stream.  NCCL's reduceScatter and allGather move equal
@@ -82,8 +87,8 @@ class PureNcclCommunicator(MpiCommunicatorBase):
     def _nccl_for(self, group, device):
         state = group.state
         if state.nccl is None:
-            state.nccl = _cuda.nccl_communicator(group.comm)
-            state.stream = _cuda.new_stream()
+            state.nccl = nccl_communicator(group.comm)
+            state.stream = new_stream()
         elif state.nccl.device_id() != device:
             raise RuntimeError(
                 'pure_nccl: the arrays moved from GPU %d to GPU %d after the '
@@ -93,11 +98,11 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         return state.nccl
 
     def _reduce_scatter_mean(self, group, shards, arrays, xp, counted):
-        if xp is not _cuda.cupy():
+        if xp is not cupy():
             raise TypeError(
                 "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
                 "move the model to the GPU (model.to_gpu()) or use 'flat'")
-        nccl = self._nccl_for(group, _cuda.device_id(arrays))
+        nccl = self._nccl_for(group, device_id(arrays))
         bufs, layout, rank = shards.device, shards.layout, self.rank
         own = list(shards.own(rank))
         if 'wire' not in bufs:
@@ -109,16 +114,16 @@ class PureNcclCommunicator(MpiCommunicatorBase):
             bufs['stride'] = stride
             bufs['wire'] = xp.zeros(self.size * stride, dtype)
             bufs['mine'] = xp.empty(stride, dtype)
-            bufs['pack'] = _cuda.Codec(layout.wire, layout.sizes, padded)
-            bufs['unpack'] = _cuda.Codec(
+            bufs['pack'] = Codec(layout.wire, layout.sizes, padded)
+            bufs['unpack'] = Codec(
                 layout.wire, [layout.sizes[i] for i in own],
                 [offs[i] - shards.starts[rank] for i in own])
         bufs['pack'].reset()
         bufs['unpack'].reset()
         bufs['pack'].pack(arrays, bufs['wire'], self._pack_divisor())
-        _cuda.nccl_reduce_scatter_sum(nccl, bufs['wire'], bufs['mine'],
-                                      bufs['stride'], layout.wire,
-                                      group.state.stream)
+        nccl_reduce_scatter_sum(nccl, bufs['wire'], bufs['mine'],
+                                bufs['stride'], layout.wire,
+                                group.state.stream)
         bufs['unpack'].unpack(bufs['mine'], [arrays[i] for i in own])
         if not counted:
             return None
@@ -128,11 +133,11 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         return bufs['pack'].take_counts()[0], out
 
     def _allgather_params(self, group, shards, arrays, xp):
-        if xp is not _cuda.cupy():
+        if xp is not cupy():
             raise TypeError(
                 "pure_nccl gathers CuPy (GPU) parameters but got numpy ones; "
                 "move the model to the GPU (model.to_gpu()) or use 'flat'")
-        nccl = self._nccl_for(group, _cuda.device_id(arrays))
+        nccl = self._nccl_for(group, device_id(arrays))
         bufs, rank = shards.device, self.rank
         if 'params' not in bufs:
             bufs['byte_stride'] = max(shards.byte_counts)
@@ -148,8 +153,7 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         for i in shards.own(rank):
             slot(rank, i)[...] = xp.ascontiguousarray(
                 arrays[i]).reshape(-1).view(xp.uint8)
-        _cuda.nccl_allgather_bytes(nccl, flat, stride, rank,
-                                   group.state.stream)
+        nccl_allgather_bytes(nccl, flat, stride, rank, group.state.stream)
         for r in range(self.size):
             if r != rank:
                 for i in shards.own(r):

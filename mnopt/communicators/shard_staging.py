@@ -94,11 +94,11 @@ def reduce_scatter_packed(group, shards, arrays, xp, counted, rank,
         if counted:
             return buffer.nonfinite_in, buffer.nonfinite_out
         return None
-    from mnopt import _cuda
     own = list(shards.own(rank))
     if shards.own_codec is None:
         offs = shards.layout.offsets
-        shards.own_codec = _cuda.Codec(
+        from mnopt.gpu.codec import Codec
+        shards.own_codec = Codec(
             shards.layout.wire, [shards.layout.sizes[i] for i in own],
             [offs[i] - lo for i in own])
     shards.own_codec.reset()

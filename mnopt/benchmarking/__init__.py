@@ -1,0 +1,1 @@
+"""The benchmark library: workloads, the timing harness and the cases."""

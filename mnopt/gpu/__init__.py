@@ -1,0 +1,1 @@
+"""The GPU pieces: CUDA stack diagnosis, device helpers, kernels."""
