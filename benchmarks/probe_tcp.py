@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..'))
 import mnopt  # NOQA
-from mnopt import ring  # NOQA
+from mnopt.transport import ring  # NOQA
 from mnopt.benchmark import grad_list, resnet50_grad_shapes  # NOQA
 import gloo_bench  # NOQA
 from ring_bench import (COUNTERS, run_cases, spread,  # NOQA

@@ -1,11 +1,11 @@
 """Agreements for the pieces that take any ChainerMN-like communicator
 (evaluators, extensions): over mnopt's private duplicate where the
-communicator is mnopt's (``comm.everyone``, mnopt/agreement.py), so they
+communicator is mnopt's (``comm.everyone``, mnopt/transport/agreement.py), so they
 never share the user's communicator; over the communicator's own
 ``allgather_obj`` otherwise, as ChainerMN's versions do.  Every rank holds
 the same kind of communicator, so every rank takes the same path."""
 
-from mnopt import agreement
+from mnopt.transport import agreement
 
 
 def everyone(comm, value, what):

@@ -23,14 +23,16 @@ import numpy
 from mpi4py import MPI
 
 from mnopt import _env
-from mnopt import _mpi
+from mnopt.transport import allreduce
+from mnopt.transport import buffers
+from mnopt.transport import layouts
 from mnopt import _sched
-from mnopt import agreement
+from mnopt.transport import agreement
 from mnopt import cores
 from mnopt import grad_buffer
 from mnopt import log
 from mnopt import overflow
-from mnopt import ring
+from mnopt.transport import ring
 from mnopt import sign
 from mnopt import stall
 from mnopt.arrays import array_module, named_grads, to_host
@@ -140,7 +142,7 @@ class _Group(object):
             layout = holder.layout
         else:
             layout = grad_buffer.make_layout(named, wire)
-        _mpi.check_layouts(self.comm, layout)
+        layouts.check_layouts(self.comm, layout)
         return layout
 
     def free(self):
@@ -226,7 +228,7 @@ def _start_janitor():
 def _background_thread_setup():
     """The background thread is latency-bound (mnopt/_sched.py): a short
     scheduler slice, and with it the ring's waits yield the core instead
-    of napping (mnopt/ring.py)."""
+    of napping (mnopt/transport/ring.py)."""
     ring.yield_while_waiting(_sched.prefer_low_latency())
 
 
@@ -410,7 +412,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         self.bucket_bytes = settings['bucket_bytes']
         self.batched_copy = settings['batched_copy']  # ChainerMN's
         #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
-        self.allreduce_algorithm = _mpi.allreduce_algorithm()
+        self.allreduce_algorithm = allreduce.allreduce_algorithm()
         #: The MPI communicators and thread this communicator holds: freed
         #: by finalize(), or when the communicator is garbage-collected
         #: (MPI has a few thousand communicators per process).
@@ -421,7 +423,7 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         CommunicatorBase._created += 1
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
-        cores.limit_blas_threads(_mpi.ranks_on_node(mpi_comm))
+        cores.limit_blas_threads(buffers.ranks_on_node(mpi_comm))
         if self._owns_monitor():
             self._resources.monitor = self._monitor
         intra, leaders, node, n_nodes = node_split(mpi_comm)
@@ -789,10 +791,10 @@ class CommunicatorBase(ChainerMNCollectives, ShardedCollectives):
         layout = grad_buffer.Layout([n for n, _ in named],
                                     [a.shape for _, a in named],
                                     [a.dtype for _, a in named], wire='-')
-        _mpi.check_layouts(comm, layout, what='parameters')
+        layouts.check_layouts(comm, layout, what='parameters')
         for _, array in named:
             host = to_host(array)
-            _mpi.bcast_bytes(comm, host, root)
+            buffers.bcast_bytes(comm, host, root)
             if host is not array:
                 array.set(host)
 

@@ -1,7 +1,10 @@
 from mpi4py import MPI
 
-from mnopt import _mpi
-from mnopt import ring
+from mnopt.transport import allreduce
+from mnopt.transport import buffers
+from mnopt.transport import polling
+from mnopt.transport import reduce
+from mnopt.transport import ring
 from mnopt.communicators.base import CommunicatorBase, _Group, node_split
 from mnopt.communicators.sharded import _views
 
@@ -30,13 +33,13 @@ class HierarchicalCommunicator(CommunicatorBase):
         leader = group.intra.rank == 0
         parts = list(buffer.host_parts())
         for part in parts:
-            _mpi.reduce_sum(group.intra, part, wire, root=0)
+            buffers.reduce_sum(group.intra, part, wire, root=0)
         if leader:
             # All buckets in one call: the ring pipelines them together.
-            _mpi.allreduce_sum_parts(group.inter, parts, wire,
+            allreduce.allreduce_sum_parts(group.inter, parts, wire,
                                      self.allreduce_algorithm)
         for part in parts:
-            _mpi.bcast_bytes(group.intra, part, root=0)
+            buffers.bcast_bytes(group.intra, part, root=0)
         buffer.from_host()
 
     # The sharded optimizer's transports (mnopt/communicators/sharded.py),
@@ -53,8 +56,8 @@ class HierarchicalCommunicator(CommunicatorBase):
         node, bounds = _nodes(group)
         for part in parts:
             for piece in _pieces(part, self.bucket_bytes):
-                _mpi.reduce_sum(group.intra, piece, wire, root=0)
-        mpi_type, _ = _mpi.wire_sum(wire)
+                buffers.reduce_sum(group.intra, piece, wire, root=0)
+        mpi_type, _ = reduce.wire_sum(wire)
         if group.intra.rank == 0:
             node_counts = [sum(shards.counts[bounds[k]:bounds[k + 1]])
                            for k in range(len(bounds) - 1)]
@@ -76,7 +79,7 @@ class HierarchicalCommunicator(CommunicatorBase):
                                  check=False)
         for part in parts:
             for piece in _pieces(part, self.bucket_bytes):
-                _mpi.bcast_bytes(group.intra, piece, root=0)
+                buffers.bcast_bytes(group.intra, piece, root=0)
 
 
 #: Tag of the sharded transports' messages inside a node.
@@ -127,7 +130,7 @@ def _scatter_in_node(group, first, stop, parts, starts, counts, mpi_type):
         requests = [intra.Irecv([view, mpi_type], 0, _SHARD_TAG)
                     for view in _views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
-    _mpi.wait_all(requests)
+    polling.wait_all(requests)
 
 
 def _gather_in_node(group, first, stop, parts, starts, counts):
@@ -143,4 +146,4 @@ def _gather_in_node(group, first, stop, parts, starts, counts):
         requests = [intra.Isend([view, MPI.BYTE], 0, _SHARD_TAG)
                     for view in _views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
-    _mpi.wait_all(requests)
+    polling.wait_all(requests)

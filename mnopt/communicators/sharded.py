@@ -27,7 +27,7 @@ collective over it:
 
 The transport is the communicator's, two methods it overrides
 (``_shard_reduce_scatter``, ``_shard_allgather``): ``flat`` runs mnopt's
-pipelined ring (mnopt/ring.py's ``*_parts``), ``hierarchical`` reduces
+pipelined ring (mnopt/transport/ring.py's ``*_parts``), ``hierarchical`` reduces
 inside each node, runs the ring among the node leaders over the nodes'
 ranges and sends each rank of the node its range (gathers, ring,
 broadcast for the parameters), ``naive`` (the reference) MPI's
@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 import numpy
 from mpi4py import MPI
 
-from mnopt import _mpi
-from mnopt import agreement
+from mnopt.transport import layouts
+from mnopt.transport import agreement
 from mnopt import grad_buffer
 from mnopt.arrays import array_module
 from mnopt.communicators.background import caller_ready, on_side_stream
@@ -175,7 +175,7 @@ def _agree(comm, shards, problem):
                          % '; '.join(bad))
     other = next(r for r in range(comm.size)
                  if details[r][1].digest != details[0][1].digest)
-    raise _mpi.LayoutMismatchError(
+    raise layouts.LayoutMismatchError(
         'ranks would exchange shards that do not line up (rank 0 vs rank '
         '%d): %s. Every rank must pass the same arrays (names, shapes, '
         'dtypes), the same allreduce_grad_dtype and the same '

@@ -1,5 +1,5 @@
 """The ranks' agreement on an iterator's arguments, checked once at
-creation (mnopt/agreement.py, over the communicator's private channel)."""
+creation (mnopt/transport/agreement.py, over the communicator's private channel)."""
 
 
 def same_on_every_rank(communicator, what, value):

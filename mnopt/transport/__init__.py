@@ -1,0 +1,1 @@
+"""The transport layer: moving bytes between ranks (MPI, the ring, NCCL) and agreeing."""
