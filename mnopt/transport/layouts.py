@@ -1,9 +1,7 @@
 """The check that every rank's gradient set lines up before it is summed:
-LayoutMismatchError on every rank otherwise."""
+LayoutMismatchError on every rank otherwise (through mnopt's agreement)."""
 
-import numpy
-
-from mnopt.transport import objects
+from mnopt.transport import agreement
 
 
 class LayoutMismatchError(ValueError):
@@ -16,11 +14,10 @@ def check_layouts(comm, layout, what='gradients'):
     Costs one Allgather of 8 bytes per rank when they agree; only on a
     mismatch are the full layouts exchanged to name the first difference.
     """
-    digests = numpy.empty(comm.size, dtype=numpy.int64)
-    comm.Allgather(numpy.array([layout.digest], dtype=numpy.int64), digests)
+    digests = agreement.numbers(comm, [layout.digest])[:, 0]
     if (digests == digests[0]).all():
         return
-    layouts = objects.allgather_obj(comm, layout)
+    layouts = agreement.everyone(comm, layout, 'the check of the %s' % what)
     bad = next(r for r in range(comm.size) if layouts[r].key != layouts[0].key)
     raise LayoutMismatchError(
         'ranks would reduce %s that do not line up (rank 0 vs rank %d): %s. '

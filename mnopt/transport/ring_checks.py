@@ -1,12 +1,13 @@
 """The ring's argument checks: with ``check=True`` every rank raises the
 same ValueError unless all pass sound arguments and the same size, wire
-and counts (one small all-gather)."""
+and counts (one small all-gather through mnopt's agreement)."""
 
 import zlib
 
 import numpy
 
 from mnopt import wire_dtypes
+from mnopt.transport import agreement
 from mnopt.transport import polling
 
 #: The wires the ring sums (their order numbers them in ``agree``).
@@ -104,7 +105,8 @@ _PROBLEM_BYTES = 256
 def agree(comm, size, wire, counts, problem):
     """Raise ValueError on every rank unless every rank has no problem and
     the same size, wire and counts: one all-gather of 4 numbers and a line
-    of text per rank, waited for by polling (like the ring's own waits)."""
+    of text per rank (``agreement.numbers``), waited for by polling (like
+    the ring's own waits), then ``agreement.settle``."""
     if comm.size == 1:
         if problem:
             raise ValueError(problem)
@@ -116,16 +118,12 @@ def agree(comm, size, wire, counts, problem):
         -1 if wire is None else WIRES.index(wire) if wire in WIRES else -2,
         zlib.crc32(numpy.asarray(counts, dtype=numpy.int64).tobytes())],
         dtype=numpy.int64), numpy.frombuffer(text, numpy.int64)])
-    everyone = numpy.empty((comm.size, mine.size), dtype=numpy.int64)
-    polling.wait_all([comm.Iallgather(mine, everyone)])
-    if problem:
-        raise ValueError(problem)
-    failed = ['rank %d: %s' % (r, everyone[r, 4:].tobytes().rstrip(b'\0')
-                               .decode(errors='replace'))
-              for r in range(comm.size) if everyone[r, 0]]
-    if failed:
-        raise ValueError('ring collective: bad arguments on %s'
-                         % '; '.join(failed))
+    everyone = agreement.numbers(comm, mine, wait=polling.wait_all)
+    agreement.settle(
+        ValueError(problem) if problem else None,
+        [everyone[r, 4:].tobytes().rstrip(b'\0').decode(errors='replace')
+         if everyone[r, 0] else None for r in range(comm.size)],
+        'ring collective', ValueError, '%s: bad arguments on %s')
     differ = [r for r in range(comm.size)
               if (everyone[r, 1:4] != everyone[0, 1:4]).any()]
     if differ:
