@@ -92,7 +92,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..'))
 import mnopt  # NOQA
-from mnopt import _mpi, netsim  # NOQA
+from mnopt import netsim  # NOQA
+from mnopt.transport import allreduce  # NOQA
 from mnopt.benchmarking.workloads import (grad_list,  # NOQA
                                           resnet50_grad_shapes)
 from ring_bench import raw_mpi, run_cases, spread  # NOQA
@@ -350,7 +351,7 @@ def main():
               'shared_grads': args.shared_grads,
               'n_grads': len(shapes), 'argv': sys.argv,
               'mnopt_allreduce': os.environ.get('MNOPT_ALLREDUCE', 'auto'),
-              'mnopt_float32_by': 'ring' if _mpi.uses_ring(
+              'mnopt_float32_by': 'ring' if allreduce.uses_ring(
                   world, 'float32', nbytes) else 'MPI Allreduce',
               'gloo_note': gloo_note, 'cases': [], 'sizes': []}
     if gloo_note is None:

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..'))
 import mnopt  # NOQA
-from mnopt import ring  # NOQA
+from mnopt.transport import ring  # NOQA
 from mnopt.benchmarking.workloads import (grad_list,  # NOQA
                                           resnet50_grad_shapes)
 from ring_bench import run_cases, spread  # NOQA

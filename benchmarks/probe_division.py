@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(HERE, '..'))
 import numpy
 from mpi4py import MPI
 import mnopt
-from mnopt import ring, _mpi
+from mnopt.transport import allreduce, ring
 from ring_bench import run_cases, spread
 import gloo_bench
 from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes
@@ -27,7 +27,7 @@ grads = [(n, g.copy()) for n, g in base]
 lazy = mnopt.create_communicator('flat')
 first = mnopt.create_communicator('flat')
 def old_sum(buffer, group):
-    _mpi.allreduce_sum_parts(group.comm, list(buffer.host_parts()), buffer.layout.wire, first.allreduce_algorithm)
+    allreduce.allreduce_sum_parts(group.comm, list(buffer.host_parts()), buffer.layout.wire, first.allreduce_algorithm)
     buffer.from_host()
 first._sum = old_sum
 n = sum(g.size for _, g in base)

@@ -17,7 +17,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..'))
 import numpy
 from mpi4py import MPI
-from mnopt import ring
+from mnopt.transport import ring
 from ring_bench import run_cases, spread
 import gloo_bench
 from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..'))
 import mnopt  # NOQA
-from mnopt import ring  # NOQA
+from mnopt.transport import ring  # NOQA
 from mnopt.benchmarking.workloads import (grad_list,  # NOQA
                                           resnet50_grad_shapes)
 import gloo_bench  # NOQA

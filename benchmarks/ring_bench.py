@@ -1,4 +1,4 @@
-"""mnopt's pipelined ring (mnopt/ring.py) against MPI's Allreduce, side by
+"""mnopt's pipelined ring (mnopt/transport/ring.py) against MPI's Allreduce, side by
 side in one run, with the CPU's idle share beside each time.
 
     python -m mnopt.netsim run --nodes 8 --rate 250mbit -- \\
@@ -17,7 +17,7 @@ time the slowest rank's:
   1 MiB (MPICH's best chunking here; whole-buffer calls are slower);
 
 and, with ``--sizes``, one buffer of each size by ring and by MPI
-Allreduce (the evidence for mnopt/_mpi.py's auto rule).
+Allreduce (the evidence for mnopt/transport/allreduce.py's auto rule).
 
 CPU idle: the share of the machine's CPU time (/proc/stat, every core;
 the simulated nodes share them) that was idle while the case ran.
@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import mnopt  # NOQA
-from mnopt import ring  # NOQA
+from mnopt.transport import ring  # NOQA
 from mnopt.benchmarking.workloads import (grad_list,  # NOQA
                                           resnet50_grad_shapes)
 

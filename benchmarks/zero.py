@@ -50,7 +50,7 @@ import tracemalloc
 import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
-from mnopt import ring
+from mnopt.transport import ring
 from mnopt.benchmarking.harness import spread
 from mnopt.benchmarking.workloads import resnet50_grad_shapes
 import chainer  # NOQA
@@ -104,7 +104,7 @@ def measure_memory(args):
     result = {'ranks': world.size, 'communicator': args.communicator,
               'optimizer': args.optimizer, 'model': args.model,
               'model_params': model_text, 'parameter_bytes': param_bytes,
-              'allreduce': mnopt._mpi.allreduce_algorithm()}
+              'allreduce': mnopt.transport.allreduce.allreduce_algorithm()}
     modes = args.modes.split(',')
     x = rng.standard_normal((args.batch, args.width)).astype(numpy.float32)
     result['step'] = ('forward, backward and update of %d rows' % args.batch

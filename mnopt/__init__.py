@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from mnopt import functions as functions
     from mnopt import iterators as iterators
     from mnopt import links as links
-    from mnopt._mpi import LayoutMismatchError as LayoutMismatchError
+    from mnopt.transport.layouts import LayoutMismatchError as LayoutMismatchError
     from mnopt.communicators import create_communicator as create_communicator
     from mnopt.communicators.base import CommunicatorBase as CommunicatorBase
     from mnopt.datasets import DataSizeError as DataSizeError
@@ -58,7 +58,7 @@ _mnopt_chainer_numpy2.install_import_hook()
 _CORE = {
     'create_communicator': 'mnopt.communicators',
     'CommunicatorBase': 'mnopt.communicators.base',
-    'LayoutMismatchError': 'mnopt._mpi',
+    'LayoutMismatchError': 'mnopt.transport.layouts',
     'GradientOverflowError': 'mnopt.overflow',
 }
 

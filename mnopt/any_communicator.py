@@ -1,11 +1,12 @@
 """Agreements for the pieces that take any ChainerMN-like communicator
-(evaluators, extensions): over mnopt's private duplicate where the
-communicator is mnopt's (``comm.everyone``, mnopt/agreement.py), so they
-never share the user's communicator; over the communicator's own
-``allgather_obj`` otherwise, as ChainerMN's versions do.  Every rank holds
-the same kind of communicator, so every rank takes the same path."""
+(evaluators, extensions, iterators): over mnopt's private duplicate where
+the communicator is mnopt's (``comm.everyone``,
+mnopt/transport/agreement.py), so they never share the user's
+communicator; over the communicator's own ``allgather_obj`` otherwise, as
+ChainerMN's versions do.  Every rank holds the same kind of communicator,
+so every rank takes the same path."""
 
-from mnopt import agreement
+from mnopt.transport import agreement
 
 
 def everyone(comm, value, what):
@@ -23,3 +24,13 @@ def raise_together(comm, problem, what):
         return comm.raise_together(problem, what)
     agreement.settle(problem, comm.allgather_obj(agreement.describe(problem)),
                      what)
+
+
+def same_on_every_rank(comm, what, value):
+    """Raise ValueError on every rank unless every rank passed the same
+    ``value`` (agreement.unequal names every rank's); otherwise return it.
+    The iterators check their arguments with it once, at creation."""
+    message = agreement.unequal(everyone(comm, value, what), what)
+    if message:
+        raise ValueError(message)
+    return value

@@ -26,17 +26,11 @@ import weakref
 
 import numpy
 
-try:  # optional C loops for float16/bfloat16 (mnopt/_halfcast.c)
-    from mnopt import _halfcast
-except ImportError:  # no compiler at install time: numpy does it, slower
-    _halfcast = None
-if _halfcast is not None and getattr(_halfcast, 'API', 1) != 2:
-    import warnings
-    warnings.warn('mnopt/_halfcast was built from older sources; using numpy '
-                  'instead (pip install -e . rebuilds it)')
-    _halfcast = None
-
-WIRE_DTYPES = ('float16', 'bfloat16', 'float32', 'float64')
+from mnopt.wire_dtypes import WIRE_DTYPES  # NOQA: re-exported
+from mnopt.wire_dtypes import bfloat16_bits_to_float32  # NOQA: re-exported
+from mnopt.wire_dtypes import float32_to_bfloat16_bits  # NOQA: re-exported
+from mnopt.wire_dtypes import halfcast as _halfcast
+from mnopt.wire_dtypes import storage_dtype  # NOQA: re-exported
 
 #: Default bucket: 1 MiB of wire data.  Measured (docs/benchmarks.md): on
 #: 1 Gbit/s links between 4 nodes, MPICH reduces 1 MiB pieces 18-25% faster
@@ -67,37 +61,12 @@ def normalize_wire_dtype(dtype):
     return name
 
 
-def storage_dtype(wire):
-    """The numpy dtype that holds ``wire`` values in memory."""
-    return numpy.dtype(numpy.uint16 if wire == 'bfloat16' else wire)
-
-
 def default_wire_dtype(grad_dtypes):
     """With allreduce_grad_dtype=None, gradients travel in their own dtype;
     a mixed set travels in the widest of them."""
     if not grad_dtypes:
         return 'float32'
     return numpy.result_type(*grad_dtypes).name
-
-
-# --------------------------------------------------------------- bfloat16
-
-def float32_to_bfloat16_bits(x):
-    """Round float32 ``x`` to nearest-even bfloat16; returns uint16 bits."""
-    x = numpy.ascontiguousarray(x, dtype=numpy.float32)
-    bits = x.view(numpy.uint32)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    out = rounded.astype(numpy.uint16)
-    # Rounding can carry a NaN's payload into the exponent: keep it NaN.
-    nan = numpy.isnan(x)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
-def bfloat16_bits_to_float32(bits):
-    return (numpy.asarray(bits, dtype=numpy.uint16).astype(numpy.uint32)
-            << 16).view(numpy.float32)
 
 
 # --------------------------------------------------------------- layout

@@ -30,7 +30,7 @@ stderr.
 
 import time
 
-from mnopt import agreement
+from mnopt.transport import agreement
 from mnopt import log
 
 logger = log.get(__name__)

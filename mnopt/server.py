@@ -31,7 +31,7 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mnopt import _mpi
+from mnopt.transport import polling
 from mnopt import _sched
 from mnopt import grad_buffer
 from mnopt import log
@@ -287,7 +287,7 @@ def _receive_headers(chan, workers, headers, byes, monitor, name,
                 break
     watch = None
     while True:
-        done = _mpi.wait_some(requests)
+        done = polling.wait_some(requests)
         if done is None:
             return watch
         for k in done:
@@ -427,7 +427,7 @@ def _reduce(chan, workers, header, memory, stats):
 
     def post(c):
         k = c % n_slots
-        _mpi.wait_all(sends[k])  # its last result has left
+        polling.wait_all(sends[k])  # its last result has left
         size = pieces[c].stop - pieces[c].start
         stage = slots[k][0]
         recvs[c] = [chan.Irecv([stage[i, :size], MPI.BYTE], source=w,
@@ -441,7 +441,7 @@ def _reduce(chan, workers, header, memory, stats):
         k = c % n_slots
         size = piece.stop - piece.start
         t0 = time.perf_counter()
-        _mpi.wait_all(recvs[c])
+        polling.wait_all(recvs[c])
         t1 = time.perf_counter()
         stage, result = slots[k]
         combine(stage, result, size, shard_start + piece.start)
@@ -455,7 +455,7 @@ def _reduce(chan, workers, header, memory, stats):
             stats.add('reduce', t2 - t1)
     t3 = time.perf_counter()
     for s in sends:
-        _mpi.wait_all(s)
+        polling.wait_all(s)
     if stats is not None:
         stats.add('send', time.perf_counter() - t3)
         stats.bytes += 2 * n * shard_len * dtype.itemsize

@@ -37,8 +37,8 @@ bit order within a byte), so buffers of K elements are ceil(K/8) bytes.
 import math
 
 import numpy
+from mpi4py import MPI
 
-from mnopt import _mpi
 from mnopt import grad_buffer
 
 try:  # optional one-pass C loops (mnopt/_signbits.c), bit-identical
@@ -340,8 +340,8 @@ def counting_ring_vote(comm, bits, n_elements, step, stats=None):
         out = pack_counts(counts, count_bits(s + 1))
         lo, hi = seg(rank - s - 1)
         got = numpy.empty(count_bits(s + 1) * ((hi - lo + 7) // 8), numpy.uint8)
-        comm.Sendrecv([out, _mpi.MPI.BYTE], right, tag,
-                      [got, _mpi.MPI.BYTE], left, tag)
+        comm.Sendrecv([out, MPI.BYTE], right, tag,
+                      [got, MPI.BYTE], left, tag)
         sent += out.size
         counts = unpack_counts(got, count_bits(s + 1), hi - lo, count_dtype)
         add_bits(counts, bits, lo)
@@ -356,8 +356,8 @@ def counting_ring_vote(comm, bits, n_elements, step, stats=None):
         in_lo, in_hi = seg(rank - s)
         out = majority[out_lo // 8:(out_hi + 7) // 8]
         into = majority[in_lo // 8:(in_hi + 7) // 8]
-        comm.Sendrecv([out, _mpi.MPI.BYTE], right, tag,
-                      [into, _mpi.MPI.BYTE], left, tag)
+        comm.Sendrecv([out, MPI.BYTE], right, tag,
+                      [into, MPI.BYTE], left, tag)
         sent += out.size
     if stats is not None:
         stats['bytes_sent'] = stats.get('bytes_sent', 0) + sent
@@ -382,9 +382,9 @@ def alltoall_vote(comm, bits, n_elements, step, stats=None):
     nbytes = [(hi + 7) // 8 - lo // 8 for lo, hi in zip(bounds, bounds[1:])]
     mine = nbytes[rank]
     gathered = numpy.empty((size, mine), numpy.uint8)
-    comm.Alltoallv([bits, (nbytes, first), _mpi.MPI.BYTE],
+    comm.Alltoallv([bits, (nbytes, first), MPI.BYTE],
                    [gathered, ([mine] * size, [mine * r for r in range(size)]),
-                    _mpi.MPI.BYTE])
+                    MPI.BYTE])
     lo, hi = bounds[rank], bounds[rank + 1]
     count_dtype = numpy.uint8 if size < 256 else numpy.uint16
     counts = numpy.zeros(hi - lo, count_dtype)
@@ -393,8 +393,8 @@ def alltoall_vote(comm, bits, n_elements, step, stats=None):
     majority = numpy.empty((n_elements + 7) // 8, numpy.uint8)
     majority[first[rank]:first[rank] + mine] = numpy.packbits(
         majority_bits(counts, size, lo, step))
-    comm.Allgatherv(_mpi.MPI.IN_PLACE,
-                    [majority, (nbytes, first), _mpi.MPI.BYTE])
+    comm.Allgatherv(MPI.IN_PLACE,
+                    [majority, (nbytes, first), MPI.BYTE])
     if stats is not None:
         sent = sum(nbytes) - mine + mine * (size - 1)
         stats['bytes_sent'] = stats.get('bytes_sent', 0) + sent

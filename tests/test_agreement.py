@@ -1,5 +1,5 @@
-"""mnopt/agreement.py: every rank sees what every rank said, and decides
-alike.  Runs serially and under mpiexec -n 2 / -n 3 (the rank-dependent
+"""mnopt/transport/agreement.py: every rank sees what every rank said,
+and decides alike.  Runs serially and under mpiexec -n 2 / -n 3 (the rank-dependent
 answers are checked against what they must be), plus one spawned job."""
 
 import time
@@ -10,7 +10,7 @@ from mpi4py import MPI
 from conftest import run_mpi, slack
 
 import mnopt
-from mnopt import agreement
+from mnopt.transport import agreement
 
 # Also under mpiexec -n 3: a middle rank (neither first nor last) disagrees.
 pytestmark = pytest.mark.many_ranks

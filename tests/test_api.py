@@ -5,7 +5,7 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import _mpi
+from mnopt.transport import objects
 from conftest import WORLD, chainer, make_model, needs_chainer
 
 
@@ -90,7 +90,7 @@ def test_send_recv_ring(comm):
 
 def test_object_collectives_in_chunks(comm, monkeypatch):
     # Tiny chunks: the chunking that lets objects exceed 2 GiB is exercised.
-    monkeypatch.setattr(_mpi, 'OBJ_CHUNK_BYTES', 7)
+    monkeypatch.setattr(objects, 'OBJ_CHUNK_BYTES', 7)
     r, n = comm.rank, comm.size
     obj = {'rank': r, 'blob': 'x' * (100 + r), 'arr': numpy.arange(r + 5)}
     got = comm.bcast_obj(obj if r == 0 else None)

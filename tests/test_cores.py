@@ -7,7 +7,8 @@ import pytest
 from mpi4py import MPI
 
 import mnopt
-from mnopt import _mpi, cores, netsim
+from mnopt import cores, netsim
+from mnopt.transport import buffers
 
 threadpoolctl = pytest.importorskip('threadpoolctl')
 
@@ -47,7 +48,7 @@ def test_a_communicator_gives_each_rank_its_share(no_user_setting,
         pytest.skip('NumPy runs on no BLAS that threadpoolctl knows')
     comm = mnopt.create_communicator('flat')
     try:
-        share = cores.share(_mpi.ranks_on_node(MPI.COMM_WORLD))
+        share = cores.share(buffers.ranks_on_node(MPI.COMM_WORLD))
         assert max(blas_threads()) <= share
     finally:
         comm.finalize()

@@ -148,7 +148,7 @@ def test_mean_grads_async_matches_sync(comm_name):
 @pytest.mark.parametrize('wire', ['float16', 'bfloat16'])
 @pytest.mark.parametrize('n', [1, 2, 5, 1000, 4099])
 def test_16_bit_ring_is_exact_and_the_same_on_every_rank(wire, n):
-    from mnopt import _mpi
+    from mnopt.transport import allreduce
     from mnopt import grad_buffer as gb
     values = numpy.arange(n) % 8 * 0.25 + WORLD.rank   # exact sums
     want = numpy.arange(n) % 8 * 0.25 * WORLD.size \
@@ -157,7 +157,7 @@ def test_16_bit_ring_is_exact_and_the_same_on_every_rank(wire, n):
         a = values.astype(numpy.float16)
     else:
         a = gb.float32_to_bfloat16_bits(values.astype(numpy.float32))
-    _mpi.allreduce_sum(WORLD, a, wire)
+    allreduce.allreduce_sum(WORLD, a, wire)
     got = a.astype(numpy.float64) if wire == 'float16' else \
         gb.bfloat16_bits_to_float32(a).astype(numpy.float64)
     numpy.testing.assert_array_equal(got, want)
@@ -170,15 +170,15 @@ def test_16_bit_ring_is_exact_and_the_same_on_every_rank(wire, n):
 def test_naive_sums_each_array_on_its_own(monkeypatch, wire):
     # The reference: one collective per array, as ChainerMN's naive does
     # (flat puts every array in one ring or bucketed Allreduce).
-    from mnopt import _mpi
+    from mnopt.transport import allreduce
     sums = []
-    real = _mpi.allreduce_sum_parts
+    real = allreduce.allreduce_sum_parts
 
     def recording(comm, parts, *args):
         sums.append([p.size for p in parts])
         return real(comm, parts, *args)
 
-    monkeypatch.setattr(_mpi, 'allreduce_sum_parts', recording)
+    monkeypatch.setattr(allreduce, 'allreduce_sum_parts', recording)
     monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', '1')
     comm = mnopt.create_communicator('naive', allreduce_grad_dtype=wire)
     try:

@@ -1,5 +1,5 @@
-"""mnopt/ring.py: the pipelined ring's reduce-scatter, all-gather and
-allreduce, against the exact order the module promises (chunk c summed as
+"""mnopt/transport/ring.py: the pipelined ring's reduce-scatter, all-gather
+and allreduce, against the exact order the module promises (chunk c summed as
 x[c+1] + x[c+2] + ... + x[c]), a float64 reference, and every rank's bits.
 
 Runs serially and under mpiexec -n 2, -n 3 (and -n 4).
@@ -13,9 +13,10 @@ import pytest
 from mpi4py import MPI
 
 import mnopt
-from mnopt import _mpi
+from mnopt.transport import allreduce
+from mnopt.transport import buffers
 from mnopt import grad_buffer as gb
-from mnopt import ring
+from mnopt.transport import ring
 from conftest import WORLD, run_mpi, slack
 
 # Also under mpiexec -n 3: ring segments and neighbours differ at 3 ranks.
@@ -354,10 +355,10 @@ def test_a_strided_array_is_refused():
 def test_allreduce_sum_agrees_with_itself_across_algorithms(algorithm, wire):
     mine = to_wire(rank_values(30011, WORLD.rank, seed=5), wire)
     a, b = mine.copy(), mine.copy()
-    _mpi.allreduce_sum(WORLD, a, wire, algorithm)
+    allreduce.allreduce_sum(WORLD, a, wire, algorithm)
     ring.allreduce_sum(WORLD, b, wire)
     assert everyone_has_the_same_bits(a)
-    if N <= 2 or _mpi.uses_ring(WORLD, wire, a.nbytes, algorithm):
+    if N <= 2 or allreduce.uses_ring(WORLD, wire, a.nbytes, algorithm):
         assert a.tobytes() == b.tobytes()
     else:
         inputs = WORLD.allgather(mine)
@@ -367,24 +368,24 @@ def test_allreduce_sum_agrees_with_itself_across_algorithms(algorithm, wire):
 
 
 def test_auto_keeps_mpi_inside_one_node_and_for_small_sums():
-    if _mpi.nodes_of(WORLD) != 1:
+    if buffers.nodes_of(WORLD) != 1:
         pytest.skip('a test for one shared-memory node')
-    big = _mpi.RING_MIN_BYTES * 16
-    assert not _mpi.uses_ring(WORLD, 'float32', big, 'auto')
-    assert not _mpi.uses_ring(WORLD, 'float32', 4, 'auto')
-    assert _mpi.uses_ring(WORLD, 'float16', 4, 'auto') == (N > 1)
-    assert _mpi.uses_ring(WORLD, 'float32', 4, 'ring') == (N > 1)
-    assert not _mpi.uses_ring(WORLD, 'bfloat16', big, 'mpi')
+    big = allreduce.RING_MIN_BYTES * 16
+    assert not allreduce.uses_ring(WORLD, 'float32', big, 'auto')
+    assert not allreduce.uses_ring(WORLD, 'float32', 4, 'auto')
+    assert allreduce.uses_ring(WORLD, 'float16', 4, 'auto') == (N > 1)
+    assert allreduce.uses_ring(WORLD, 'float32', 4, 'ring') == (N > 1)
+    assert not allreduce.uses_ring(WORLD, 'bfloat16', big, 'mpi')
 
 
 def test_the_setting_is_read_and_checked(monkeypatch):
     monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring')
-    assert _mpi.allreduce_algorithm() == 'ring'
+    assert allreduce.allreduce_algorithm() == 'ring'
     monkeypatch.setenv('MNOPT_ALLREDUCE', '')
-    assert _mpi.allreduce_algorithm() == 'auto'
+    assert allreduce.allreduce_algorithm() == 'auto'
     monkeypatch.setenv('MNOPT_ALLREDUCE', 'nccl')
     with pytest.raises(ValueError, match="MNOPT_ALLREDUCE='nccl'"):
-        _mpi.allreduce_algorithm()
+        allreduce.allreduce_algorithm()
 
 
 @pytest.mark.parametrize('name', ['flat', 'hierarchical', 'naive'])

@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import mnopt
-from mnopt._mpi import LayoutMismatchError
+from mnopt.transport.layouts import LayoutMismatchError
 
 from conftest import chainer, needs_chainer
 
@@ -102,8 +102,8 @@ def test_reduce_scatter_mean_exact(comm_name, wire):
 
 
 def _ring_order_mean(arrays_of_rank, size, counts, wire_dtype):
-    """Chunk c summed as mnopt/ring.py does: x[c+1] + x[c+2] + ... + x[c]
-    (rank numbers mod N), in the wire dtype, after dividing by N."""
+    """Chunk c summed as mnopt/transport/ring.py does: x[c+1] + x[c+2] +
+    ... + x[c] (rank numbers mod N), in the wire dtype, after dividing by N."""
     flat = [numpy.concatenate([a.reshape(-1) for a in arrays_of_rank(r)])
             .astype(numpy.float32) for r in range(size)]
     packed = [numpy.divide(f, size, dtype=numpy.float32).astype(wire_dtype)

@@ -176,7 +176,7 @@ def _agree_to_start(comm, problem, shared, name, stall_warning, timeout):
     RuntimeError naming it); else if the shared settings differ, every
     rank raises the same ValueError naming each setting and every rank's
     value."""
-    from mnopt import agreement
+    from mnopt.transport import agreement
     what = 'create_communicator(%r)' % (name,)
     said = agreement.everyone(
         comm, (agreement.describe(problem), shared),

@@ -5,13 +5,13 @@ reduce-scatter)."""
 import numpy
 
 from mnopt import _sched
-from mnopt import ring
+from mnopt.transport import ring
 
 
 def thread_setup():
     """The background thread's initializer.  It is latency-bound
     (mnopt/_sched.py): a short scheduler slice, and with it the ring's
-    waits yield the core instead of napping (mnopt/ring.py)."""
+    waits yield the core instead of napping (mnopt/transport/ring.py)."""
     ring.yield_while_waiting(_sched.prefer_low_latency())
 
 

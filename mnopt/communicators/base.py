@@ -25,8 +25,8 @@ import numpy
 from mpi4py import MPI
 
 from mnopt import _env
-from mnopt import _mpi
-from mnopt import agreement
+from mnopt.transport import allreduce, buffers
+from mnopt.transport import agreement
 from mnopt import cores
 from mnopt import grad_buffer
 from mnopt import overflow
@@ -87,7 +87,7 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         self.bucket_bytes = settings['bucket_bytes']
         self.batched_copy = settings['batched_copy']  # ChainerMN's
         #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
-        self.allreduce_algorithm = _mpi.allreduce_algorithm()
+        self.allreduce_algorithm = allreduce.allreduce_algorithm()
         #: The MPI communicators and thread this communicator holds: freed
         #: by finalize(), or when the communicator is garbage-collected
         #: (MPI has a few thousand communicators per process).
@@ -105,7 +105,7 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         MpiCommunicatorBase._created += 1
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
-        cores.limit_blas_threads(_mpi.ranks_on_node(mpi_comm))
+        cores.limit_blas_threads(buffers.ranks_on_node(mpi_comm))
         if self._owns_monitor():
             resources.monitor = self._monitor
         intra, leaders, node, n_nodes = node_split(mpi_comm)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from mnopt import _mpi
+from mnopt.transport import buffers, layouts
 from mnopt import grad_buffer
 from mnopt.arrays import array_module, named_grads, to_host
 from mnopt.stall import watched
@@ -62,10 +62,10 @@ class ChainerGlue(object):
         layout = grad_buffer.Layout([n for n, _ in named],
                                     [a.shape for _, a in named],
                                     [a.dtype for _, a in named], wire='-')
-        _mpi.check_layouts(comm, layout, what='parameters')
+        layouts.check_layouts(comm, layout, what='parameters')
         for _, array in named:
             host = to_host(array)
-            _mpi.bcast_bytes(comm, host, root)
+            buffers.bcast_bytes(comm, host, root)
             if host is not array:
                 array.set(host)
 

@@ -2,7 +2,7 @@
 ``allreduce``, ``send_obj``, ...), mixed into every communicator.
 
 Arrays travel as host copies (GPU arrays come back as CuPy arrays on the
-receiver's current device); objects are pickled in chunks by ``_mpi``.
+receiver's current device); objects are pickled in chunks by ``transport.objects``.
 Every call is stall-watched like the gradient averaging: a rank that never
 joins is reported, not waited on forever.
 """
@@ -15,7 +15,8 @@ from typing import Any
 import numpy
 from mpi4py import MPI
 
-from mnopt import _mpi
+from mnopt.transport import allreduce
+from mnopt.transport import objects
 from mnopt import grad_buffer
 from mnopt.arrays import as_array_like, to_host
 from mnopt.stall import watched
@@ -49,32 +50,32 @@ class ChainerMNCollectives(object):
 
     @watched('send', collective=False)
     def send(self, data: Any, dest: int, tag: int) -> None:
-        _mpi.send_obj(self.mpi_comm, host_message(data), dest, tag)
+        objects.send_obj(self.mpi_comm, host_message(data), dest, tag)
 
     @watched('recv', collective=False)
     def recv(self, source: int, tag: int) -> Any:
-        return device_message(_mpi.recv_obj(self.mpi_comm, source, tag))
+        return device_message(objects.recv_obj(self.mpi_comm, source, tag))
 
     @watched('bcast')
     def bcast(self, x: Any, root: int = 0) -> Any:
-        msg = _mpi.bcast_obj(self.mpi_comm, host_message(x)
+        msg = objects.bcast_obj(self.mpi_comm, host_message(x)
                              if self.rank == root else None, root)
         return x if self.rank == root else device_message(msg)
 
     @watched('gather')
     def gather(self, x: Any, root: int = 0) -> tuple[Any, ...] | None:
-        msgs = _mpi.gather_obj(self.mpi_comm, host_message(x), root)
+        msgs = objects.gather_obj(self.mpi_comm, host_message(x), root)
         return None if msgs is None else tuple(map(device_message, msgs))
 
     @watched('allgather')
     def allgather(self, x: Any) -> tuple[Any, ...]:
         return tuple(map(device_message,
-                         _mpi.allgather_obj(self.mpi_comm, host_message(x))))
+                         objects.allgather_obj(self.mpi_comm, host_message(x))))
 
     @watched('scatter')
     def scatter(self, xs: Sequence[Any] | None, root: int = 0) -> Any:
         msgs = [host_message(x) for x in xs] if self.rank == root else None
-        return device_message(_mpi.scatter_obj(self.mpi_comm, msgs, root))
+        return device_message(objects.scatter_obj(self.mpi_comm, msgs, root))
 
     @watched('alltoall')
     def alltoall(self, xs: Sequence[Any]) -> tuple[Any, ...]:
@@ -90,44 +91,44 @@ class ChainerMNCollectives(object):
     def allreduce(self, x: Any) -> Any:
         """Element-wise sum of ``x`` over all ranks (a new array)."""
         host = numpy.array(to_host(x), copy=True)
-        headers = _mpi.allgather_obj(self.mpi_comm, (host.shape, host.dtype.name))
+        headers = objects.allgather_obj(self.mpi_comm, (host.shape, host.dtype.name))
         if any(h != headers[0] for h in headers):
             raise ValueError('allreduce: ranks hold different arrays: %s'
                              % ', '.join('rank %d %s %s' % ((r,) + h)
                                          for r, h in enumerate(headers)))
         if host.dtype.name in grad_buffer.WIRE_DTYPES:
-            _mpi.allreduce_sum(self.mpi_comm, host.reshape(-1), host.dtype.name)
+            allreduce.allreduce_sum(self.mpi_comm, host.reshape(-1), host.dtype.name)
         else:
             self.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
         return as_array_like(host, x)
 
     @watched('send_obj', collective=False)
     def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
-        _mpi.send_obj(self.mpi_comm, obj, dest, tag)
+        objects.send_obj(self.mpi_comm, obj, dest, tag)
 
     @watched('recv_obj', collective=False)
     def recv_obj(self, source: int, status: MPI.Status | None = None,
                  tag: int = MPI.ANY_TAG) -> Any:
-        return _mpi.recv_obj(self.mpi_comm, source, tag, status)
+        return objects.recv_obj(self.mpi_comm, source, tag, status)
 
     @watched('bcast_obj')
     def bcast_obj(self, obj: Any, max_buf_len: int | None = None,
                   root: int = 0) -> Any:
-        return _mpi.bcast_obj(self.mpi_comm, obj, root)
+        return objects.bcast_obj(self.mpi_comm, obj, root)
 
     @watched('gather_obj')
     def gather_obj(self, obj: Any, root: int = 0) -> list[Any] | None:
-        return _mpi.gather_obj(self.mpi_comm, obj, root)
+        return objects.gather_obj(self.mpi_comm, obj, root)
 
     @watched('allgather_obj')
     def allgather_obj(self, obj: Any) -> list[Any]:
-        return _mpi.allgather_obj(self.mpi_comm, obj)
+        return objects.allgather_obj(self.mpi_comm, obj)
 
     @watched('allreduce_obj')
     def allreduce_obj(self, obj: Any) -> Any:
         """Sum of ``obj`` over ranks with ``+``, in rank order (the same
         result on every rank)."""
-        objs = _mpi.allgather_obj(self.mpi_comm, obj)
+        objs = objects.allgather_obj(self.mpi_comm, obj)
         total = objs[0]
         for o in objs[1:]:
             total = total + o
@@ -136,4 +137,4 @@ class ChainerMNCollectives(object):
     @watched('scatter_obj')
     def scatter_obj(self, objs: Sequence[Any] | None, root: int = 0
                     ) -> Any:
-        return _mpi.scatter_obj(self.mpi_comm, objs, root)
+        return objects.scatter_obj(self.mpi_comm, objs, root)

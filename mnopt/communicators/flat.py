@@ -1,16 +1,16 @@
 """The flat communicator: every rank's gradients summed in one ring (or
 MPI's Allreduce) over all ranks."""
 
-from mnopt import _mpi
-from mnopt import ring
+from mnopt.transport import allreduce
+from mnopt.transport import ring
 from mnopt.communicators.base import MpiCommunicatorBase
 
 
 class FlatCommunicator(MpiCommunicatorBase):
     """Gradients packed into one buffer (large ones that need no cast are
     reduced where they are) and summed across all ranks: on mnopt's
-    pipelined ring (mnopt/ring.py), every part in one ring, or with MPI's
-    Allreduce one bucket at a time, as ``_mpi.uses_ring`` decides
+    pipelined ring (mnopt/transport/ring.py), every part in one ring, or with MPI's
+    Allreduce one bucket at a time, as ``allreduce.uses_ring`` decides
     ($MNOPT_ALLREDUCE=ring|mpi|auto, read when the communicator is made).
     GPU buffers are staged through pinned host memory."""
 
@@ -18,7 +18,7 @@ class FlatCommunicator(MpiCommunicatorBase):
 
     def _sum(self, buffer, group):
         parts, divided = buffer.parts_to_divide()
-        _mpi.allreduce_sum_parts(group.comm, parts, buffer.layout.wire,
+        allreduce.allreduce_sum_parts(group.comm, parts, buffer.layout.wire,
                                  self.allreduce_algorithm,
                                  divide=buffer.divide, divided=divided)
         buffer.from_host()

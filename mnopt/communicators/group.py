@@ -12,7 +12,7 @@ an NCCL communicator, a server channel) is its own object, the group's
 
 from mpi4py import MPI
 
-from mnopt import _mpi
+from mnopt.transport import layouts
 from mnopt import grad_buffer
 from mnopt import sign
 from mnopt.communicators.devices import device_of
@@ -102,7 +102,7 @@ class Group(object):
             layout = holder.layout
         else:
             layout = grad_buffer.make_layout(named, wire)
-        _mpi.check_layouts(self.comm, layout)
+        layouts.check_layouts(self.comm, layout)
         return layout
 
     def free(self):

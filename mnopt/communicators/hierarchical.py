@@ -3,8 +3,8 @@ the node leaders, broadcast inside the node."""
 
 from mpi4py import MPI
 
-from mnopt import _mpi
-from mnopt import ring
+from mnopt.transport import allreduce, buffers, polling, reduce
+from mnopt.transport import ring
 from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.group import Group
 from mnopt.communicators.node_split import node_split
@@ -52,13 +52,13 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
         leader = intra.rank == 0
         parts = list(buffer.host_parts())
         for part in parts:
-            _mpi.reduce_sum(intra, part, wire, root=0)
+            buffers.reduce_sum(intra, part, wire, root=0)
         if leader:
             # All buckets in one call: the ring pipelines them together.
-            _mpi.allreduce_sum_parts(inter, parts, wire,
+            allreduce.allreduce_sum_parts(inter, parts, wire,
                                      self.allreduce_algorithm)
         for part in parts:
-            _mpi.bcast_bytes(intra, part, root=0)
+            buffers.bcast_bytes(intra, part, root=0)
         buffer.from_host()
 
     # The sharded optimizer's transports (mnopt/communicators/sharded.py),
@@ -75,8 +75,8 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
         node, bounds = _nodes(group)
         for part in parts:
             for piece in _pieces(part, self.bucket_bytes):
-                _mpi.reduce_sum(group.state.intra, piece, wire, root=0)
-        mpi_type, _ = _mpi.wire_sum(wire)
+                buffers.reduce_sum(group.state.intra, piece, wire, root=0)
+        mpi_type, _ = reduce.wire_sum(wire)
         if group.state.intra.rank == 0:
             node_counts = [sum(shards.counts[bounds[k]:bounds[k + 1]])
                            for k in range(len(bounds) - 1)]
@@ -98,7 +98,7 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
                                  check=False)
         for part in parts:
             for piece in _pieces(part, self.bucket_bytes):
-                _mpi.bcast_bytes(group.state.intra, piece, root=0)
+                buffers.bcast_bytes(group.state.intra, piece, root=0)
 
 
 #: Tag of the sharded transports' messages inside a node.
@@ -149,7 +149,7 @@ def _scatter_in_node(group, first, stop, parts, starts, counts, mpi_type):
         requests = [intra.Irecv([view, mpi_type], 0, _SHARD_TAG)
                     for view in views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
-    _mpi.wait_all(requests)
+    polling.wait_all(requests)
 
 
 def _gather_in_node(group, first, stop, parts, starts, counts):
@@ -165,4 +165,4 @@ def _gather_in_node(group, first, stop, parts, starts, counts):
         requests = [intra.Isend([view, MPI.BYTE], 0, _SHARD_TAG)
                     for view in views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
-    _mpi.wait_all(requests)
+    polling.wait_all(requests)

@@ -4,7 +4,8 @@ the others are checked against."""
 import numpy
 from mpi4py import MPI
 
-from mnopt import _mpi
+from mnopt.transport import allreduce
+from mnopt.transport import reduce
 from mnopt.communicators.flat import FlatCommunicator
 
 
@@ -20,10 +21,10 @@ class NaiveCommunicator(FlatCommunicator):
     def _sum(self, buffer, group):
         # One collective per array (flat's would put them all in one
         # ring): MPI's Allreduce, or the ring for that array alone where
-        # _mpi.uses_ring picks it (large float arrays across nodes, the
+        # allreduce.uses_ring picks it (large float arrays across nodes, the
         # 16-bit wires).
         for part in buffer.host_parts():
-            _mpi.allreduce_sum_parts(group.comm, [part], buffer.layout.wire,
+            allreduce.allreduce_sum_parts(group.comm, [part], buffer.layout.wire,
                                      self.allreduce_algorithm)
         buffer.from_host()
 
@@ -35,7 +36,7 @@ class NaiveCommunicator(FlatCommunicator):
         (host,) = parts
         lo, n = shards.starts[self.rank], shards.counts[self.rank]
         mine = numpy.empty(n, host.dtype)
-        mpi_type, op = _mpi.wire_sum(shards.layout.wire)
+        mpi_type, op = reduce.wire_sum(shards.layout.wire)
         group.comm.Reduce_scatter([host, mpi_type], [mine, mpi_type],
                                   shards.counts, op=op)
         host[lo:lo + n] = mine

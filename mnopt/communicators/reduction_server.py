@@ -9,9 +9,9 @@ import weakref
 import numpy
 from mpi4py import MPI
 
-from mnopt import _mpi
+from mnopt.transport import polling
 from mnopt import server as rs
-from mnopt._mpi import LayoutMismatchError
+from mnopt.transport.layouts import LayoutMismatchError
 from mnopt.communicators.arguments import whole_argument
 from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.colocated import ColocatedServers
@@ -259,7 +259,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                     push(j)
         problems = []
         for status, request in statuses:
-            _mpi.wait_all([request])
+            polling.wait_all([request])
             text = status.tobytes().rstrip(b'\0').decode()
             if text:
                 problems.append(text)
@@ -267,15 +267,15 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
             for j in order:  # the servers drain everything
                 while pending[j]:
                     push(j)
-            _mpi.wait_all(sends)
+            polling.wait_all(sends)
             for r in recvs:
                 r.Cancel()
-            _mpi.wait_all(recvs)
+            polling.wait_all(recvs)
             raise LayoutMismatchError('the reduction servers refused: %s'
                                       % '; '.join(sorted(set(problems))))
         t_sent = None
         while True:
-            done = _mpi.wait_some(recvs)
+            done = polling.wait_some(recvs)
             if done is None:
                 break
             for i in done:
@@ -286,7 +286,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                     on_result(part, result[part])
             if t_sent is None and not any(pending.values()):
                 t_sent = time.perf_counter()
-        _mpi.wait_all(sends)
+        polling.wait_all(sends)
         t1 = t_sent or time.perf_counter()
         if self.stats is not None:
             self.stats.add('send', t1 - t0)

@@ -3,14 +3,14 @@ read from the environment.
 
 ``create_communicator`` checks every setting on every rank before its
 first collective, then compares the shared ones in the start-up exchange
-(mnopt/agreement.py): a setting that differs is a ValueError on every
+(mnopt/transport/agreement.py): a setting that differs is a ValueError on every
 rank naming it and each rank's value, not a hang or a truncated message
 later.  The others are each rank's own (how long it waits before a stall
 report, its BLAS threads, a colocated server's memory, ...).
 """
 
 from mnopt import _env
-from mnopt import _mpi
+from mnopt.transport import allreduce
 from mnopt import _sched
 from mnopt import cores
 
@@ -52,7 +52,7 @@ def environment_settings():
     default.  Read before the start-up exchange, so that a bad one is an
     error on every rank."""
     return {
-        'MNOPT_ALLREDUCE': _mpi.allreduce_algorithm(),
+        'MNOPT_ALLREDUCE': allreduce.allreduce_algorithm(),
         'MNOPT_RANKS_PER_NODE': _env.whole_number('MNOPT_RANKS_PER_NODE',
                                                   None, 1),
         'MNOPT_SINGLE_RANK_AVERAGING': _env.flag(

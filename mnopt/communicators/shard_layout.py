@@ -6,8 +6,8 @@ import hashlib
 
 import numpy
 
-from mnopt import _mpi
-from mnopt import agreement
+from mnopt.transport import layouts
+from mnopt.transport import agreement
 
 
 def views(parts, lo, hi):
@@ -103,7 +103,7 @@ def agree(comm, shards, problem):
     The common case costs one Allgather of two int64 per rank (a problem
     flag and the layout's digest), on the caller's hot path; only when
     something is wrong do the ranks tell each other what, in the
-    agreement exchange (mnopt/agreement.py), and every rank raises the
+    agreement exchange (mnopt/transport/agreement.py), and every rank raises the
     same error from the same list."""
     mine = numpy.array([1 if problem else 0,
                         shards.digest if shards is not None else -1],
@@ -120,7 +120,7 @@ def agree(comm, shards, problem):
                          % '; '.join(bad))
     other = next(r for r in range(comm.size)
                  if details[r][1].digest != details[0][1].digest)
-    raise _mpi.LayoutMismatchError(
+    raise layouts.LayoutMismatchError(
         'ranks would exchange shards that do not line up (rank 0 vs rank '
         '%d): %s. Every rank must pass the same arrays (names, shapes, '
         'dtypes), the same allreduce_grad_dtype and the same '

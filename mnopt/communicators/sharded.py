@@ -27,7 +27,7 @@ collective over it:
 
 The transport is the communicator's, two methods it overrides
 (``_shard_reduce_scatter``, ``_shard_allgather``): ``flat`` runs mnopt's
-pipelined ring (mnopt/ring.py's ``*_parts``), ``hierarchical`` reduces
+pipelined ring (mnopt/transport/ring.py's ``*_parts``), ``hierarchical`` reduces
 inside each node, runs the ring among the node leaders over the nodes'
 ranges and sends each rank of the node its range (gathers, ring,
 broadcast for the parameters), ``naive`` (the reference) MPI's

@@ -5,7 +5,9 @@ state: which snapshot files to keep, which write to load, which settings
 are in force, whether to go on after one rank's argument was bad.  The
 remedy is always the same: exchange what each rank knows, then let every
 rank compute the same decision from the same list.  This module is that
-exchange (``everyone``) and the decisions built on it; every "same error
+exchange (``everyone``; ``numbers`` for the cheap fixed-size first step of
+a check made on every call) and the decisions built on it (``settle``,
+``raise_together``, ``same``, ``unequal``, ``common``); every "same error
 on every rank" check and every shared choice goes through here.
 
 The exchange is two non-blocking collectives (the sizes, then the pickled
@@ -60,6 +62,22 @@ def everyone(comm, value, what, stall_warning=None, timeout=None):
             for d, n in zip(displacements, counts)]
 
 
+def numbers(comm, mine, wait=None):
+    """Every rank's int64 ``mine`` (the same count on every rank), as a
+    (ranks, count) array: one all-gather of fixed size, nothing pickled,
+    no stall watch of its own.  The cheap first step of a check made on
+    every call (a digest per rank; the details exchanged with ``everyone``
+    only when they differ).  A blocking Allgather, or, where ``wait`` is
+    given, a non-blocking one that ``wait([request])`` waits for."""
+    mine = numpy.asarray(mine, dtype=numpy.int64).reshape(-1)
+    said = numpy.empty((comm.size, mine.size), dtype=numpy.int64)
+    if wait is None:
+        comm.Allgather(mine, said)
+    else:
+        wait([comm.Iallgather(mine, said)])
+    return said
+
+
 def describe(problem):
     """One line for an exception (or None)."""
     if problem is None:
@@ -77,16 +95,18 @@ def raise_together(comm, problem, what, stall_warning=None, timeout=None):
                              timeout), what)
 
 
-def settle(problem, said, what):
+def settle(problem, said, what, error=RuntimeError,
+           message='%s failed on %s'):
     """What every rank does once it has every rank's ``describe``d
-    problem (``said``, in rank order): raise its own ``problem``, else a
-    RuntimeError naming each rank's, else nothing."""
+    problem (``said``, in rank order): raise its own ``problem``, else an
+    ``error`` naming each rank's (``message % (what, 'rank 1: ...; rank
+    2: ...')``), else nothing."""
     if problem is not None:
         raise problem
     failed = ['rank %d: %s' % (r, p) for r, p in enumerate(said)
               if p is not None]
     if failed:
-        raise RuntimeError('%s failed on %s' % (what, '; '.join(failed)))
+        raise error(message % (what, '; '.join(failed)))
 
 
 def disagreement(values, what):
@@ -104,6 +124,15 @@ def disagreement(values, what):
             'rank %d: %s' % (r, repr(v[k]) if k in v else 'not set')
             for r, v in enumerate(values)))
         for k in differ))
+
+
+def unequal(values, what):
+    """The message for values (one per rank) that are not all equal,
+    naming every rank's value; None when they are equal."""
+    if any(v != values[0] for v in values):
+        return 'ranks disagree on %s: %s' % (what, ', '.join(
+            'rank %d: %r' % rv for rv in enumerate(values)))
+    return None
 
 
 def same(comm, settings, what, stall_warning=None, timeout=None):

@@ -26,24 +26,25 @@ Every element of chunk c is summed exactly once, in one fixed order
 (x[c+1] + x[c+2] + ... + x[c], rank numbers mod N), by the rank it
 arrives at, and then copied: every rank ends with the same bits.  Sums are
 in the wire dtype: numpy's add for float32/float64, mnopt's fused 16-bit
-loops for float16/bfloat16 (each pairwise sum rounded once, as
-mnopt._mpi's MPI ops do).  With two ranks each element is a single a + b,
-which is commutative: the same bits as MPI's Allreduce.
+loops for float16/bfloat16 (each pairwise sum rounded once, as the MPI
+ops of mnopt/transport/reduce.py do).  With two ranks each element is a
+single a + b, which is commutative: the same bits as MPI's Allreduce.
 
 Who calls these must call them in the same order on every rank with the
 same sizes; with ``check=True`` the sizes are compared first (one small
-all-gather) and a mismatch is a ValueError on every rank.
+all-gather, mnopt/transport/ring_checks.py) and a mismatch is a ValueError
+on every rank.
 """
 
 import os
 import threading
 import time
-import zlib
 
 import numpy
 from mpi4py import MPI
 
-from mnopt import _mpi
+from mnopt.transport import reduce
+from mnopt.transport import ring_checks
 
 #: Largest segment (bytes): one message of the ring.
 SEGMENT_BYTES = 256 << 10
@@ -64,8 +65,6 @@ TAG = 0x5A8
 #: (yield_while_waiting).
 _waits = threading.local()
 
-_WIRES = ('float32', 'float64', 'float16', 'bfloat16')
-
 #: Bytes this process has sent on rings so far (benchmarks read it:
 #: benchmarks/zero.py counts what each rank puts on the wire per update).
 bytes_sent = 0
@@ -75,13 +74,13 @@ def reduce_scatter_sum(comm, array, wire, counts, check=True):
     """Sum ``array`` across ``comm`` chunk by chunk; return this rank's.
 
     ``array``: a contiguous 1-D numpy array in ``wire``'s storage dtype
-    (``grad_buffer.storage_dtype``: uint16 bits for bfloat16), the same
+    (``wire_dtypes.storage_dtype``: uint16 bits for bfloat16), the same
     size on every rank, laid out as one chunk per rank: chunk c is
     ``counts[c]`` elements (zero allowed) starting at ``sum(counts[:c])``.  Returns the view of
     ``array`` holding this rank's chunk, summed over every rank; the other
     chunks of ``array`` are left holding partial sums.
     """
-    counts = _counts(comm, array, wire, counts, check)
+    counts = ring_checks.checked_counts(comm, array, wire, counts, check)
     n = comm.size
     if n > 1 and array.size:
         _ring(comm, [array], wire, counts, 0, n - 1)
@@ -96,7 +95,7 @@ def allgather_into(comm, array, counts, check=True):
     every rank, laid out as for ``reduce_scatter_sum``; on entry each rank
     holds its own chunk, on return every chunk (bytes copied as they are).
     """
-    counts = _counts(comm, array, None, counts, check)
+    counts = ring_checks.checked_counts(comm, array, None, counts, check)
     n = comm.size
     if n > 1 and array.size:
         itemsize = array.dtype.itemsize
@@ -117,7 +116,8 @@ def reduce_scatter_sum_parts(comm, parts, wire, counts, check=True):
     over every rank, in the order (and so with the bits)
     ``reduce_scatter_sum`` of the concatenation gives; the other elements
     hold partial sums."""
-    counts = _parts_counts(comm, parts, wire, counts, check)
+    counts = ring_checks.checked_parts_counts(comm, parts, wire, counts,
+                                              check)
     live = [p for p in parts if p.size]
     if comm.size > 1 and live:
         _ring(comm, live, wire, counts, 0, comm.size - 1)
@@ -130,7 +130,8 @@ def allgather_parts(comm, parts, counts, check=True):
     raw bytes); ``counts``: the *bytes* of each rank's chunk of their
     concatenation (a chunk may span parts).  On entry each rank holds its
     own chunk, on return every rank's."""
-    counts = _parts_counts(comm, parts, None, counts, check)
+    counts = ring_checks.checked_parts_counts(comm, parts, None, counts,
+                                              check)
     live = [p.view(numpy.uint8) for p in parts if p.size]
     n = comm.size
     if n > 1 and live:
@@ -155,12 +156,13 @@ def allreduce_sum_parts(comm, parts, wire, check=True, divide=None,
     ``divided`` is False just before its first use (sent at the first
     step, or summed into): the division is spread over the ring, between
     its waits, instead of a pass over everything before it starts."""
-    bad = [p for p in parts if not _fits(p, wire)]
-    total = sum(p.size for p in parts if _fits(p, wire))
+    bad = [p for p in parts if not ring_checks.fits(p, wire)]
+    total = sum(p.size for p in parts if ring_checks.fits(p, wire))
     if check:
-        _agree(comm, total, wire, [total], bad and _describe(bad[0], wire))
+        ring_checks.agree(comm, total, wire, [total],
+                          bad and ring_checks.describe(bad[0], wire))
     elif bad:
-        raise ValueError(_describe(bad[0], wire))
+        raise ValueError(ring_checks.describe(bad[0], wire))
     n = comm.size
     if divided is None or divide is None:
         divided = [True] * len(parts)
@@ -174,138 +176,6 @@ def allreduce_sum_parts(comm, parts, wire, check=True, divide=None,
         _ring(comm, [p for p, _ in live], wire, counts, 0,
               2 * (n - 1), chunk_each_part=True,
               divide=divide, divided=[d for _, d in live])
-
-
-# ------------------------------------------------------------------ checks
-
-def _fits(array, wire):
-    if wire is not None and wire not in _WIRES:
-        return False
-    want = None if wire is None else _mpi.grad_buffer.storage_dtype(wire)
-    return (isinstance(array, numpy.ndarray) and array.ndim == 1
-            and array.flags.c_contiguous
-            and (want is None or array.dtype == want))
-
-
-def _describe(array, wire):
-    if wire is not None and wire not in _WIRES:
-        return 'unknown wire %r; one of %s' % (wire, ', '.join(_WIRES))
-    if not isinstance(array, numpy.ndarray):
-        return 'a numpy array was expected, not %s' % type(array).__name__
-    return ('a contiguous 1-D numpy array%s was expected, not a %s array '
-            'of shape %s%s' % (
-                '' if wire is None else ' of %s (the %s wire)' % (
-                    _mpi.grad_buffer.storage_dtype(wire), wire),
-                array.dtype, array.shape,
-                '' if array.flags.c_contiguous else ', not contiguous'))
-
-
-def _counts(comm, array, wire, counts, check):
-    """``counts`` as a list of ints, after the checks (every rank's when
-    ``check``)."""
-    problem = None
-    if wire is not None and wire not in _WIRES:
-        problem = 'unknown wire %r; one of %s' % (wire, ', '.join(_WIRES))
-    elif not _fits(array, wire):
-        problem = _describe(array, wire)
-    return _check_counts(comm, getattr(array, 'size', -1), wire, counts,
-                         problem, check, 'array holds')
-
-
-def _check_counts(comm, size, wire, counts, problem, check, holds):
-    """``counts`` checked against a buffer of ``size`` elements (after
-    ``problem``, this rank's earlier finding), on every rank when
-    ``check``."""
-    try:
-        counts = [int(c) for c in counts]
-    except (TypeError, ValueError):
-        problem = problem or 'counts must be whole numbers, not %r' % (
-            counts,)
-        counts = []
-    if problem is None:
-        if len(counts) != comm.size or min(counts) < 0:
-            problem = ('counts must give one size >= 0 per rank (%d), '
-                       'not %r' % (comm.size, counts))
-        elif sum(counts) != size:
-            problem = ('counts add up to %d but the %s %d %s'
-                       % (sum(counts), holds, size,
-                          'bytes' if holds == 'parts hold' and wire is None
-                          else 'elements'))
-    if check:
-        _agree(comm, size, wire, counts, problem)
-    elif problem is not None:
-        raise ValueError(problem)
-    return counts
-
-
-def _parts_counts(comm, parts, wire, counts, check):
-    """``counts`` as a list of ints, after the checks of ``parts``
-    (``wire`` None: any dtype, sizes in bytes)."""
-    problem = None
-    try:
-        parts = list(parts)
-    except TypeError:
-        problem, parts = 'parts must be a list of arrays, not %r' % (
-            type(parts).__name__,), []
-    if problem is None and wire is not None and wire not in _WIRES:
-        problem = 'unknown wire %r; one of %s' % (wire, ', '.join(_WIRES))
-    bad = [p for p in parts if not _fits(p, wire)]
-    if problem is None and bad:
-        problem = 'part %d: %s' % (
-            next(i for i, p in enumerate(parts) if not _fits(p, wire)),
-            _describe(bad[0], wire))
-    total = sum(p.nbytes if wire is None else p.size for p in parts
-                if isinstance(p, numpy.ndarray))
-    return _check_counts(comm, total, wire, counts, problem, check,
-                         'parts hold')
-
-
-#: Bytes of each rank's problem in ``_agree``'s exchange.
-_PROBLEM_BYTES = 256
-
-
-def _agree(comm, size, wire, counts, problem):
-    """Raise ValueError on every rank unless every rank has no problem and
-    the same size, wire and counts: one all-gather of 4 numbers and a line
-    of text per rank, waited for by polling (like the ring's own waits)."""
-    if comm.size == 1:
-        if problem:
-            raise ValueError(problem)
-        return
-    text = (problem or '').encode()[:_PROBLEM_BYTES].ljust(_PROBLEM_BYTES,
-                                                            b'\0')
-    mine = numpy.concatenate([numpy.array([
-        1 if problem else 0, size,
-        -1 if wire is None else _WIRES.index(wire) if wire in _WIRES else -2,
-        zlib.crc32(numpy.asarray(counts, dtype=numpy.int64).tobytes())],
-        dtype=numpy.int64), numpy.frombuffer(text, numpy.int64)])
-    everyone = numpy.empty((comm.size, mine.size), dtype=numpy.int64)
-    _mpi.wait_all([comm.Iallgather(mine, everyone)])
-    if problem:
-        raise ValueError(problem)
-    failed = ['rank %d: %s' % (r, everyone[r, 4:].tobytes().rstrip(b'\0')
-                               .decode(errors='replace'))
-              for r in range(comm.size) if everyone[r, 0]]
-    if failed:
-        raise ValueError('ring collective: bad arguments on %s'
-                         % '; '.join(failed))
-    differ = [r for r in range(comm.size)
-              if (everyone[r, 1:4] != everyone[0, 1:4]).any()]
-    if differ:
-        raise ValueError(
-            'ring collective: ranks disagree on the buffer: rank 0 has %d '
-            'elements (%s wire), rank %d has %d (%s)%s. Every rank must '
-            'pass the same size, wire and counts.' % (
-                everyone[0, 1], _wire_name(everyone[0, 2]), differ[0],
-                everyone[differ[0], 1], _wire_name(everyone[differ[0], 2]),
-                '' if everyone[0, 1] != everyone[differ[0], 1] else
-                ' and different counts' if everyone[0, 2] ==
-                everyone[differ[0], 2] else ''))
-
-
-def _wire_name(code):
-    return 'bytes' if code == -1 else _WIRES[code] if 0 <= code < len(
-        _WIRES) else '?'
 
 
 # ------------------------------------------------------------------ the ring
@@ -384,7 +254,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     global bytes_sent
     n, rank = comm.size, comm.rank
     right, left = (rank + 1) % n, (rank - 1) % n
-    mpi_type = MPI.BYTE if wire is None else _mpi._MPI_TYPES[wire]
+    mpi_type = MPI.BYTE if wire is None else reduce.MPI_TYPES[wire]
     add = None if wire is None else _adder(wire)
     seg_elems = _segment_elems(counts, parts[0].itemsize)
     # This rank's segments still to divide at their first use: each
@@ -503,6 +373,6 @@ def _size_error(comm, source, want, status, mpi_type):
 
 def _adder(wire):
     """fn(a, b): b += a, in the wire dtype."""
-    if wire in _mpi._SUM_FUNCS:
-        return _mpi._sum_into(wire)
+    if wire in reduce.SUM_FUNCS:
+        return reduce.sum_into(wire)
     return lambda a, b: numpy.add(a, b, out=b)

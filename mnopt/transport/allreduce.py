@@ -1,0 +1,88 @@
+"""The allreduce of wire buffers: mnopt's ring or MPI's Allreduce, chosen
+by $MNOPT_ALLREDUCE and the buffer's size and span (``uses_ring``)."""
+
+from mnopt import _env
+from mnopt.transport import buffers
+from mnopt.transport import reduce
+from mnopt.transport import ring
+
+
+#: MNOPT_ALLREDUCE: which allreduce sums float32/float64 buffers.
+ALGORITHMS = ('auto', 'ring', 'mpi')
+
+
+def allreduce_algorithm():
+    """$MNOPT_ALLREDUCE: 'ring' (mnopt/transport/ring.py), 'mpi' (the MPI
+    library's Allreduce) or 'auto' (default: see ``uses_ring``)."""
+    return _env.choice('MNOPT_ALLREDUCE', 'auto', ALGORITHMS)
+
+
+#: auto: float32/float64 sums of at least this many bytes (in one call)
+#: go round mnopt's ring when the ranks span several nodes.  Measured on
+#: the simulated cluster (docs/results/netsim/ring.md, 250 Mbit/s, one
+#: buffer): at 64 KiB MPI's Allreduce takes 1/3 of the ring's time at 8
+#: and 16 nodes; from 256 KiB to 1 MiB they are even (0.97-1.12); at 4
+#: MiB and up the ring is 1.4-2x faster at 4 to 16 nodes, even at 2.  On
+#: ResNet-50's 102 MB the ring is even at 2 and 4 nodes and 1.10x/1.32x
+#: faster at 8/16, and leaves the CPU 47-92% idle (2-8 nodes) where
+#: MPICH's busy polling leaves none (so it is used from 2 nodes on).  Inside one
+#: shared-memory node MPICH is faster below 16 MiB (3-8x at 64 KiB).
+RING_MIN_BYTES = 1 << 20
+
+
+def uses_ring(comm, wire, nbytes, algorithm=None):
+    """Whether ``allreduce_sum_parts`` sums ``nbytes`` of ``wire`` over
+    ``comm`` on mnopt's pipelined ring rather than with MPI's Allreduce.
+
+    The 16-bit wires need a user op, for which MPICH falls back to a
+    reduce + broadcast that moves the whole buffer log2(N) times each way
+    (at 1 Gbit/s, 4 nodes, FP16 was slower than FP32): always the ring.
+    float32/float64 (auto): the ring for sums of RING_MIN_BYTES and more
+    across nodes, MPI's Allreduce for smaller ones (its latency is lower)
+    and inside one shared-memory node (it sums through shared memory)."""
+    algorithm = algorithm or allreduce_algorithm()
+    if comm.size == 1 or algorithm == 'mpi':
+        return False
+    if algorithm == 'ring' or wire in reduce.SUM_FUNCS:
+        return True
+    return nbytes >= RING_MIN_BYTES and buffers.nodes_of(comm) > 1
+
+
+def allreduce_sum(comm, array, wire, algorithm=None):
+    """Sum a contiguous numpy wire array in place across ``comm`` (see
+    ``allreduce_sum_parts``)."""
+    allreduce_sum_parts(comm, [array], wire, algorithm)
+
+
+def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
+                        divided=None):
+    """Sum each contiguous numpy wire array of ``parts`` in place across
+    ``comm``: on mnopt's pipelined ring (mnopt/transport/ring.py; all
+    parts in one ring) or with MPI's Allreduce (one call per part), as
+    ``uses_ring``
+    decides for their total size; ``algorithm`` overrides
+    $MNOPT_ALLREDUCE.  Every rank ends with the same bits, and at two
+    ranks both give the same bits (each element is one a + b).
+    ``divide(view)``, where given, runs on every piece of the parts whose
+    ``divided`` is False just before the sum first uses it.
+
+    Sizes are not checked here: the communicators check their gradient
+    layouts across ranks before summing."""
+    if divided is None:
+        divided = [True] * len(parts)
+    live = [(p, d) for p, d in zip(parts, divided) if p.size]
+    if comm.size == 1:
+        for part, done in live:
+            if not done:
+                divide(part)
+        return
+    if not live:
+        return
+    parts, divided = [p for p, _ in live], [d for _, d in live]
+    nbytes = sum(p.nbytes for p in parts)
+    if uses_ring(comm, wire, nbytes, algorithm):
+        ring.allreduce_sum_parts(comm, parts, wire, check=False,
+                                 divide=divide, divided=divided)
+        return
+    buffers.allreduce_sum_parts(comm, parts, wire, divide, divided)
+
