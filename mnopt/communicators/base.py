@@ -221,8 +221,7 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         """Why collectives cannot run on a background thread (a sentence),
         or None: MPI initialised below MPI_THREAD_MULTIPLE."""
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            return ('shard_state with overlap reduce-scatters gradients on '
-                    'a background thread during backward, which needs '
+            return ('collectives on a background thread need '
                     'MPI_THREAD_MULTIPLE; this MPI was initialised with a '
                     'lower thread level')
         return None
