@@ -12,22 +12,17 @@ from mnopt.benchmarking.workloads import grad_model, resnet50_grad_shapes
 STEPS_PER_BLOCK = 16
 
 
-class _SimulatedUpdate(object):
-    """Stands in for a Chainer optimizer whose update runs elsewhere (on a
-    GPU): it counts updates and leaves the CPU alone."""
+def simulated_update():
+    """A Chainer optimizer whose update runs elsewhere (on a GPU): it counts
+    updates and leaves the CPU alone.  A real ``chainer.Optimizer``, as
+    ``create_multi_node_optimizer`` requires."""
+    import chainer
 
-    _loss_scale = None
+    class SimulatedUpdate(chainer.Optimizer):
+        def update(self, lossfun=None, *args, **kwds):
+            self.t += 1
 
-    def __init__(self):
-        self.t = 0
-        self.target = None
-
-    def setup(self, link):
-        self.target = link
-        return self
-
-    def update(self, lossfun=None, *args, **kwds):
-        self.t += 1
+    return SimulatedUpdate()
 
 
 def _simulated_steps(model, opt, grad_sets, compute_s, drain=True):
@@ -66,7 +61,7 @@ def double_buffering(args, world):
 
     def steps(compute_s, **kw):
         model = grad_model(shapes, world.rank)
-        opt = mnopt.create_multi_node_optimizer(_SimulatedUpdate(), comm,
+        opt = mnopt.create_multi_node_optimizer(simulated_update(), comm,
                                                 **kw).setup(model)
         return _simulated_steps(model, opt, grad_sets, compute_s)
 
@@ -122,7 +117,7 @@ def scaling(args, world):
         comm = mnopt.create_communicator(args.communicators[0],
                                          allreduce_grad_dtype=wire)
         model = grad_model(shapes, world.rank)
-        opt = mnopt.create_multi_node_optimizer(_SimulatedUpdate(), comm,
+        opt = mnopt.create_multi_node_optimizer(simulated_update(), comm,
                                                 **kw).setup(model)
         return _simulated_steps(model, opt, grad_sets, compute_s,
                                 drain=False)
