@@ -37,6 +37,8 @@ from mnopt import grad_buffer
 from mnopt import log
 from mnopt import sign
 from mnopt import stall
+from mnopt import stall_settings
+from mnopt import stall_wait
 
 logger = log.get('mnopt.server')   # also when run as __main__
 
@@ -124,7 +126,7 @@ class Job(object):
             # Read before the first collective, so that a bad setting on
             # one process cannot leave the others in the Split (it is
             # reported where the arguments are checked).
-            warning, timeout = stall.settings_or_defaults()
+            warning, timeout = stall_settings.settings_or_defaults()
             mine = world.Split(1 if is_server else 0, world.rank)
             self._channels = (mine, [world.Dup(), world.Dup()])
             self._monitor = stall.Monitor(
@@ -187,7 +189,7 @@ def _exchange_roles(mine, stall_warning, timeout):
     request = world.Iallgather(
         [numpy.array([ROLES.index(mine)], numpy.int32), MPI.INT],
         [codes, MPI.INT])
-    stall.wait_or_abort(
+    stall_wait.wait_or_abort(
         [request], 'the job start-up (every worker at its first '
         'create_communicator, every reduction server at its start)',
         stall_warning, timeout)
@@ -475,7 +477,8 @@ def main(argv=None):
     # workers waiting for this process.
     global_except_hook.add_hook()
     args = cli.parse_args(p, argv)
-    stall.settings()   # a bad MNOPT_STALL_WARNING / MNOPT_TIMEOUT raises
+    # A bad MNOPT_STALL_WARNING / MNOPT_TIMEOUT raises.
+    stall_settings.settings()
     world = MPI.COMM_WORLD
     the_job = job(default_role='server')
     # Mirror the workers' start-up: the split and the two channels.

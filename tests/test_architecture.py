@@ -22,7 +22,10 @@ ARCHITECTURE = os.path.join(REPO, 'docs', 'architecture.md')
 #: and those below.  docs/architecture.md draws the same table.
 LAYERS = [
     ('leaves', ['mnopt._env', 'mnopt._sched', 'mnopt.log', 'mnopt.cores',
-                'mnopt.stall', 'mnopt.arrays', 'mnopt.cli', 'mnopt.launched',
+                'mnopt.stall', 'mnopt.stall_settings', 'mnopt.stall_report',
+                'mnopt.stall_wait', 'mnopt.stall_last_word',
+                'mnopt.stall_watchdog', 'mnopt.arrays', 'mnopt.cli',
+                'mnopt.launched',
                 'mnopt.wire_dtypes', 'mnopt.timeline',
                 'mnopt.global_except_hook']),
     ('gpu', ['mnopt.gpu']),
