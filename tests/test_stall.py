@@ -108,12 +108,12 @@ def test_background_averaging_is_watched():
 
 SERVER_STOPS_AFTER_ONE_REDUCTION = '''
 import os, signal
-from mnopt import server
-serve_one = server._reduce
+from mnopt import server, server_loop
+serve_one = server_loop._reduce
 def serve_then_stop(*args, **kwargs):
     serve_one(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGSTOP)
-server._reduce = serve_then_stop
+server_loop._reduce = serve_then_stop
 server.main()
 '''
 
@@ -231,10 +231,10 @@ def test_bad_settings_fail_in_create_communicator():
 
 
 SERVER_THREAD_RAISES = '''
-from mnopt import server
+from mnopt import server, server_loop
 def broken(*args, **kwargs):
     raise RuntimeError('the server fell over')
-server._reduce = broken
+server_loop._reduce = broken
 server.main()
 '''
 
