@@ -70,8 +70,8 @@ print('rank %d done' % comm.rank, flush=True)
 SERVER_FAULT = r'''
 import os, signal, sys, time
 how = sys.argv.pop(1)
-from mnopt import server
-serve_one = server._reduce
+from mnopt import server, server_loop
+serve_one = server_loop._reduce
 calls = [0]
 def serve_then_fail(*args, **kwargs):
     serve_one(*args, **kwargs)
@@ -80,7 +80,7 @@ def serve_then_fail(*args, **kwargs):
         print('FAULT_AT %.3f' % time.time(), flush=True)
         os.kill(os.getpid(), signal.SIGKILL if how == 'kill'
                 else signal.SIGSTOP)
-server._reduce = serve_then_fail
+server_loop._reduce = serve_then_fail
 server.main()
 '''
 

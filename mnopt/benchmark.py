@@ -98,8 +98,8 @@ def main(argv=None):
         args.reps = min(args.reps, 5)
         args.dtypes = args.dtypes[:2]
     world = MPI.COMM_WORLD
-    from mnopt import server
-    if server.job().servers:
+    from mnopt import server_job
+    if server_job.job().servers:
         # Servers take no part in the timing: time over the workers, with
         # the reduction_server communicator (the only one such a job runs).
         import mnopt

@@ -18,6 +18,11 @@ nearest-even from float32.
 
 Buffers live where the gradients live: numpy arrays for CPU gradients, CuPy
 arrays (with a pinned host mirror for MPI staging) for GPU gradients.
+
+One idea, over 400 lines: a gradient set's wire buffer, packed, cast,
+bucketed and unpacked (``GradBuffer``), with what it alone needs (its
+layout, pinned host memory, and ``HostCodec``, its cast on the host that
+the reduction servers share).
 """
 
 import bisect

@@ -30,6 +30,9 @@ between "nodes" (its shared-memory transports cross namespaces).
 
 ``run`` brings the cluster up, runs the command, and tears it down, also
 when interrupted.  Needs root and iproute2 (``ip``, ``tc``).
+
+One idea, over 400 lines: the simulated cluster, its namespaces and
+shaped links brought up, run in and torn down by its command line.
 """
 
 import argparse

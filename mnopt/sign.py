@@ -32,6 +32,10 @@ How the vote travels is the communicator's business:
 
 Bits are packed 8 elements per byte (numpy/cupy ``packbits``, big-endian
 bit order within a byte), so buffers of K elements are ceil(K/8) bytes.
+
+One idea, over 400 lines: sign compression, the codec that turns
+gradients into sign bits and back and the votes that combine every
+worker's bits (mnopt/communicators/compression.py calls them).
 """
 
 import math

@@ -68,12 +68,12 @@ def test_a_goodbye_under_way_keeps_its_channels(monkeypatch):
     -n 2: the janitor's Send on a freed channel)."""
     if WORLD.size == 1:
         pytest.skip('one rank says goodbye to itself only')
-    from mnopt import server as rs
+    from mnopt import server_job
     comm = mnopt.create_communicator('reduction_server')
     servers = comm._colocated
     go, errors = threading.Event(), []
     if comm.rank == 0:
-        say_goodbye = rs.say_goodbye
+        say_goodbye = server_job.say_goodbye
 
         def held_back(channels, workers):
             # All but the async channel's goodbyes to the other ranks'
@@ -83,7 +83,7 @@ def test_a_goodbye_under_way_keeps_its_channels(monkeypatch):
             say_goodbye(channels[1:], workers[:1])   # this rank's own
             assert go.wait(120), 'the test never let the goodbye go on'
             say_goodbye(channels[1:], workers[1:])
-        monkeypatch.setattr(rs, 'say_goodbye', held_back)
+        monkeypatch.setattr(server_job, 'say_goodbye', held_back)
 
         def close():
             try:

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_mpi, slack
 from mnopt import log
-from mnopt import stall
+from mnopt import stall_report
 
 # argv: how the script configures logging.  Rank 1 sleeps past rank 0's
 # stall warning time (1 s) before averaging a gradient that overflows the
@@ -184,10 +184,10 @@ def test_stall_abort_flushes_the_handlers_first(monkeypatch):
 
     handler = Buffering()
     logging.getLogger('mnopt').addHandler(handler)
-    monkeypatch.setattr(stall, 'MPI', FakeMPI)
-    monkeypatch.setattr(stall.time, 'sleep', lambda s: None)
+    monkeypatch.setattr(stall_report, 'MPI', FakeMPI)
+    monkeypatch.setattr(stall_report.time, 'sleep', lambda s: None)
     try:
-        stall._abort()
+        stall_report.abort()
     finally:
         logging.getLogger('mnopt').removeHandler(handler)
     assert order == ['flush', 'abort']

@@ -152,9 +152,9 @@ from mpi4py import MPI
 
 def nothing_pending():
     # Registered before mnopt's at-exit protocol, so it runs after it.
-    from mnopt import stall
+    from mnopt import stall_watchdog
     MPI.COMM_WORLD.Barrier()
-    dog = stall._watchdog()
+    dog = stall_watchdog.the_watchdog()
     for m in dog._monitors + getattr(dog, '_leaving', []):
         if m.comm != MPI.COMM_NULL and m.comm.Iprobe(MPI.ANY_SOURCE,
                                                      MPI.ANY_TAG):

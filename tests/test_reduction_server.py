@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO, mpiexec, python_path, run_job as run_launcher
-from mnopt.server import PROTOCOL_VERSION
+from mnopt.server_protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.spawn
 
@@ -188,14 +188,14 @@ def test_a_server_that_dies_at_start_up_ends_the_job():
 
 SERVER_DIES_AFTER_ONE_REDUCTION = '''
 import os, sys
-from mnopt import server
-serve_one = server._reduce
+from mnopt import server, server_loop
+serve_one = server_loop._reduce
 def serve_then_die(*args, **kwargs):
     serve_one(*args, **kwargs)
     sys.stderr.write('server going down\\n')
     sys.stderr.flush()
     os._exit(3)   # no exception, no goodbye: as if the node died
-server._reduce = serve_then_die
+server_loop._reduce = serve_then_die
 server.main()
 '''
 

@@ -199,7 +199,7 @@ def test_a_snapshot_mixing_two_writes_is_skipped_with_a_warning(
 
 def test_a_snapshot_without_write_ids_still_loads(comm, outdir):
     # Written before mnopt recorded write ids: no id in any file.
-    from mnopt.extensions.multi_node_snapshot import WRITE_ID_KEY
+    from mnopt.extensions.snapshot_records import WRITE_ID_KEY
     trainer = make_trainer(comm, outdir, 2)
     trainer.extend(mnopt.extensions.multi_node_snapshot(
         comm, chainer.training.extensions.snapshot(),

@@ -17,7 +17,7 @@ from conftest import chainer, needs_chainer
 
 import mnopt
 from mnopt import communicators
-from mnopt import stall
+from mnopt import stall_settings
 from mnopt.communicators import settings as settings_module
 from mnopt.communicators.base import CommunicatorBase
 
@@ -237,7 +237,7 @@ def test_environment_defaults_are_the_codes(tables, monkeypatch):
     for name in library_names():
         monkeypatch.delenv(name, raising=False)
     unset = dict(settings_module.environment_settings())
-    unset['MNOPT_STALL_WARNING'], unset['MNOPT_TIMEOUT'] = stall.settings()
+    unset['MNOPT_STALL_WARNING'], unset['MNOPT_TIMEOUT'] = stall_settings.settings()
     table = rows(tables, ENVIRONMENT)
     assert set(unset) <= set(table)
     for name, value in unset.items():

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import run_mpi, slack
-from mnopt import stall
+from mnopt import stall_report, stall_settings, stall_wait
 
 pytestmark = pytest.mark.spawn
 
@@ -108,12 +108,12 @@ def test_background_averaging_is_watched():
 
 SERVER_STOPS_AFTER_ONE_REDUCTION = '''
 import os, signal
-from mnopt import server
-serve_one = server._reduce
+from mnopt import server, server_loop
+serve_one = server_loop._reduce
 def serve_then_stop(*args, **kwargs):
     serve_one(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGSTOP)
-server._reduce = serve_then_stop
+server_loop._reduce = serve_then_stop
 server.main()
 '''
 
@@ -150,25 +150,25 @@ def test_reduction_server_job_names_a_stopped_process(who, monkeypatch):
 def test_settings_from_arguments_then_environment(monkeypatch):
     monkeypatch.delenv('MNOPT_STALL_WARNING', raising=False)
     monkeypatch.delenv('MNOPT_TIMEOUT', raising=False)
-    assert stall.settings() == (60.0, 600.0)
+    assert stall_settings.settings() == (60.0, 600.0)
     monkeypatch.setenv('MNOPT_STALL_WARNING', '5')
     monkeypatch.setenv('MNOPT_TIMEOUT', '0')
-    assert stall.settings() == (5.0, None)
-    assert stall.settings(stall_warning=1, timeout=2) == (1.0, 2.0)
+    assert stall_settings.settings() == (5.0, None)
+    assert stall_settings.settings(stall_warning=1, timeout=2) == (1.0, 2.0)
     monkeypatch.setenv('MNOPT_TIMEOUT', 'soon')
     with pytest.raises(ValueError, match="MNOPT_TIMEOUT='soon'"):
-        stall.settings()
+        stall_settings.settings()
     with pytest.raises(ValueError, match='stall_warning=-1'):
-        stall.settings(stall_warning=-1, timeout=1)
+        stall_settings.settings(stall_warning=-1, timeout=1)
 
 
 def test_a_bool_is_not_a_number_of_seconds():
     for name in ('stall_warning', 'timeout'):
         with pytest.raises(ValueError, match='%s=True: a number of seconds'
                            % name):
-            stall.settings(**{name: True})
+            stall_settings.settings(**{name: True})
         with pytest.raises(ValueError, match='%s=False' % name):
-            stall.settings(**{name: False})
+            stall_settings.settings(**{name: False})
 
 
 def _never_completing_request():
@@ -192,9 +192,9 @@ def test_wait_or_abort_warns_then_aborts(monkeypatch, capfd):
     def abort():   # instead of MPI_Abort: end the wait
         aborted.append(time.monotonic())
         complete()
-    monkeypatch.setattr(stall, '_abort', abort)
+    monkeypatch.setattr(stall_report, 'abort', abort)
     start = time.monotonic()
-    stall.wait_or_abort([request], 'the start-up (test)', 0.3, 1.0)
+    stall_wait.wait_or_abort([request], 'the start-up (test)', 0.3, 1.0)
     assert len(aborted) == 1 and aborted[0] - start >= 1.0
     from mpi4py import MPI
     lines = [line for line in capfd.readouterr().err.splitlines()
@@ -212,15 +212,15 @@ def test_wait_or_abort_returns_when_done_and_reads_the_environment(
         monkeypatch, capfd):
     request, complete = _never_completing_request()
     complete()
-    monkeypatch.setattr(stall, '_abort', lambda: pytest.fail('aborted'))
+    monkeypatch.setattr(stall_report, 'abort', lambda: pytest.fail('aborted'))
     monkeypatch.setenv('MNOPT_TIMEOUT', '0.2')
-    stall.wait_or_abort([request], 'nothing')   # already complete
-    stall.wait_or_abort([], 'nothing')
+    stall_wait.wait_or_abort([request], 'nothing')   # already complete
+    stall_wait.wait_or_abort([], 'nothing')
     # A bad setting waits with the defaults (whoever checks it reports it).
     monkeypatch.setenv('MNOPT_TIMEOUT', 'abc')
     request, complete = _never_completing_request()
     threading.Timer(0.5, complete).start()
-    stall.wait_or_abort([request], 'a late message')
+    stall_wait.wait_or_abort([request], 'a late message')
     assert 'has waited' not in capfd.readouterr().err
 
 
@@ -231,10 +231,10 @@ def test_bad_settings_fail_in_create_communicator():
 
 
 SERVER_THREAD_RAISES = '''
-from mnopt import server
+from mnopt import server, server_loop
 def broken(*args, **kwargs):
     raise RuntimeError('the server fell over')
-server._reduce = broken
+server_loop._reduce = broken
 server.main()
 '''
 

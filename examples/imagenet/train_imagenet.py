@@ -27,7 +27,7 @@ import chainer
 import numpy
 from chainer import training
 from chainer.training import extensions
-from mnopt.extensions.multi_node_snapshot import (
+from mnopt.extensions.loadable import (
     newest_loadable, npz_is_whole, npz_problem)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -64,9 +64,9 @@ def build_cases(args, world):
 
 def _chainermn_cases(shapes, world):
     """ChainerMN's naive communicator, where ChainerMN can run here."""
-    from mnopt import server
+    from mnopt import server_job
     try:
-        if server.job().servers:
+        if server_job.job().servers:
             raise RuntimeError('a job with reduction servers')
         import chainermn
         cmn = chainermn.create_communicator('naive', mpi_comm=world.Dup())

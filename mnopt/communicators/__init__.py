@@ -131,15 +131,16 @@ def create_communicator(communicator_name: str = 'auto',
         problem = None
     except (TypeError, ValueError, RuntimeError) as e:
         problem = e
-    from mnopt import server
-    servers = server.job(stall_warning=stall_warning, timeout=timeout).servers \
+    from mnopt import server_job
+    servers = server_job.job(stall_warning=stall_warning,
+                             timeout=timeout).servers \
         if mpi_comm == MPI.COMM_WORLD else []
     if servers and problem is None:
         problem = _problem_with_servers(cls, servers, kwargs)
     # The start-up exchange, this call's first collective of its own (the
     # job's, above, is watched too): every rank learns every rank's problem
     # and shared settings before any collective that needs them.
-    _agree_to_start(server.job().channels()[0] if servers else mpi_comm,
+    _agree_to_start(server_job.job().channels()[0] if servers else mpi_comm,
                     problem, shared, communicator_name, stall_warning,
                     timeout)
     return cls(mpi_comm, **settings)
@@ -154,9 +155,9 @@ def _problem_with_servers(cls, servers, kwargs):
             '(python -m mnopt.server) but asks for the %r communicator: '
             "use 'reduction_server', or launch without servers"
             % (len(servers), cls.name))
-    from mnopt import server
-    return server.stall_settings_problem(kwargs.get('stall_warning'),
-                                         kwargs.get('timeout'))
+    from mnopt import server_job
+    return server_job.stall_settings_problem(kwargs.get('stall_warning'),
+                                             kwargs.get('timeout'))
 
 
 def _intracommunicator(mpi_comm):

@@ -7,7 +7,7 @@ import numpy
 from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
-from mnopt import stall
+from mnopt import stall_settings
 from mnopt.communicators.settings import environment_settings
 
 
@@ -51,6 +51,6 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
                          % (vote,))
     if compression is not None:  # None is the default vote, 'ring'
         settings['vote'] = sign.normalize_vote(vote)
-    stall.settings(stall_warning, timeout)
+    stall_settings.settings(stall_warning, timeout)
     environment_settings()
     return settings

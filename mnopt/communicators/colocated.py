@@ -1,6 +1,6 @@
 """A colocated reduction_server communicator's servers: one thread per
 channel in each worker, serving its shard of every exchange
-(mnopt/server.py's ``serve``), closed once every worker said goodbye."""
+(mnopt/server_loop.py's ``serve``), closed once every worker said goodbye."""
 
 import atexit
 import functools
@@ -8,7 +8,8 @@ import threading
 
 from mpi4py import MPI
 
-from mnopt import server as rs
+from mnopt import server_job
+from mnopt import server_loop
 from mnopt.global_except_hook import run_or_abort
 
 
@@ -34,7 +35,8 @@ class ColocatedServers(object):
         # other workers' goodbyes in earnest (a finalize waits for them).
         self._leaving = threading.Event()
         self.threads = []
-        for chan, name, cue in zip(channels, rs.CHANNEL_NAMES, self._cues):
+        for chan, name, cue in zip(channels, server_job.CHANNEL_NAMES,
+                                   self._cues):
             t = threading.Thread(
                 target=run_or_abort, daemon=True, args=(
                     _serve, chan, rank, memory, monitor, 'serve.' + name,
@@ -60,7 +62,7 @@ class ColocatedServers(object):
         main thread makes the next, which frees the ended ones)."""
         with self._lock:
             if not self._closed:
-                rs.say_goodbye(self.channels, range(self.n_workers))
+                server_job.say_goodbye(self.channels, range(self.n_workers))
                 self._leaving.set()
                 for cue in self._cues:
                     cue.set()
@@ -104,8 +106,8 @@ def _idle(cue, leaving):
 
 def _serve(chan, rank, memory, monitor, name, idle, on_headers):
     workers = list(range(chan.size))
-    rs.serve(chan, workers, rank, len(workers), memory, None, None,
-             monitor, name, idle, on_headers)
+    server_loop.serve(chan, workers, rank, len(workers), memory, None, None,
+                      monitor, name, idle, on_headers)
 
 
 #: Colocated servers not yet known to have ended: at exit, this worker

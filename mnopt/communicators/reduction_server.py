@@ -10,7 +10,9 @@ import numpy
 from mpi4py import MPI
 
 from mnopt.transport import polling
-from mnopt import server as rs
+from mnopt import server_job
+from mnopt import server_loop
+from mnopt import server_protocol as protocol
 from mnopt.transport.layouts import LayoutMismatchError
 from mnopt.communicators.arguments import whole_argument
 from mnopt.communicators.base import MpiCommunicatorBase
@@ -44,9 +46,10 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
     name = 'reduction_server'
 
     @classmethod
-    def check_arguments(cls, chunk_bytes=rs.DEFAULT_CHUNK_BYTES,
-                        window=rs.DEFAULT_WINDOW,
-                        server_memory=rs.DEFAULT_MEMORY, stats=False,
+    def check_arguments(cls, chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
+                        window=protocol.DEFAULT_WINDOW,
+                        server_memory=protocol.DEFAULT_MEMORY,
+                        stats=False,
                         vote=None, **kwargs):
         if vote is not None:
             raise ValueError('the reduction_server communicator counts votes '
@@ -64,7 +67,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
 
     def __init__(self, mpi_comm, **kwargs):
         settings = self.check_arguments(**kwargs)
-        job = rs.job(stall_warning=settings['stall_warning'],
+        job = server_job.job(stall_warning=settings['stall_warning'],
                      timeout=settings['timeout'])
         if job.servers:
             if mpi_comm != MPI.COMM_WORLD:
@@ -85,7 +88,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         self._unused_channels = list(channels)  # sync group, then async
         self._chunk_bytes = settings['chunk_bytes']
         self._window = settings['window']
-        self.stats = rs.Stats() if settings['stats'] else None
+        self.stats = server_loop.Stats() if settings['stats'] else None
         self._colocated = None  # with servers, the job says goodbye at exit
         super(ReductionServerCommunicator, self).__init__(mpi_comm,
                                                           **settings)
@@ -101,14 +104,14 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         self.vote = 'server'
 
     def _make_monitor(self, mpi_comm, label, **settings):
-        job = rs.job()
+        job = server_job.job()
         if not job.servers:
             return super(ReductionServerCommunicator, self)._make_monitor(
                 mpi_comm, label, **settings)
         # Workers and servers together: made once by the job, at start-up.
         monitor = job.monitor()
-        problem = rs.stall_settings_problem(settings.get('stall_warning'),
-                                            settings.get('timeout'))
+        problem = server_job.stall_settings_problem(
+            settings.get('stall_warning'), settings.get('timeout'))
         if problem is not None:
             raise problem
         return monitor
@@ -116,7 +119,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
     def _owns_monitor(self):
         # With server processes the job's monitor serves every
         # communicator of the process.
-        return not rs.job().servers
+        return not server_job.job().servers
 
     @property
     def n_servers(self):
@@ -176,7 +179,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         own order).  The first to average in the background holds it
         until it is finalized or collected; another is refused, on every
         worker at the same call."""
-        job = rs.job()
+        job = server_job.job()
         if not job.servers:
             return
         holder = job.async_user() if job.async_user else None
@@ -190,7 +193,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         job.async_user = weakref.ref(self)
 
     def _release_async_channel(self):
-        job = rs.job()
+        job = server_job.job()
         if job.async_user is not None and job.async_user() is self:
             job.async_user = None
 
@@ -213,7 +216,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         if not data.size:
             return
         chunk = max(1, self._chunk_bytes // data.itemsize)
-        bounds = rs.shard_bounds(data.size, self.n_servers)
+        bounds = protocol.shard_bounds(data.size, self.n_servers)
         chan = group.state.chan
         if self._colocated is not None:
             self._colocated.wake(chan)
@@ -227,17 +230,19 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         for j in order:
             server = self._servers[j]
             header = numpy.array(
-                [rs.KIND_REDUCE, rs.PROTOCOL_VERSION, len(self._workers),
-                 data.size, bounds[j], bounds[j + 1] - bounds[j], chunk,
-                 rs.WIRE_CODES[wire], digest, step], numpy.int64)
-            chan.Send([header, MPI.INT64_T], dest=server, tag=rs.TAG_HEADER)
-            status = numpy.empty(rs.STATUS_BYTES, numpy.uint8)
+                [protocol.KIND_REDUCE, protocol.PROTOCOL_VERSION,
+                 len(self._workers), data.size, bounds[j], bounds[j + 1] - bounds[j], chunk,
+                 protocol.WIRE_CODES[wire], digest, step], numpy.int64)
+            chan.Send([header, MPI.INT64_T], dest=server,
+                      tag=protocol.TAG_HEADER)
+            status = numpy.empty(protocol.STATUS_BYTES, numpy.uint8)
             statuses.append((status, chan.Irecv([status, MPI.BYTE],
                                                 source=server,
-                                                tag=rs.TAG_STATUS)))
+                                                tag=protocol.TAG_STATUS)))
             pending[j] = collections.deque(
                 slice(bounds[j] + p.start, bounds[j] + p.stop)
-                for p in rs.chunk_slices(bounds[j + 1] - bounds[j], chunk))
+                for p in protocol.chunk_slices(bounds[j + 1] - bounds[j],
+                                               chunk))
         sends, recvs, owner = [], [], []
 
         def push(j):
@@ -245,9 +250,9 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
             if on_push is not None:
                 on_push(part)
             sends.append(chan.Isend([data[part], MPI.BYTE], dest=server,
-                                    tag=rs.TAG_DATA))
+                                    tag=protocol.TAG_DATA))
             recvs.append(chan.Irecv([result[part], MPI.BYTE], source=server,
-                                    tag=rs.TAG_RESULT))
+                                    tag=protocol.TAG_RESULT))
             owner.append((j, part))
 
         # A window of chunks in flight per server: a new chunk leaves when

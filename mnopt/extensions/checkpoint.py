@@ -14,7 +14,7 @@ import re
 import chainer
 from chainer.training import extension
 
-from mnopt.extensions.multi_node_snapshot import newest_loadable, npz_problem
+from mnopt.extensions.loadable import newest_loadable, npz_problem
 from mnopt.extensions.retention import agreed_retention
 from mnopt.iterators.resize import load_resizing_iterators
 

@@ -47,24 +47,29 @@ numbers in their names) that every writing rank holds, and remove older
 ones; a write still in flight (an asynchronous writer) is never removed.
 A rank whose write fails raises its error, every other rank one naming
 it.
+
+Beside this extension: which snapshot every rank can load
+(mnopt/extensions/loadable.py) and what each file records besides the
+trainer (mnopt/extensions/snapshot_records.py).
 """
 
 import os
 import re
 import secrets
 import string
-import zipfile
 
 import chainer
 import numpy
 from chainer.training import extension
 
-from mnopt import log
+from mnopt.extensions.loadable import newest_loadable, npz_problem
+# npz_is_whole: imported from here by code written before it moved.
+from mnopt.extensions.loadable import npz_is_whole  # NOQA
 from mnopt.extensions.retention import agreed_retention
+from mnopt.extensions.snapshot_records import (
+    RecordingSets, recorded_sets, shard_size, write_id)
 from mnopt.iterators.resize import load_resizing_iterators
 from mnopt.optimizers.zero.trainer import load_shards_of, sharded_optimizers
-
-logger = log.get(__name__)
 
 
 def parse_replica_sets(replica_sets, size):
@@ -108,149 +113,6 @@ def _natural_key(name):
     return tuple(int(n) for n in re.findall(r'\d+', name)), name
 
 
-def _error_name(e):
-    """``zlib.error``, ``zipfile.BadZipFile``, ``EOFError``: a name that
-    says what raised it (zlib's class alone is called ``error``)."""
-    kind = type(e)
-    return kind.__qualname__ if kind.__module__ == 'builtins' else \
-        '%s.%s' % (kind.__module__, kind.__qualname__)
-
-
-def npz_problem(path):
-    """None if ``path`` is a complete .npz (zip) file, every member's CRC
-    checked; otherwise why not, naming the file (missing, cut short,
-    bytes damaged)."""
-    name = os.path.basename(path)
-    try:
-        with zipfile.ZipFile(path) as z:
-            bad_member = z.testzip()
-    except FileNotFoundError:
-        return '%s is missing' % name
-    except Exception as e:
-        # Damage raises whatever the part of the zip it hit raises:
-        # BadZipFile, zlib.error (a deflate stream), EOFError, ValueError..
-        return '%s is damaged (%s: %s)' % (name, _error_name(e), e)
-    if bad_member is not None:
-        return '%s is damaged (member %s fails its CRC check)' % (
-            name, bad_member)
-    return None
-
-
-def npz_is_whole(path):
-    """Whether ``path`` is a complete .npz (zip) file: every member's CRC
-    checks (a file cut short, never finished or damaged is not)."""
-    return npz_problem(path) is None
-
-
-def newest_loadable(comm, problems, key, what='snapshot', writes=None):
-    """The newest candidate (by ``key``) that every rank can load, the
-    same on every rank, or None.
-
-    ``problems`` maps each candidate this rank found to None (it can load
-    it) or why it cannot.  A candidate another rank did not find is not
-    loadable there.  ``writes`` maps candidates to the write id of the
-    files this rank would read (None: not recorded); where ranks' ids
-    differ the candidate mixes two writes and is not loadable.  Rank 0
-    warns about each newer candidate skipped, naming every rank's reason,
-    so a damaged newest snapshot costs the work since the one before it,
-    never the run."""
-    writes = writes or {}
-    said = comm.everyone({c: (p, writes.get(c)) for c, p in problems.items()},
-                         'which %s to load' % what)
-    everyone = [{c: p for c, (p, _) in d.items()} for d in said]
-
-    def reasons(candidate):
-        found = ['rank %d: %s' % (r, p.get(candidate, 'no file found'))
-                 for r, p in enumerate(everyone)
-                 if p.get(candidate, 'no file found') is not None]
-        if found:
-            return found
-        ids = [d[candidate][1] for d in said]
-        if any(i != ids[0] for i in ids):
-            found = ['its files are of different writes (%s)' % ', '.join(
-                'rank %d: write %s' % (r, i) for r, i in enumerate(ids))]
-        return found
-
-    found = set().union(*everyone)
-    usable = [c for c in found if not reasons(c)]
-    newest = max(usable, key=key) if usable else None
-    if comm.rank == 0:
-        for c in sorted(found, key=key):
-            if newest is None or key(c) > key(newest):
-                # A report, not a fault in the user's code: logger
-                # mnopt.extensions.multi_node_snapshot (mnopt/log.py).
-                logger.warning('mnopt: warning: skipping %s %s, which not '
-                               'every rank can load: %s', what, c,
-                               '; '.join(reasons(c)))
-    return newest
-
-
-#: Where each set's file records how many replica sets wrote the snapshot.
-N_SETS_KEY = 'multi_node_snapshot/n_replica_sets'
-#: Where each file records the write it belongs to (the same in every file
-#: of one snapshot).
-WRITE_ID_KEY = 'multi_node_snapshot/write_id'
-
-
-def write_id(path):
-    """The write id recorded in the snapshot file ``path`` (a whole file),
-    or None where it records none (written before mnopt recorded ids)."""
-    with numpy.load(path) as f:
-        return str(f[WRITE_ID_KEY]) if WRITE_ID_KEY in f.files else None
-
-
-def sets_that_wrote(path):
-    """How many replica sets wrote the snapshot file ``path`` (a whole
-    file), or None where it does not say (written before mnopt recorded
-    it)."""
-    with numpy.load(path) as f:
-        return int(f[N_SETS_KEY]) if N_SETS_KEY in f.files else None
-
-
-def _recorded_sets(path):
-    """``sets_that_wrote(path)``, or None where the file cannot say (cut
-    short or damaged: its own writer's check reports that)."""
-    try:
-        return sets_that_wrote(path)
-    except Exception:
-        return None
-
-
-def _shard_size(path):
-    """The number of ranks a sharded optimizer's snapshot file ``path``
-    (a whole file) was written by, or None where it holds no sharded
-    optimizer (mnopt.zero's ``mnopt_shard/size``)."""
-    with numpy.load(path) as f:
-        for key in f.files:
-            if key == 'mnopt_shard/size' or key.endswith('/mnopt_shard/size'):
-                return int(f[key])
-    return None
-
-
-class _RecordingSets(object):
-    """A snapshot writer that adds the number of replica sets (so that
-    autoload tells a resize from a set's missing file) and the write id to
-    what it writes, then hands it to the snapshot's own writer."""
-
-    def __init__(self, writer, n_sets):
-        self.writer, self.n_sets = writer, n_sets
-        self.write_id = None   # set before each write
-
-    def __call__(self, filename, outdir, target):
-        # Chainer 7's snapshot hands its writer npz.serialize's dict.
-        target = dict(target)
-        target[N_SETS_KEY] = numpy.asarray(self.n_sets)
-        if self.write_id is not None:
-            target[WRITE_ID_KEY] = numpy.asarray(self.write_id)
-        self.writer(filename, outdir, target)
-
-    def __getattr__(self, name):
-        # finalize, _add_cleanup_hook, ...: the wrapped writer's own.
-        if name == 'writer':
-            raise AttributeError(name)
-        return getattr(self.writer, name)
-
-
 class _MultiNodeSnapshot(extension.Extension):
 
     def __init__(self, comm, snapshot, replica_sets):
@@ -279,7 +141,7 @@ class _MultiNodeSnapshot(extension.Extension):
             snapshot.filename = with_rank
         else:
             snapshot.filename = '{}.{}'.format(snapshot.filename, comm.rank)
-        snapshot.writer = _RecordingSets(snapshot.writer, len(self.sets))
+        snapshot.writer = RecordingSets(snapshot.writer, len(self.sets))
         # Kept here: every rank prunes alike (Chainer's clean-up runs per
         # rank, after each write).
         self.n_retains, snapshot.n_retains = snapshot.n_retains, -1
@@ -401,7 +263,7 @@ class _MultiNodeSnapshot(extension.Extension):
         # not say so, this set's file is needed.
         first = '%s.%d' % (name, self.sets[0][0])
         if self.set_index > 0 and first in names:
-            written_by = _recorded_sets(os.path.join(outdir, first))
+            written_by = recorded_sets(os.path.join(outdir, first))
             if written_by is not None and self.set_index >= written_by:
                 return os.path.join(outdir, first), None
         if mine in names:
@@ -422,7 +284,7 @@ class _MultiNodeSnapshot(extension.Extension):
         mine = write_id(path)
         if not self.sharded:
             return None, mine
-        size = _shard_size(path)
+        size = shard_size(path)
         if size is None or size == self.comm.size:
             return None, mine
         for r in range(size):

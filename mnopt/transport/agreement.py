@@ -11,8 +11,9 @@ a check made on every call) and the decisions built on it (``settle``,
 on every rank" check and every shared choice goes through here.
 
 The exchange is two non-blocking collectives (the sizes, then the pickled
-values), waited for with stall detection (``stall.wait_or_abort``): a rank
-that never arrives is reported and, after the timeout, ends the job.
+values), waited for with stall detection (``stall_wait.wait_or_abort``):
+a rank that never arrives is reported and, after the timeout, ends the
+job.
 Collectives never match a user's point-to-point receive, whatever its tag
 or source.
 """
@@ -31,7 +32,7 @@ def everyone(comm, value, what, stall_warning=None, timeout=None):
     # Imported here: importing mpi4py.MPI starts MPI, which importing
     # mnopt's Chainer layer (which uses this module) must not.
     from mpi4py import MPI
-    from mnopt import stall
+    from mnopt import stall_wait
     try:
         data = numpy.frombuffer(
             pickle.dumps(value, pickle.HIGHEST_PROTOCOL), numpy.uint8)
@@ -41,7 +42,7 @@ def everyone(comm, value, what, stall_warning=None, timeout=None):
     # A size of -1 says "mine does not pickle": every rank learns it in
     # the first exchange and raises, instead of waiting in the second.
     sizes = numpy.empty(comm.size, numpy.int64)
-    stall.wait_or_abort(
+    stall_wait.wait_or_abort(
         [comm.Iallgather(numpy.array([-1 if problem else data.size],
                                      numpy.int64), sizes)],
         what, stall_warning, timeout)
@@ -54,7 +55,7 @@ def everyone(comm, value, what, stall_warning=None, timeout=None):
     counts = [int(n) for n in sizes]
     displacements = [sum(counts[:r]) for r in range(comm.size)]
     gathered = numpy.empty(sum(counts), numpy.uint8)
-    stall.wait_or_abort(
+    stall_wait.wait_or_abort(
         [comm.Iallgatherv([data, MPI.BYTE],
                           [gathered, (counts, displacements), MPI.BYTE])],
         what, stall_warning, timeout)

@@ -1,7 +1,7 @@
 """Waiting for MPI requests by polling with short naps, not MPICH's spin.
 
 For waits watched by stall detection (a report, then the abort, when a
-rank never arrives) see ``stall.wait_or_abort`` (mnopt/stall.py).
+rank never arrives) see ``stall_wait.wait_or_abort`` (mnopt/stall_wait.py).
 """
 
 import time
