@@ -38,7 +38,7 @@ PYTHON_py313 := $(call find_python,3.13)
 # CuPy 14 with the CUDA runtime compiler and NCCL (not the whole toolkit).
 MORE_core := cupy-cuda13x nvidia-cuda-nvrtc nvidia-nccl-cu13
 # Build mpi4py from source against the MPI whose mpicc is on PATH.
-PIP_openmpi := --no-binary-package mpi4py
+PIP_openmpi := --no-binary mpi4py
 # Open MPI: more ranks than cores, and root (as CI is) must be allowed.
 OPENMPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     OMPI_MCA_rmaps_base_oversubscribe=1

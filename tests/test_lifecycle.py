@@ -60,9 +60,17 @@ def test_launcher_stops_when_signalled_during_its_restart_delay(
 
 
 # ------------------------------------------- bad input at create_communicator
+class NotACommunicator(object):
+    """Not an MPI communicator; its repr is the same in every process (a
+    test id; pytest-xdist's workers must collect the same ids)."""
+
+    def __repr__(self):
+        return 'NotACommunicator()'
+
+
 BAD_ARGUMENTS = [
     ('flat', {'mpi_comm': 5}, TypeError, 'mpi_comm must be an mpi4py'),
-    ('flat', {'mpi_comm': object()}, TypeError, 'mpi_comm must be'),
+    ('flat', {'mpi_comm': NotACommunicator()}, TypeError, 'mpi_comm must be'),
     ('flat', {'timeout': True}, ValueError, 'timeout=True'),
     ('flat', {'stall_warning': '5s'}, ValueError, "stall_warning='5s'"),
     ('flat', {'bucket_bytes': '1M'}, ValueError, 'bucket_bytes'),
