@@ -4,6 +4,9 @@ are compared at start-up, naming the setting and the ranks.  Runs serially
 and under mpiexec -n 2/3 (the spawned job: serially)."""
 
 import inspect
+import os
+import shutil
+import tempfile
 
 import numpy
 import pytest
@@ -18,6 +21,10 @@ pytestmark = pytest.mark.many_ranks
 
 WORLD = MPI.COMM_WORLD
 
+#: Where the split test's timelines go (each rank's own directory: the
+#: setting is not shared), removed after the module.
+TRACES = tempfile.mkdtemp(prefix='mnopt-settings-timeline-')
+
 #: A value other than the default for every keyword a communicator takes.
 #: A keyword missing here fails test_every_keyword_is_known: add it, and
 #: the split test checks it too.
@@ -29,10 +36,17 @@ NON_DEFAULT = {
     # reduction_server's own
     'chunk_bytes': 1024, 'window': 2, 'server_memory': 1 << 20,
     'stats': True,
+    'timeline': os.path.join(TRACES, 'trace.json'),
 }
 #: create_communicator's keywords that say how to create, not what.
 CREATION_ONLY = ('communicator_name', 'mpi_comm', 'abort_on_exception')
 KINDS = ('naive', 'flat', 'hierarchical', 'reduction_server')
+
+
+@pytest.fixture(scope='module', autouse=True)
+def remove_traces():
+    yield
+    shutil.rmtree(TRACES, ignore_errors=True)
 
 
 def keywords(function):

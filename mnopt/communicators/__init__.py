@@ -46,6 +46,7 @@ def create_communicator(communicator_name: str = 'auto',
                         stall_warning: float | None = None,
                         timeout: float | None = None,
                         on_overflow: str = 'warn',
+                        timeline: str | None = None,
                         **options: Any) -> CommunicatorBase:
     """Create a communicator.
 
@@ -88,6 +89,11 @@ def create_communicator(communicator_name: str = 'auto',
             finite gradients into inf/NaN (mnopt/overflow.py): ``'warn'``
             (rank 0, rate-limited), ``'error'`` (GradientOverflowError on
             every rank) or ``'ignore'``.
+        timeline: a file to record this rank's timeline in (Chrome trace
+            / Perfetto JSON; ``{rank}`` in it is replaced by the rank in
+            COMM_WORLD, else ``.rank<N>`` goes before the extension), or
+            None: $MNOPT_TIMELINE, else off.  Each rank's own setting; see
+            docs/observability.md.
         **options: the communicator's own; ``reduction_server`` takes
             ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
             server, 6), ``server_memory`` (staging bytes per
@@ -116,7 +122,8 @@ def create_communicator(communicator_name: str = 'auto',
                    'error_feedback': error_feedback,
                    'warmup_steps': warmup_steps, 'vote': vote,
                    'on_overflow': on_overflow,
-                   'batched_copy': batched_copy}, **options)
+                   'batched_copy': batched_copy, 'timeline': timeline},
+                  **options)
     if stall_warning is not None or timeout is not None:
         kwargs.update(stall_warning=stall_warning, timeout=timeout)
     if bucket_bytes is not None:

@@ -2,6 +2,8 @@
 without communicating, so that the factory can check them on every rank
 before any collective."""
 
+import os
+
 import numpy
 
 from mnopt import grad_buffer
@@ -21,9 +23,23 @@ def whole_argument(name, value, minimum):
     return int(value)
 
 
+def timeline_argument(value):
+    """``timeline``: a path (str or os.PathLike, as a str) or None
+    (then $MNOPT_TIMELINE), else a ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError('timeline must be a path (a str; {rank} in it is '
+                         'replaced by the rank) or None, not %r' % (value,))
+    return value
+
+
 def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
                     compression, error_feedback, warmup_steps, vote,
-                    stall_warning, timeout, on_overflow, batched_copy):
+                    stall_warning, timeout, on_overflow, batched_copy,
+                    timeline=None):
     """The settings of a ``kind`` communicator (its name) made with these
     keyword arguments and ``options`` (those left over: none is known),
     checked and normalized; ValueError/TypeError for what it would refuse
@@ -41,7 +57,8 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
         'warmup_steps': whole_argument('warmup_steps', warmup_steps, 0),
         'vote': vote, 'stall_warning': stall_warning,
         'timeout': timeout, 'on_overflow': overflow.normalize(on_overflow),
-        'batched_copy': bool(batched_copy)}
+        'batched_copy': bool(batched_copy),
+        'timeline': timeline_argument(timeline)}
     if settings['warmup_steps'] and compression is None:
         raise ValueError("warmup_steps=%r only applies with "
                          "compression='sign' (it counts the averagings "

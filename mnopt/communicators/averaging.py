@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from mnopt import grad_buffer
 from mnopt import sign
+from mnopt import timeline as timelines
 from mnopt.arrays import array_module
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.background import thread_setup
@@ -60,6 +61,8 @@ class Averaging(object):
         #: Seconds spent averaging (in the caller or in the background),
         #: all averagings so far.
         self.seconds = 0.0
+        #: Where the averagings are recorded (the communicator's timeline).
+        self.timeline = timelines.NULL
         self._lock = threading.Lock()
 
     sync_group = property(lambda self: self.resources.sync_group)
@@ -103,8 +106,13 @@ class Averaging(object):
             resources.async_group = self._make_group()(self._mpi_comm.Dup())
             resources.executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self._name,
-                initializer=thread_setup)
+                initializer=_setup_averaging_thread, initargs=(self.timeline,))
         return resources.executor
+
+
+def _setup_averaging_thread(timeline):
+    thread_setup()
+    timeline.name_thread('averaging')
 
 
 class AveragingPipeline(object):
@@ -133,11 +141,34 @@ class AveragingPipeline(object):
         partial sums must fit the wire, not a sum of whole gradients)."""
         return self.size
 
-    def _pack_sum_unpack(self, buffer, group, arrays):
-        """Overridden by transports that pack and unpack piece by piece."""
-        buffer.pack(arrays, self._pack_divisor())
-        self._sum(buffer, group)
-        buffer.unpack(arrays)
+    def _pack_sum_unpack(self, buffer, group, arrays, step=None):
+        """Overridden by transports that pack and unpack piece by piece.
+        ``step``: the averaging's number (the 'seq' of its 'wire' span)."""
+        tl = self.timeline
+        if not tl:
+            buffer.pack(arrays, self._pack_divisor())
+            self._sum(buffer, group)
+            buffer.unpack(arrays)
+            return
+        # Packing casts to the wire's dtype in the same pass: 'cast' where
+        # that dtype differs from a gradient's, else 'pack'.
+        casts = any(d != buffer.layout.wire for d in buffer.layout.dtypes)
+        with tl.span('cast' if casts else 'pack', 'comm', step=step,
+                     bytes=buffer.nbytes):
+            buffer.pack(arrays, self._pack_divisor())
+        with self._wire_span(step, buffer.nbytes):
+            self._sum(buffer, group)
+        with tl.span('unpack', 'comm', step=step):
+            buffer.unpack(arrays)
+
+    def _wire_span(self, step, nbytes, op='allreduce'):
+        """The 'wire' span of averaging ``step`` (this rank's arrival until
+        its result is in), for the timeline's report; a no-op when off."""
+        tl = self.timeline
+        if not tl:
+            return tl.span('wire')
+        return tl.span('wire', 'comm', seq=step, bytes=nbytes, op=op,
+                       comm=self.timeline_name)
 
     def _vote(self, group, bits, n_elements, step):
         """Element-wise majority of every rank's packed sign bits over the
@@ -162,7 +193,8 @@ class AveragingPipeline(object):
         that averages an iteration in pieces passes the same for each.
         """
         release_collected()
-        with self.averaging.timed():
+        # The caller is blocked for all of it: exposed communication.
+        with self.timeline.span('wait', 'comm'), self.averaging.timed():
             self._mean(self.averaging.sync_group, list(named_grads),
                        iteration)
 
@@ -190,7 +222,7 @@ class AveragingPipeline(object):
         device, ready = caller_ready(named, xp)
         averaging.in_flight = MeanHandle(executor.submit(
             self._mean_in_background, averaging.async_group, named, xp,
-            device, ready, iteration))
+            device, ready, iteration), self.timeline)
         return averaging.in_flight
 
     @watched('mean_grads_async.background')
@@ -221,11 +253,12 @@ class AveragingPipeline(object):
         warm = step if iteration is None else iteration
         if self.compression == 'sign' and warm >= self.warmup_steps:
             return averaging.signs.mean(group, averaging.label(group), named,
-                                        xp, step, self._vote)
+                                        xp, step, self._vote, self.timeline,
+                                        self._wire_span)
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
         if self.size == 1 and self.skip_single_rank:
             return  # the mean of one gradient is itself: nothing to move
         buffer.reset_counts()
-        self._pack_sum_unpack(buffer, group, [a for _, a in named])
+        self._pack_sum_unpack(buffer, group, [a for _, a in named], step)
         averaging.overflow.check(buffer, group.comm, step)

@@ -32,6 +32,7 @@ from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
 from mnopt import stall
+from mnopt import timeline as timelines
 from mnopt.communicators.averaging import Averaging, AveragingPipeline
 from mnopt.communicators.chainer_glue import ChainerGlue
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
@@ -42,6 +43,7 @@ from mnopt.communicators.janitor import release_collected, start_janitor
 from mnopt.communicators.mean_handle import MeanHandle
 from mnopt.communicators.node_split import node_split
 from mnopt.communicators.resources import Resources
+from mnopt.communicators.resources import hold_timeline, let_go_of_timeline
 from mnopt.communicators.sharded import ShardedCollectives
 from mnopt.stall import watched
 
@@ -94,6 +96,13 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         self._resources = resources = Resources()
         weakref.finalize(self, release_after_collection,
                          resources.release).atexit = False
+        #: This rank's timeline (``timeline=`` or $MNOPT_TIMELINE; NULL
+        #: when off): one file per process, named by the rank in
+        #: COMM_WORLD, shared by every communicator of the process and
+        #: closed when the last of them is finalized.
+        self.timeline = resources.timeline = hold_timeline(
+            timelines.open_from_environment(MPI.COMM_WORLD.rank,
+                                            settings['timeline']))
         #: What its averagings share (averaging.py): the groups, the
         #: background thread, the averaging in flight, the averaging
         #: counter, the time spent, overflow and sign compression.
@@ -103,6 +112,11 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
             SignCompression(self.error_feedback))
         label = '%s#%d' % (self.name, MpiCommunicatorBase._created)
         MpiCommunicatorBase._created += 1
+        #: This communicator in the timeline (the 'comm' of its 'wire'
+        #: spans): the same on every rank that creates communicators in
+        #: the same order.
+        self.timeline_name = label
+        self.averaging.timeline = self.timeline
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
         cores.limit_blas_threads(buffers.ranks_on_node(mpi_comm))
@@ -277,6 +291,15 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         sub = self.mpi_comm.Split(color, key)
         # Every setting, from the one record of them: a new setting
         # cannot be forgotten here.
-        return type(self)(sub, **self.settings)
+        child = type(self)(sub, **self.settings)
+        # The parent's timeline (the same file: one per process), whatever
+        # $MNOPT_TIMELINE says now; its collectives named apart from those
+        # of the other colors.
+        if child.timeline is not self.timeline:
+            let_go_of_timeline(child.timeline)
+            child.timeline = child._resources.timeline = \
+                child.averaging.timeline = hold_timeline(self.timeline)
+        child.timeline_name = '%s/%s' % (self.timeline_name, color)
+        return child
 
     # ChainerMN's array and object collectives: chainermn_collectives.py.

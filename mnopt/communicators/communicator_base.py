@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from mnopt import grad_buffer
+from mnopt import timeline as timelines
 from mnopt.communicators import arguments
 from mnopt.communicators.mean_handle import MeanHandle
 from mnopt.communicators.settings import shared_settings as settings_of
@@ -35,6 +36,9 @@ class CommunicatorBase(object):
     """
 
     name: str | None = None
+    #: Where this rank records its timeline (mnopt/timeline.py): a
+    #: Timeline, or timeline.NULL (false) when off.  Per rank, not shared.
+    timeline: Any = timelines.NULL
 
     # ----------------------------------------------------------- settings
     @classmethod
@@ -47,6 +51,7 @@ class CommunicatorBase(object):
                         stall_warning: float | None = None,
                         timeout: float | None = None,
                         on_overflow: str = 'warn', batched_copy: bool = True,
+                        timeline: str | None = None,
                         **options: Any) -> dict[str, Any]:
         """Raise ValueError/TypeError for arguments (and MNOPT_* settings)
         this communicator would refuse, without communicating: the
@@ -63,7 +68,8 @@ class CommunicatorBase(object):
             bucket_bytes=bucket_bytes, compression=compression,
             error_feedback=error_feedback, warmup_steps=warmup_steps,
             vote=vote, stall_warning=stall_warning, timeout=timeout,
-            on_overflow=on_overflow, batched_copy=batched_copy)
+            on_overflow=on_overflow, batched_copy=batched_copy,
+            timeline=timeline)
 
     @classmethod
     def shared_settings(cls, settings: dict[str, Any]) -> dict[str, Any]:

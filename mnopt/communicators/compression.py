@@ -6,6 +6,7 @@ import numpy
 
 from mnopt import log
 from mnopt import sign
+from mnopt import timeline as timelines
 from mnopt.arrays import to_host
 
 #: The logger of mnopt.communicators.base, where this was said before.
@@ -23,10 +24,13 @@ class SignCompression(object):
         #: names): numpy array}) kept until their codec is built.
         self.loaded_residuals = {}
 
-    def mean(self, group, label, named, xp, step, vote):
+    def mean(self, group, label, named, xp, step, vote,
+             timeline=timelines.NULL, wire_span=None):
         """The sign-compressed 'mean' of ``named`` over ``group`` (labelled
         'sync' or 'async'), in place.  Runs at N=1 too: one worker's vote
-        is its sign."""
+        is its sign.  Recorded in ``timeline`` as 'pack' (the signs
+        encoded), 'wire' (``wire_span(step, bytes, op)``: the scales'
+        mean and the vote) and 'unpack' (the majority decoded)."""
         codec = group.sign_codec_for(named, xp, self.error_feedback)
         if self.loaded_residuals:
             residual = self.loaded_residuals.pop(
@@ -35,11 +39,21 @@ class SignCompression(object):
                     and residual.size == codec.total:
                 codec.residual[...] = xp.asarray(residual)
         arrays = [a for _, a in named]
-        bits, scales = codec.encode(arrays, step)
-        bits = codec.bits_to_host(bits)
-        scales = sign.mean_scales(group.comm, scales)
-        majority = vote(group, bits, codec.total, step)
-        codec.decode(codec.majority_to_device(majority), scales, arrays)
+        if not timeline:
+            bits, scales = codec.encode(arrays, step)
+            bits = codec.bits_to_host(bits)
+            scales = sign.mean_scales(group.comm, scales)
+            majority = vote(group, bits, codec.total, step)
+            codec.decode(codec.majority_to_device(majority), scales, arrays)
+            return
+        with timeline.span('pack', 'comm', step=step):
+            bits, scales = codec.encode(arrays, step)
+            bits = codec.bits_to_host(bits)
+        with wire_span(step, bits.nbytes, 'vote'):
+            scales = sign.mean_scales(group.comm, scales)
+            majority = vote(group, bits, codec.total, step)
+        with timeline.span('unpack', 'comm', step=step):
+            codec.decode(codec.majority_to_device(majority), scales, arrays)
 
     def save(self, serializer, averaging, rank, size, shared, local):
         """Write the averaging counter (``shared``) and this rank's

@@ -136,13 +136,17 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         # fits the wire never overflows; the servers add up the shares.
         return {'bucket_bytes': 1 << 62}
 
-    def _pack_sum_unpack(self, buffer, group, arrays):
+    def _pack_sum_unpack(self, buffer, group, arrays, step=None):
         if not buffer.can_stream(arrays):
             return super(ReductionServerCommunicator, self)._pack_sum_unpack(
-                buffer, group, arrays)
+                buffer, group, arrays, step)
         # Each chunk is packed from the arrays just before it leaves and
         # each mean unpacked into them as it arrives: both copies hide
-        # behind the network.
+        # behind the network (one 'wire' span holds them).
+        with self._wire_span(step, buffer.nbytes):
+            self._stream(buffer, group, arrays)
+
+    def _stream(self, buffer, group, arrays):
         self._exchange(
             group, buffer.wire, self._result_buffer(group, buffer),
             buffer.layout.wire, buffer.layout.digest,

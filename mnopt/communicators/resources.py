@@ -1,10 +1,41 @@
 """Resources: what a communicator must give back (its groups' MPI
-communicators, its monitor's, its background thread), held apart from it so
-that they can be released after it is garbage-collected."""
+communicators, its monitor's, its background thread, its hold on the
+timeline), held apart from it so that they can be released after it is
+garbage-collected."""
 
+import collections
 import threading
 
 from mpi4py import MPI
+
+from mnopt import timeline as timelines
+
+#: Communicators holding each open Timeline (one file per rank, shared by
+#: every communicator of the rank): the last to let go closes it.
+_holders = collections.Counter()
+_holders_lock = threading.Lock()
+
+
+def hold_timeline(tl):
+    """``tl`` (a Timeline or NULL), held by one more communicator."""
+    if tl:
+        with _holders_lock:
+            _holders[tl] += 1
+    return tl
+
+
+def let_go_of_timeline(tl):
+    """One communicator fewer holds ``tl``; the last one closes it (its
+    file is then complete)."""
+    if not tl:
+        return
+    with _holders_lock:
+        _holders[tl] -= 1
+        last = _holders[tl] <= 0
+        if last:
+            del _holders[tl]
+    if last:
+        tl.close()
 
 
 class Resources(object):
@@ -18,6 +49,8 @@ class Resources(object):
         self.sync_group = self.async_group = None
         self.executor = None
         self.monitor = None
+        #: The timeline this communicator holds (hold_timeline).
+        self.timeline = timelines.NULL
 
     def release(self):
         """Free everything (once; later calls do nothing)."""
@@ -37,3 +70,5 @@ class Resources(object):
         monitor, self.monitor = self.monitor, None
         if monitor is not None:
             monitor.free()
+        tl, self.timeline = self.timeline, timelines.NULL
+        let_go_of_timeline(tl)

@@ -19,7 +19,8 @@ from mnopt import cores
 #: variables as MNOPT_*.  Not here, each rank's own: stall_warning,
 #: timeout, batched_copy (no effect on the bits), the reduction server's
 #: window (flow control of one worker's pushes), server_memory (a
-#: colocated server's staging) and stats, MNOPT_BLAS_THREADS,
+#: colocated server's staging) and stats, timeline and MNOPT_TIMELINE
+#: (each rank writes its own file), MNOPT_BLAS_THREADS,
 #: MNOPT_THREAD_SLICE_US and MNOPT_SINGLE_RANK_AVERAGING (one rank only).
 SHARED_SETTINGS = {
     'communicator': 'each kind makes collectives of its own: a mix of '

@@ -241,7 +241,7 @@ class ShardedCollectives(object):
             device, ready = caller_ready(named, xp)
         handle = averaging.in_flight = MeanHandle(executor.submit(
             self._reduce_scatter_in_background, named, arrays_per_rank, xp,
-            problem, device, ready))
+            problem, device, ready), self.timeline)
         del named   # the background's reference is the only one left here
         return handle
 
@@ -269,11 +269,13 @@ class ShardedCollectives(object):
             counted = shards.layout.wire in ('float16', 'bfloat16') and \
                 averaging.overflow.on_overflow != 'ignore'
             arrays = [a for _, a in named]
-            if shards.in_place:
-                self._reduce_scatter_in_place(group, shards, arrays)
-                return
-            nonfinite = self._reduce_scatter_mean(group, shards, arrays, xp,
-                                                  counted)
+            with self._wire_span(step, sum(shards.byte_counts),
+                                 'reduce_scatter'):
+                if shards.in_place:
+                    self._reduce_scatter_in_place(group, shards, arrays)
+                    return
+                nonfinite = self._reduce_scatter_mean(group, shards, arrays,
+                                                      xp, counted)
             if counted:
                 check_overflow(group, shards, nonfinite, step,
                                averaging.overflow)

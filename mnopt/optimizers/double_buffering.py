@@ -6,6 +6,7 @@ import numpy
 
 from mnopt.arrays import named_grads
 from mnopt.optimizers.protocol import BROADCAST, RESUME, MultiNodeOptimizer
+from mnopt.optimizers.protocol import stepped
 
 
 class DoubleBufferingOptimizer(MultiNodeOptimizer):
@@ -76,6 +77,7 @@ class DoubleBufferingOptimizer(MultiNodeOptimizer):
         object.__setattr__(self, 'communicated_target', loaded)
         object.__setattr__(self, 'needs_update', needs_update)
 
+    @stepped
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
@@ -104,6 +106,6 @@ class DoubleBufferingOptimizer(MultiNodeOptimizer):
         object.__setattr__(self, '_handle', self._blocked(
             self.communicator.mean_grads_async, fresh))
         if self.needs_update:
-            self.actual_optimizer.update(None, *args, **kwds)
+            self._apply(*args, **kwds)
         else:
             object.__setattr__(self, 'needs_update', True)

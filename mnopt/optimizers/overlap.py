@@ -43,6 +43,8 @@ import collections
 
 import chainer
 
+from mnopt import timeline as timelines
+
 
 class _Ready(chainer.FunctionNode):
     """Identity of its first input; the other (the link's input) sets only
@@ -182,13 +184,15 @@ class Overlap(object):
         self.bucket_of = {} if self.plan is None else {
             n: b for b, names in enumerate(self.plan) for n in names}
         hook = _Wrapper(self._own_params(), self._wrapped, self.ready)
+        tl = getattr(self.comm, 'timeline', timelines.NULL)
         try:
-            with hook:
+            with tl.span('forward', 'compute'), hook:
                 loss = lossfun(*args, **kwds)
         finally:
             hook.restore_all()
         self.target.cleargrads()
-        loss.backward(loss_scale=loss_scale)
+        with tl.span('backward', 'compute'):
+            loss.backward(loss_scale=loss_scale)
         self.stats['during_backward'] = self.next_bucket
 
     def _wrapped(self, name):

@@ -6,6 +6,7 @@ import numpy
 
 from mnopt.optimizers.overlap import Overlap
 from mnopt.optimizers.protocol import BROADCAST, RESUME, MultiNodeOptimizer
+from mnopt.optimizers.protocol import stepped
 
 
 class OverlapOptimizer(MultiNodeOptimizer):
@@ -67,6 +68,7 @@ class OverlapOptimizer(MultiNodeOptimizer):
                 n for n, _ in self.target.namedparams()):
             self._overlap.plan = plan
 
+    @stepped
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is None:
             return super(OverlapOptimizer, self).update(None, *args, **kwds)
@@ -89,4 +91,4 @@ class OverlapOptimizer(MultiNodeOptimizer):
         overlap.adopt()
         if overlap.plan is None:
             overlap.make_plan()
-        self.actual_optimizer.update(None, *args, **kwds)
+        self._apply(*args, **kwds)

@@ -2,11 +2,14 @@
 multi-node optimizer: average the gradients, then let the wrapped Chainer
 optimizer update.  Uses only the communicator's public API."""
 
+import functools
 import hashlib
 import time
 
 import chainer
 import numpy
+
+from mnopt import timeline as timelines
 
 
 LOADED = object()  # _param_set after a snapshot was loaded
@@ -36,6 +39,23 @@ def digest(named_arrays):
         h.update(repr(host_array.tolist()).encode()
                  if host_array.dtype.hasobject else host_array.tobytes())
     return h.hexdigest()
+
+
+def stepped(update):
+    """``update`` recorded as one 'step' in the communicator's timeline
+    (once: an update that calls another's records one step)."""
+    @functools.wraps(update)
+    def recorded(self, *args, **kwds):
+        tl = self._timeline()
+        if not tl or self.__dict__.get('_in_step'):
+            return update(self, *args, **kwds)
+        object.__setattr__(self, '_in_step', True)
+        try:
+            with tl.span('step', 'compute'):
+                return update(self, *args, **kwds)
+        finally:
+            object.__setattr__(self, '_in_step', False)
+    return recorded
 
 
 def state_of(serialize):
@@ -85,6 +105,17 @@ class MultiNodeOptimizer(object):
                                self.communication_time
                                + time.perf_counter() - start)
 
+    def _timeline(self):
+        """The communicator's timeline (mnopt/timeline.py; NULL when off
+        or for a communicator without one)."""
+        return getattr(self.communicator, 'timeline', timelines.NULL)
+
+    def _apply(self, *args, **kwds):
+        """The wrapped optimizer's update (of the gradients in place):
+        'update' in the timeline."""
+        with self._timeline().span('update', 'compute'):
+            self.actual_optimizer.update(None, *args, **kwds)
+
     def setup(self, link):
         self.actual_optimizer.setup(link)
         # A new target: its first update broadcasts, as ChainerMN's does.
@@ -93,12 +124,15 @@ class MultiNodeOptimizer(object):
 
     def _backward(self, lossfun, args, kwds):
         target = self.target
-        loss = lossfun(*args, **kwds)
+        tl = self._timeline()
+        with tl.span('forward', 'compute'):
+            loss = lossfun(*args, **kwds)
         if getattr(self.actual_optimizer, '_use_cleargrads', True):
             target.cleargrads()
         else:
             target.zerograds()
-        loss.backward(loss_scale=self.actual_optimizer._loss_scale)
+        with tl.span('backward', 'compute'):
+            loss.backward(loss_scale=self.actual_optimizer._loss_scale)
 
     def _current_param_set(self):
         return [(name, p.array is not None)
@@ -216,6 +250,7 @@ class MultiNodeOptimizer(object):
                     '(entries rank 0 does not have)')
         return None
 
+    @stepped
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
@@ -227,7 +262,7 @@ class MultiNodeOptimizer(object):
             return
         self._blocked(self.communicator.multi_node_mean_grad, self.target,
                       self.zero_fill)
-        self.actual_optimizer.update(None, *args, **kwds)
+        self._apply(*args, **kwds)
 
     def __getattr__(self, name):
         return getattr(self.actual_optimizer, name)

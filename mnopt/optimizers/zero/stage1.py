@@ -5,7 +5,7 @@ import chainer
 
 from mnopt.arrays import named_grads
 from mnopt.optimizers.protocol import AVERAGE, BROADCAST, RESUME
-from mnopt.optimizers.protocol import MultiNodeOptimizer, digest
+from mnopt.optimizers.protocol import MultiNodeOptimizer, digest, stepped
 from mnopt.optimizers.zero import snapshots
 from mnopt.optimizers.zero.owned_update import optimizer_problem
 from mnopt.optimizers.zero.owned_update import update_owned
@@ -123,6 +123,7 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
             comm.bcast_data(self.target)
         return same
 
+    @stepped
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
@@ -156,8 +157,9 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
     def _update_owned(self):
         """Chainer's GradientMethod.update after the backward, on this
         rank's parameters only (mnopt/optimizers/zero/owned_update.py)."""
-        update_owned(self.actual_optimizer, self.communicator, self.target,
-                     self.owners)
+        with self._timeline().span('update', 'compute'):
+            update_owned(self.actual_optimizer, self.communicator,
+                         self.target, self.owners)
 
     # ------------------------------------------------------------ snapshots
     def _serialize_state(self, serializer):

@@ -3,7 +3,7 @@ gradients sharded too, each bucket reduce-scattered to its owners during
 backward (overlap's machinery, extended)."""
 
 from mnopt.optimizers.overlap import Overlap
-from mnopt.optimizers.protocol import BROADCAST, RESUME
+from mnopt.optimizers.protocol import BROADCAST, RESUME, stepped
 from mnopt.optimizers.zero.stage1 import ShardedStateOptimizer
 
 
@@ -165,6 +165,7 @@ class ShardedGradsOptimizer(ShardedStateOptimizer):
         if first is not None and not quiet:
             raise first
 
+    @stepped
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is None:
             return super(ShardedGradsOptimizer, self).update(

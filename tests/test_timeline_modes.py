@@ -1,0 +1,180 @@
+"""The timeline of a training run (create_communicator(timeline=...) or
+$MNOPT_TIMELINE), in every mode: the trace of each rank is valid
+trace-event JSON holding each step's phases, its 'wire' spans carry the
+collective's seq and bytes, and the report's analysis reads it.  Off, no
+file is written.  Runs serially (the averaging run at one rank:
+MNOPT_SINGLE_RANK_AVERAGING=1) and under mpiexec -n 2."""
+
+import glob
+import os
+
+import numpy
+import pytest
+
+chainer = pytest.importorskip(
+    'chainer', reason='the Chainer layer (the numpy1 and numpy2 stacks run it)')
+import chainer.functions as F  # NOQA
+import chainer.links as L  # NOQA
+
+import mnopt  # NOQA
+from conftest import WORLD, naive_comm, shared_directory  # NOQA
+from mnopt import timeline, trace_analysis  # NOQA
+
+STEPS = 3
+STEP_PHASES = {'step', 'forward', 'backward', 'update'}
+AVERAGING_PHASES = {'pack', 'wire', 'unpack'}
+
+#: mode: (create_communicator's keywords, create_multi_node_optimizer's,
+#: the phases its trace must hold beyond the step's).
+MODES = {
+    'sync': ({}, {}, AVERAGING_PHASES | {'wait'}),
+    'double_buffering': ({}, {'double_buffering': True},
+                         AVERAGING_PHASES),
+    'overlap': ({}, {'overlap': True}, AVERAGING_PHASES),
+    'sign': ({'compression': 'sign'}, {}, AVERAGING_PHASES | {'wait'}),
+    'zero': ({}, {'shard_state': True}, {'wire'}),
+}
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super(Net, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(8, 16)
+            self.l2 = L.Linear(16, 4)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.l2(F.relu(self.l1(x))), t)
+
+
+@pytest.fixture
+def directory(naive_comm):
+    """A directory every rank shares (each writes its own file there)."""
+    with shared_directory(naive_comm, 'mnopt-timeline-') as path:
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def averaging_at_one_rank(monkeypatch):
+    # Serially, the whole averaging path runs (else it moves nothing).
+    monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', '1')
+    monkeypatch.delenv(timeline.ENV, raising=False)
+
+
+def train(comm_options, optimizer_options, **timeline_option):
+    comm = mnopt.create_communicator('flat', **dict(comm_options,
+                                                    **timeline_option))
+    try:
+        model = Net()
+        optimizer = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.SGD(lr=0.1), comm, **optimizer_options)
+        optimizer.setup(model)
+        rng = numpy.random.RandomState(comm.rank)
+        for _ in range(STEPS + 1):   # the first update broadcasts
+            x = rng.standard_normal((5, 8)).astype(numpy.float32)
+            t = rng.randint(0, 4, 5).astype(numpy.int32)
+            optimizer.update(model, x, t)
+        if optimizer_options.get('double_buffering'):
+            optimizer.wait()
+        return comm.timeline
+    finally:
+        comm.finalize()
+
+
+def validate(events):
+    """The trace-event format's rules Perfetto relies on."""
+    for ev in events:
+        for key in ('ph', 'ts', 'pid', 'tid', 'name'):
+            assert key in ev, (key, ev)
+        if ev['ph'] == 'X':
+            assert ev['dur'] >= 0, ev
+
+
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_every_phase_of_every_mode_is_in_the_trace(mode, directory):
+    comm_options, optimizer_options, phases = MODES[mode]
+    if True:
+        template = os.path.join(directory, 'trace.json')
+        tl = train(comm_options, optimizer_options, timeline=template)
+        assert not tl, 'finalize closes the timeline'
+        path = timeline.trace_path(template, WORLD.rank)
+        assert tl.path == path
+        with open(path) as f:
+            assert f.read().rstrip().endswith(']'), 'closed: complete'
+        events = timeline.load(path)
+        validate(events)
+        spans = [e for e in events if e['ph'] == 'X']
+        names = {e['name'] for e in spans}
+        assert STEP_PHASES | phases <= names, sorted(names)
+        main = {e['name'] for e in spans if e['tid'] == 0}
+        assert STEP_PHASES <= main
+        assert len([e for e in spans if e['name'] == 'step']) == STEPS + 1
+        wires = [e for e in spans if e['name'] == 'wire']
+        for wire in wires:
+            assert isinstance(wire['args']['seq'], int), wire
+            assert wire['args']['bytes'] >= 0, wire
+            assert wire['args']['comm'].startswith('flat#'), wire
+        assert sum(w['args']['bytes'] for w in wires) > 0
+        seqs = [w['args']['seq'] for w in wires]
+        assert len(seqs) == len(set(seqs)), 'one seq per collective'
+        if optimizer_options.get('double_buffering') or \
+                optimizer_options.get('overlap'):
+            threads = {e['args']['name'] for e in events
+                       if e['name'] == 'thread_name'}
+            assert 'averaging' in threads
+            assert {e['name'] for e in spans if e['tid'] != 0} \
+                >= AVERAGING_PHASES
+        # Every rank's file is written: the report reads them together.
+        WORLD.Barrier()
+        paths = sorted(glob.glob(os.path.join(directory, 'trace.rank*.json')))
+        assert len(paths) == WORLD.size
+        report = trace_analysis.analyze(paths)
+        overall = report['overall']
+        assert overall and overall['steps'] > 0, report
+        assert report['collectives']['count'] >= 1
+        WORLD.Barrier()
+
+
+def test_the_environment_variable_turns_it_on(monkeypatch, directory):
+    if True:
+        monkeypatch.setenv(timeline.ENV, os.path.join(directory, 't.json'))
+        tl = train({}, {})
+        assert tl.path == os.path.join(directory, 't.rank%d.json'
+                                       % WORLD.rank)
+        names = {e['name'] for e in timeline.load(tl.path)}
+        assert {'step', 'wire', 'wait'} <= names
+        WORLD.Barrier()
+
+
+def test_off_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert train({}, {}) is timeline.NULL
+    assert os.listdir(str(tmp_path)) == []
+
+
+def test_a_split_shares_its_parents_timeline(directory):
+    if True:
+        comm = mnopt.create_communicator(
+            'flat', timeline=os.path.join(directory, 'trace.json'))
+        sub = comm.split(WORLD.rank % 2, WORLD.rank)
+        assert sub.timeline is comm.timeline
+        assert sub.timeline_name != comm.timeline_name
+        grads = [('/g', numpy.ones(4, numpy.float32))]
+        sub.mean_grads(grads)
+        sub.finalize()
+        assert comm.timeline, 'the parent still holds it'
+        comm.mean_grads(grads)
+        tl = comm.timeline
+        comm.finalize()
+        assert not tl
+        wires = [e for e in timeline.load(tl.path) if e['name'] == 'wire']
+        assert {w['args']['comm'] for w in wires} == {
+            comm.timeline_name, sub.timeline_name}
+        WORLD.Barrier()
+
+
+@pytest.mark.parametrize('value', ['', 3, b'x.json'])
+def test_a_timeline_that_is_not_a_path_is_refused(value):
+    with pytest.raises(ValueError, match='timeline must be a path'):
+        mnopt.create_communicator('flat', timeline=value,
+                                  abort_on_exception=False)
