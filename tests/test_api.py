@@ -8,6 +8,9 @@ import mnopt
 from mnopt.transport import objects
 from conftest import WORLD, chainer, make_model, needs_chainer
 
+# Also under mpiexec -n 3: uneven fake nodes, split() into parts of 2 and 1.
+pytestmark = pytest.mark.many_ranks
+
 
 @pytest.fixture
 def comm(comm_name):

@@ -6,9 +6,10 @@ import pytest
 import mnopt
 from conftest import needs_chainer
 
-pytestmark = needs_chainer
 
 
+
+@needs_chainer
 @pytest.mark.parametrize('double_buffering', [False, True])
 def test_the_simulated_optimizer_is_a_chainer_optimizer(double_buffering):
     """--double-buffering and --scaling wrap it: create_multi_node_optimizer
@@ -30,3 +31,17 @@ def test_the_simulated_optimizer_is_a_chainer_optimizer(double_buffering):
         assert opt.t == (1 if double_buffering else 2), opt.t
     finally:
         comm.finalize()
+
+
+def test_the_old_library_names_of_mnopt_benchmark_still_resolve():
+    """Scripts written against mnopt.benchmark's library names (before it
+    became the command line only) find them, warned."""
+    import importlib
+    import mnopt.benchmark as command
+    for name, module in command.MOVED.items():
+        with pytest.warns(DeprecationWarning, match=name):
+            found = getattr(command, name)
+        assert found is getattr(importlib.import_module(
+            'mnopt.benchmarking.' + module), name)
+    with pytest.raises(AttributeError):
+        command.no_such_name

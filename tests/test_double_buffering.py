@@ -15,6 +15,9 @@ chainer = pytest.importorskip(
 import mnopt
 from conftest import WORLD, make_model, run_mpi
 
+# Also under mpiexec -n 3: the one-step-stale mean of three ranks.
+pytestmark = pytest.mark.many_ranks
+
 SHAPES = [(3,), (2, 5), (40000,)]  # the last one is reduced in place
 
 

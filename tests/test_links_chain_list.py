@@ -9,7 +9,8 @@ import pytest
 from conftest import naive_comm as comm  # NOQA: the comm fixture
 from conftest import chainer, needs_chainer
 
-pytestmark = needs_chainer
+# Also under mpiexec -n 3: rank 0 fans out to several children.
+pytestmark = [needs_chainer, pytest.mark.many_ranks]
 if chainer is None:   # the core stack: nothing here runs without Chainer
     pytest.skip('needs Chainer', allow_module_level=True)
 

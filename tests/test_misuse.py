@@ -152,3 +152,18 @@ def test_started_without_mpiexec_in_a_job_of_several():
                     if line.startswith('mnopt: warning:')]
         assert len(warnings) == 1 and '(%s)' % variable in warnings[0] \
             and 'each such process will train alone' in warnings[0], err
+
+
+def test_subclassing_the_interface_as_a_communicator_says_where_to_go():
+    """CommunicatorBase is the interface (as ChainerMN's); a communicator
+    that says how to sum a buffer subclasses MpiCommunicatorBase, and the
+    old way says so instead of 'takes no arguments'."""
+    from mnopt.communicators.base import CommunicatorBase
+    from mnopt.communicators.naive import NaiveCommunicator
+
+    class Mine(CommunicatorBase):
+        _sum = NaiveCommunicator._sum
+
+    with pytest.raises(TypeError, match='subclasses mnopt.communicators.'
+                                        'base.MpiCommunicatorBase'):
+        Mine(WORLD)

@@ -11,7 +11,8 @@ import pytest
 from conftest import chainer, needs_chainer, shared_directory, warns_on_rank_0
 from damaged_npz import damage_deflate_stream
 
-pytestmark = needs_chainer
+# Also under mpiexec -n 3: replica sets, and an autoload from fewer sets.
+pytestmark = [needs_chainer, pytest.mark.many_ranks]
 
 import mnopt  # NOQA
 

@@ -40,6 +40,16 @@ class CommunicatorBase(object):
     #: Timeline, or timeline.NULL (false) when off.  Per rank, not shared.
     timeline: Any = timelines.NULL
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before 0.1.0's layers, mnopt's CommunicatorBase was the
+        # implementation a new communicator subclassed; say where it went.
+        if args or kwargs:
+            raise TypeError(
+                '%s(...): CommunicatorBase is the interface and takes no '
+                'arguments; a communicator that says how to sum a buffer '
+                'subclasses mnopt.communicators.base.MpiCommunicatorBase '
+                '(docs/architecture.md)' % type(self).__name__)
+
     # ----------------------------------------------------------- settings
     @classmethod
     def check_arguments(cls, allreduce_grad_dtype: DTypeLike | None = None,
