@@ -139,7 +139,8 @@ experiments: setup
 
 # Every stack in turn.  The first stack of STACKS runs every test module
 # serially (on two pytest-xdist workers: most of the serial pass is
-# spawned jobs waiting on each other, which two workers overlap), under
+# spawned jobs waiting on each other, which two workers overlap; then the
+# ``machine_wide`` tests, network namespaces and shaped links, alone), under
 # mpiexec -n 2, and under -n 3 the modules marked ``many_ranks`` (where the
 # number of ranks changes what is computed: ring segments, uneven shards
 # and scatters, votes, a middle rank).  The other stacks run what can
@@ -177,7 +178,7 @@ test-%: .venv/%/.installed
 	start=$$(date +%s); \
 	launch="$(or $(LAUNCH_$*),.venv/$*/bin/mpiexec)"; \
 	pytest=".venv/$*/bin/python -m pytest -q --color=no --durations=15 \
-	    -n $(WORKERS) --dist loadgroup"; \
+	    -n $(WORKERS)"; \
 	under_mpi=".venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no"; \
 	if [ "$*" = "$(firstword $(STACKS))" ] || [ "$(TESTS_ALL)" = 1 ]; then \
 	    only=""; \
@@ -188,7 +189,9 @@ test-%: .venv/%/.installed
 	    MNOPT_REQUIRE_NVRTC=1 $$pytest $${only:+-m "$$only"}; \
 	else \
 	    export MNOPT_TEST_MPIEXEC="$(LAUNCH_$*)" && \
-	    $$pytest $${only:+-m "$$only"} && \
+	    $$pytest -m "$${only:+($$only) and }not machine_wide" && \
+	    { [ -n "$$only" ] || .venv/$*/bin/python -m pytest -q --color=no \
+	        -m machine_wide; } && \
 	    $$launch -n 2 $$under_mpi $${only:+-m many_ranks} && \
 	    { [ -n "$$only" ] || $$launch -n 3 $$under_mpi \
 	        $$([ "$(TESTS_ALL)" = 1 ] || echo -m many_ranks); }; \

@@ -78,6 +78,11 @@ def pytest_configure(config):
                    'library and its launcher decide: how a job ends, MPMD '
                    'launches; see the Makefile)')
     config.addinivalue_line(
+        'markers', 'machine_wide: sets up what is the whole machine\'s '
+                   '(network namespaces, shaped links); the Makefile runs '
+                   'these after the others, alone, not beside another '
+                   'test')
+    config.addinivalue_line(
         'markers', 'many_ranks: where the number of ranks changes what '
                    'is computed (ring segments, uneven shards and scatters, '
                    'votes, a middle rank): the first stack runs it under '

@@ -13,8 +13,9 @@ import pytest
 from conftest import REPO, slack
 from mnopt import netsim
 
-# One worker runs them all: they set up namespaces of the same names.
-pytestmark = [pytest.mark.spawn, pytest.mark.xdist_group('netsim')]
+# Network namespaces and shaped links are the machine's, not a test's:
+# these run in a pass of their own, alone on the machine (the Makefile).
+pytestmark = [pytest.mark.spawn, pytest.mark.machine_wide]
 
 try:
     netsim.check_environment()

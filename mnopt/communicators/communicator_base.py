@@ -27,6 +27,17 @@ if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
 
+def _refuse_arguments(communicator, args, kwargs):
+    # Before 0.1.0's layers, mnopt's CommunicatorBase was the
+    # implementation a new communicator subclassed; say where it went.
+    if args or kwargs:
+        raise TypeError(
+            '%s(...): CommunicatorBase is the interface and takes no '
+            'arguments; a communicator that says how to sum a buffer '
+            'subclasses mnopt.communicators.base.MpiCommunicatorBase '
+            '(docs/architecture.md)' % type(communicator).__name__)
+
+
 class CommunicatorBase(object):
     """A data-parallel communicator (ChainerMN's API and mnopt's).
 
@@ -40,15 +51,13 @@ class CommunicatorBase(object):
     #: Timeline, or timeline.NULL (false) when off.  Per rank, not shared.
     timeline: Any = timelines.NULL
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Before 0.1.0's layers, mnopt's CommunicatorBase was the
-        # implementation a new communicator subclassed; say where it went.
-        if args or kwargs:
-            raise TypeError(
-                '%s(...): CommunicatorBase is the interface and takes no '
-                'arguments; a communicator that says how to sum a buffer '
-                'subclasses mnopt.communicators.base.MpiCommunicatorBase '
-                '(docs/architecture.md)' % type(self).__name__)
+    if TYPE_CHECKING:
+        # For type checkers the interface takes no arguments.
+        def __init__(self) -> None: ...
+    else:
+        def __init__(self, *args, **kwargs):
+            _refuse_arguments(self, args, kwargs)
+
 
     # ----------------------------------------------------------- settings
     @classmethod
