@@ -35,8 +35,10 @@ PYVERSION_lowest := 3.10
 PYVERSION_py313 := 3.13
 PYTHON_lowest := $(call find_python,3.10)
 PYTHON_py313 := $(call find_python,3.13)
-# CuPy 14 with the CUDA runtime compiler and NCCL (not the whole toolkit).
-MORE_core := cupy-cuda13x nvidia-cuda-nvrtc nvidia-nccl-cu13
+# CuPy 14 with the CUDA runtime compiler and NCCL (not the whole toolkit);
+# setuptools within constraints/core.txt (uv seeds the newest, with which
+# NumPy 2's numpy.distutils on Python 3.11 fails).
+MORE_core := cupy-cuda13x nvidia-cuda-nvrtc nvidia-nccl-cu13 setuptools
 # Build mpi4py from source against the MPI whose mpicc is on PATH.
 PIP_openmpi := --no-binary mpi4py
 # Open MPI: more ranks than cores, and root (as CI is) must be allowed.
