@@ -145,14 +145,11 @@ class AveragingPipeline(object):
         """Overridden by transports that pack and unpack piece by piece.
         ``step``: the averaging's number (the 'seq' of its 'wire' span)."""
         tl = self.timeline
-        if not tl:
-            buffer.pack(arrays, self._pack_divisor())
-            self._sum(buffer, group)
-            buffer.unpack(arrays)
-            return
         # Packing casts to the wire's dtype in the same pass: 'cast' where
-        # that dtype differs from a gradient's, else 'pack'.
-        casts = any(d != buffer.layout.wire for d in buffer.layout.dtypes)
+        # that dtype differs from a gradient's, else 'pack' (looked at only
+        # when recording; off, every span is one shared no-op).
+        casts = tl and any(d != buffer.layout.wire
+                           for d in buffer.layout.dtypes)
         with tl.span('cast' if casts else 'pack', 'comm', step=step,
                      bytes=buffer.nbytes):
             buffer.pack(arrays, self._pack_divisor())
