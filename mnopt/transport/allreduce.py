@@ -55,7 +55,7 @@ def allreduce_sum(comm, array, wire, algorithm=None):
 
 
 def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
-                        divided=None):
+                        divided=None, segment_bytes=None):
     """Sum each contiguous numpy wire array of ``parts`` in place across
     ``comm``: on mnopt's pipelined ring (mnopt/transport/ring.py; all
     parts in one ring) or with MPI's Allreduce (one call per part), as
@@ -82,7 +82,8 @@ def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
     nbytes = sum(p.nbytes for p in parts)
     if uses_ring(comm, wire, nbytes, algorithm):
         ring.allreduce_sum_parts(comm, parts, wire, check=False,
-                                 divide=divide, divided=divided)
+                                 divide=divide, divided=divided,
+                                 segment_bytes=segment_bytes)
         return
     buffers.allreduce_sum_parts(comm, parts, wire, divide, divided)
 

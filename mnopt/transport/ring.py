@@ -145,7 +145,7 @@ def allreduce_sum(comm, array, wire, check=True):
 
 
 def allreduce_sum_parts(comm, parts, wire, check=True, divide=None,
-                        divided=None):
+                        divided=None, segment_bytes=None):
     """Sum each array of ``parts`` in place across ``comm``, in one ring:
     the parts are pipelined together, so many small pieces cost one ring's
     latency, not one each, but each is chunked on its own
@@ -155,7 +155,12 @@ def allreduce_sum_parts(comm, parts, wire, check=True, divide=None,
     ``divide(view)``, where given, runs on each segment of the parts whose
     ``divided`` is False just before its first use (sent at the first
     step, or summed into): the division is spread over the ring, between
-    its waits, instead of a pass over everything before it starts."""
+    its waits, instead of a pass over everything before it starts.
+
+    ``segment_bytes``: the bytes of each message (the same on every
+    rank), or None: ``_segment_elems``' rule.  It moves nothing but the
+    pipelining: every element is summed in the same order, so the bits
+    are the same whatever it is."""
     bad = [p for p in parts if not ring_checks.fits(p, wire)]
     total = sum(p.size for p in parts if ring_checks.fits(p, wire))
     if check:
@@ -175,13 +180,17 @@ def allreduce_sum_parts(comm, parts, wire, check=True, divide=None,
         counts = [total * (c + 1) // n - total * c // n for c in range(n)]
         _ring(comm, [p for p, _ in live], wire, counts, 0,
               2 * (n - 1), chunk_each_part=True,
-              divide=divide, divided=[d for _, d in live])
+              divide=divide, divided=[d for _, d in live],
+              segment_bytes=segment_bytes)
 
 
 # ------------------------------------------------------------------ the ring
 
-def _segment_elems(counts, itemsize):
-    """Elements per segment: the same on every rank (from counts only)."""
+def _segment_elems(counts, itemsize, segment_bytes=None):
+    """Elements per segment: the same on every rank (from counts and
+    ``segment_bytes``, a shared setting, only)."""
+    if segment_bytes is not None:
+        return max(1, segment_bytes // itemsize)
     largest = max(counts) * itemsize
     per = -(-largest // SEGMENTS_PER_CHUNK)
     seg = min(SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, per))
@@ -244,7 +253,7 @@ def waits_by_yielding():
 
 
 def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
-          divide=None, divided=None):
+          divide=None, divided=None, segment_bytes=None):
     """Run ring steps ``first`` .. ``last``-1 over ``parts`` (see the
     module's docstring: steps below N-1 sum, the others copy).  ``wire``
     None: raw bytes (copy steps only).  ``chunk_each_part``: chunk c is
@@ -256,7 +265,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     right, left = (rank + 1) % n, (rank - 1) % n
     mpi_type = MPI.BYTE if wire is None else reduce.MPI_TYPES[wire]
     add = None if wire is None else _adder(wire)
-    seg_elems = _segment_elems(counts, parts[0].itemsize)
+    seg_elems = _segment_elems(counts, parts[0].itemsize, segment_bytes)
     # This rank's segments still to divide at their first use: each
     # element is either sent at step 0 (chunk rank-1) or summed into at
     # one step below N-1 (every other chunk), exactly once.
