@@ -154,3 +154,20 @@ def common(comm, items, what, stall_warning=None, timeout=None):
     held = everyone(comm, sorted(set(items)), what, stall_warning, timeout)
     shared = set(held[0]).intersection(*held[1:])
     return sorted(shared)
+
+
+def quickest(comm, seconds, what, stall_warning=None, timeout=None):
+    """The choice among candidates that every rank timed (``seconds``:
+    this rank's time of each, the same count on every rank): each
+    candidate's time is its slowest rank's, and the quickest of those
+    wins (the first of equals).  Returns ``(index, slowest)``, the same
+    on every rank whatever each rank measured: every rank computes it
+    from the same list."""
+    said = everyone(comm, [float(s) for s in seconds], what, stall_warning,
+                    timeout)
+    message = unequal([len(s) for s in said],
+                      '%s (the number of candidates timed)' % what)
+    if message:
+        raise RuntimeError(message)
+    slowest = [max(times) for times in zip(*said)]
+    return slowest.index(min(slowest)), slowest
