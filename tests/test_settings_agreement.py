@@ -30,6 +30,7 @@ TRACES = tempfile.mkdtemp(prefix='mnopt-settings-timeline-')
 #: the split test checks it too.
 NON_DEFAULT = {
     'allreduce_grad_dtype': 'float64', 'bucket_bytes': 4096,
+    'segment_bytes': 65536,
     'compression': 'sign', 'error_feedback': False, 'warmup_steps': 3,
     'vote': 'alltoall', 'stall_warning': 45.0, 'timeout': 450.0,
     'on_overflow': 'ignore', 'batched_copy': False,

@@ -38,7 +38,7 @@ def create_communicator(communicator_name: str = 'auto',
                         mpi_comm: MPI.Comm | None = None,
                         allreduce_grad_dtype: DTypeLike | None = None,
                         batched_copy: bool = True,
-                        bucket_bytes: int | None = None,
+                        bucket_bytes: int | str | None = None,
                         abort_on_exception: bool = True,
                         compression: str | None = None,
                         error_feedback: bool = True, warmup_steps: int = 0,
@@ -47,6 +47,7 @@ def create_communicator(communicator_name: str = 'auto',
                         timeout: float | None = None,
                         on_overflow: str = 'warn',
                         timeline: str | None = None,
+                        segment_bytes: int | str | None = None,
                         **options: Any) -> CommunicatorBase:
     """Create a communicator.
 
@@ -60,7 +61,11 @@ def create_communicator(communicator_name: str = 'auto',
             ``'bfloat16'``, ``'float32'``, ``'float64'`` or None (their own).
         batched_copy: ChainerMN's setting, kept (``get_config``); mnopt
             always packs in one batched pass.
-        bucket_bytes: bytes of wire data per reduction call (default 1 MiB).
+        bucket_bytes: bytes of wire data per reduction call (default 1 MiB),
+            or ``'auto'`` (``flat``, ``hierarchical``): the first
+            averagings time candidates and every rank takes the quickest
+            (mnopt/communicators/tuning.py, docs/tuning.md;
+            ``comm.tuned_settings`` says what was chosen).
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
             the other ranks hanging).
@@ -94,9 +99,13 @@ def create_communicator(communicator_name: str = 'auto',
             COMM_WORLD, else ``.rank<N>`` goes before the extension), or
             None: $MNOPT_TIMELINE, else off.  Each rank's own setting; see
             docs/observability.md.
+        segment_bytes: the size of each message of mnopt's ring (None:
+            its own rule, 32 to 256 KiB), or ``'auto'`` (``flat``,
+            ``hierarchical``), tuned as ``bucket_bytes``.
         **options: the communicator's own; ``reduction_server`` takes
             ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
-            server, 6), ``server_memory`` (staging bytes per
+            server, 6) (either may be ``'auto'``, tuned as
+            ``bucket_bytes``), ``server_memory`` (staging bytes per
             channel of a colocated server, 64 MiB) and ``stats`` (collect
             per-phase timings in ``comm.stats``).
 
@@ -122,7 +131,8 @@ def create_communicator(communicator_name: str = 'auto',
                    'error_feedback': error_feedback,
                    'warmup_steps': warmup_steps, 'vote': vote,
                    'on_overflow': on_overflow,
-                   'batched_copy': batched_copy, 'timeline': timeline},
+                   'batched_copy': batched_copy, 'timeline': timeline,
+                   'segment_bytes': segment_bytes},
                   **options)
     if stall_warning is not None or timeout is not None:
         kwargs.update(stall_warning=stall_warning, timeout=timeout)

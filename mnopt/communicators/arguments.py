@@ -10,6 +10,7 @@ from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
 from mnopt import stall_settings
+from mnopt.communicators import tuning
 from mnopt.communicators.settings import environment_settings
 
 
@@ -21,6 +22,20 @@ def whole_argument(name, value, minimum):
         raise ValueError('%s must be a whole number >= %d, not %r'
                          % (name, minimum, value))
     return int(value)
+
+
+def tunable_argument(name, value, minimum, allow_none=False):
+    """``whole_argument``, or ``'auto'`` (tuned in the first averagings:
+    mnopt/communicators/tuning.py), or None where ``allow_none``."""
+    if (isinstance(value, str) and value == tuning.AUTO) or \
+            (allow_none and value is None):
+        return value
+    try:
+        return whole_argument(name, value, minimum)
+    except ValueError:
+        raise ValueError("%s must be a whole number >= %d%s or 'auto', not "
+                         "%r" % (name, minimum,
+                                 ', None' if allow_none else '', value))
 
 
 def timeline_argument(value):
@@ -39,7 +54,7 @@ def timeline_argument(value):
 def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
                     compression, error_feedback, warmup_steps, vote,
                     stall_warning, timeout, on_overflow, batched_copy,
-                    timeline=None):
+                    timeline=None, segment_bytes=None):
     """The settings of a ``kind`` communicator (its name) made with these
     keyword arguments and ``options`` (those left over: none is known),
     checked and normalized; ValueError/TypeError for what it would refuse
@@ -51,7 +66,9 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
     settings = {
         'allreduce_grad_dtype': grad_buffer.normalize_wire_dtype(
             allreduce_grad_dtype),
-        'bucket_bytes': whole_argument('bucket_bytes', bucket_bytes, 1),
+        'bucket_bytes': tunable_argument('bucket_bytes', bucket_bytes, 1),
+        'segment_bytes': tunable_argument('segment_bytes', segment_bytes, 1,
+                                          allow_none=True),
         'compression': compression,
         'error_feedback': bool(error_feedback),
         'warmup_steps': whole_argument('warmup_steps', warmup_steps, 0),
@@ -68,6 +85,7 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
                          % (vote,))
     if compression is not None:  # None is the default vote, 'ring'
         settings['vote'] = sign.normalize_vote(vote)
+    tuning.check(kind, settings)
     stall_settings.settings(stall_warning, timeout)
     environment_settings()
     return settings

@@ -26,6 +26,7 @@ from mpi4py import MPI
 from mnopt import grad_buffer
 from mnopt import sign
 from mnopt import timeline as timelines
+from mnopt.transport import agreement
 from mnopt.arrays import array_module
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.background import thread_setup
@@ -63,6 +64,9 @@ class Averaging(object):
         self.seconds = 0.0
         #: Where the averagings are recorded (the communicator's timeline).
         self.timeline = timelines.NULL
+        #: The tuning of 'auto' settings (mnopt/communicators/tuning.py),
+        #: set by the communicator: the values each averaging runs with.
+        self.tuner = None
         self._lock = threading.Lock()
 
     sync_group = property(lambda self: self.resources.sync_group)
@@ -119,8 +123,8 @@ class AveragingPipeline(object):
     """``mean_grads`` and ``mean_grads_async``.  Needs the host's public
     ``averaging`` (an Averaging), ``size``, ``allreduce_grad_dtype``,
     ``compression``, ``warmup_steps``, ``skip_single_rank``, ``vote``,
-    ``vote_stats`` and ``bucket_bytes``, and the stall monitor ``watched``
-    uses.  Subclasses implement ``_sum(buffer, group)``: sum the group's
+    ``vote_stats`` and ``bucket_bytes``, the stall settings of its
+    agreements and the stall monitor ``watched`` uses.  Subclasses implement ``_sum(buffer, group)``: sum the group's
     buffer in place across all ranks; optionally they override the other
     hooks below."""
 
@@ -252,10 +256,21 @@ class AveragingPipeline(object):
             return averaging.signs.mean(group, averaging.label(group), named,
                                         xp, step, self._vote, self.timeline,
                                         self._wire_span)
+        alone = self.size == 1 and self.skip_single_rank
+        # 'auto' settings: the first averagings each run with a candidate
+        # (set in the tuner's values, which the hooks read) and are timed.
+        tuner = averaging.tuner
+        timed = not alone and not tuner.done and tuner.begin(named)
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
-        if self.size == 1 and self.skip_single_rank:
+        if alone:
             return  # the mean of one gradient is itself: nothing to move
         buffer.reset_counts()
+        start = time.perf_counter()
         self._pack_sum_unpack(buffer, group, [a for _, a in named], step)
+        if timed:
+            tuner.end(time.perf_counter() - start, lambda seconds: (
+                agreement.quickest(group.comm, seconds,
+                                   'tuning %s (every rank\'s times)'
+                                   % self.name, **self._stall_settings)))
         averaging.overflow.check(buffer, group.comm, step)

@@ -45,6 +45,7 @@ from mnopt.communicators.node_split import node_split
 from mnopt.communicators.resources import Resources
 from mnopt.communicators.resources import hold_timeline, let_go_of_timeline
 from mnopt.communicators.sharded import ShardedCollectives
+from mnopt.communicators.tuning import Tuner
 from mnopt.stall import watched
 
 __all__ = ['CommunicatorBase', 'MeanHandle', 'MpiCommunicatorBase']
@@ -86,7 +87,6 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         self.vote = sign.normalize_vote(settings['vote'])
         #: Bytes this rank sent for its last vote (sign compression).
         self.vote_stats = {}
-        self.bucket_bytes = settings['bucket_bytes']
         self.batched_copy = settings['batched_copy']  # ChainerMN's
         #: 'auto', 'ring' or 'mpi': $MNOPT_ALLREDUCE when it was made.
         self.allreduce_algorithm = allreduce.allreduce_algorithm()
@@ -117,6 +117,9 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         #: the same order.
         self.timeline_name = label
         self.averaging.timeline = self.timeline
+        #: The tuning of the settings passed as 'auto' (tuning.py); the
+        #: values every averaging runs with, tuned or not.
+        self.averaging.tuner = Tuner(self.name, settings, mpi_comm.rank)
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
         cores.limit_blas_threads(buffers.ranks_on_node(mpi_comm))
@@ -137,6 +140,39 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     #: averagings so far: against the time a caller was blocked, what
     #: double buffering or overlap hid.
     averaging_seconds = property(lambda self: self.averaging.seconds)
+
+    #: Wire bytes per reduction call now: ``bucket_bytes``, or with
+    #: 'auto' the candidate being timed, then the choice.
+    bucket_bytes = property(
+        lambda self: self.averaging.tuner.values['bucket_bytes'])
+    #: The ring's message size now (None: the ring's own rule), as
+    #: ``bucket_bytes``.
+    segment_bytes = property(
+        lambda self: self.averaging.tuner.values['segment_bytes'])
+
+    @property
+    def tuned_settings(self) -> dict[str, Any] | None:
+        """The values chosen for the settings passed as 'auto' (the same
+        on every rank), once the tuning is done: None while it runs, {}
+        where nothing is tuned.  Pass them as keywords to skip the tuning
+        in a later run of the same job."""
+        result = self.averaging.tuner.result
+        return None if result is None else dict(result)
+
+    def tuning_problem(self, mode: str) -> str | None:
+        """Why this communicator's 'auto' settings cannot be tuned under
+        an optimizer that averages as ``mode`` says (``'overlap'``,
+        ``'shard_state'``), or None (local: every rank says the same)."""
+        tuned = [n for n, _ in self.averaging.tuner.plan]
+        if not tuned:
+            return None
+        return ("%s='auto' tunes by timing whole averagings of the "
+                'gradients; %s averages %s, which it cannot time as one: '
+                'pass numbers (a tuned run without %s says which: '
+                'comm.tuned_settings, docs/tuning.md)' % (
+                    tuned[0], mode,
+                    'bucket by bucket during backward' if mode == 'overlap'
+                    else 'by reduce-scatter and all-gather', mode))
 
     # What the parts hold, by their old names (tests read them).
     _sync_group = property(lambda self: self._resources.sync_group)

@@ -62,7 +62,7 @@ class CommunicatorBase(object):
     # ----------------------------------------------------------- settings
     @classmethod
     def check_arguments(cls, allreduce_grad_dtype: DTypeLike | None = None,
-                        bucket_bytes: int =
+                        bucket_bytes: int | str =
                         grad_buffer.DEFAULT_BUCKET_BYTES,
                         compression: str | None = None,
                         error_feedback: bool = True, warmup_steps: int = 0,
@@ -71,6 +71,7 @@ class CommunicatorBase(object):
                         timeout: float | None = None,
                         on_overflow: str = 'warn', batched_copy: bool = True,
                         timeline: str | None = None,
+                        segment_bytes: int | str | None = None,
                         **options: Any) -> dict[str, Any]:
         """Raise ValueError/TypeError for arguments (and MNOPT_* settings)
         this communicator would refuse, without communicating: the
@@ -88,7 +89,7 @@ class CommunicatorBase(object):
             error_feedback=error_feedback, warmup_steps=warmup_steps,
             vote=vote, stall_warning=stall_warning, timeout=timeout,
             on_overflow=on_overflow, batched_copy=batched_copy,
-            timeline=timeline)
+            timeline=timeline, segment_bytes=segment_bytes)
 
     @classmethod
     def shared_settings(cls, settings: dict[str, Any]) -> dict[str, Any]:
@@ -170,6 +171,20 @@ class CommunicatorBase(object):
                               shared: bool = True,
                               local: bool = True) -> None:
         """Save or load the state of gradient compression (local)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- tuning
+    @property
+    def tuned_settings(self) -> dict[str, Any] | None:
+        """The values chosen for the settings passed as 'auto' once the
+        tuning is done (the same on every rank); None while it runs, {}
+        where nothing is tuned (local)."""
+        raise NotImplementedError
+
+    def tuning_problem(self, mode: str) -> str | None:
+        """Why this communicator's 'auto' settings cannot be tuned under
+        an optimizer that averages as ``mode`` says ('overlap',
+        'shard_state'), or None (local)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- sharded

@@ -20,7 +20,8 @@ class FlatCommunicator(MpiCommunicatorBase):
         parts, divided = buffer.parts_to_divide()
         allreduce.allreduce_sum_parts(group.comm, parts, buffer.layout.wire,
                                  self.allreduce_algorithm,
-                                 divide=buffer.divide, divided=divided)
+                                 divide=buffer.divide, divided=divided,
+                                 segment_bytes=self.segment_bytes)
         buffer.from_host()
 
     # The sharded optimizer's transports (mnopt/communicators/sharded.py):

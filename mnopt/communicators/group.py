@@ -55,7 +55,8 @@ class Group(object):
 
     def buffer_for(self, named, wire, xp, **buffer_options):
         """The GradBuffer for this gradient set; rebuilt when it changes
-        (or moves to another device).
+        (or moves to another device), or the ``buffer_options`` do (a
+        bucket size being tuned).
 
         The cross-rank layout check runs on every call (one 8-byte
         Allgather) and before any buffer is built, so a rank whose parameter
@@ -63,9 +64,11 @@ class Group(object):
         """
         key, buffer = self._kept(self._buffers, named, xp)
         layout = self._checked_layout(named, wire, buffer)
-        if buffer is None or buffer.layout is not layout:
+        if buffer is None or buffer.layout is not layout or \
+                buffer.options != buffer_options:
             buffer = self._keep(self._buffers, key, grad_buffer.GradBuffer(
                 layout, xp, **buffer_options))
+            buffer.options = buffer_options
         return buffer
 
     def sign_codec_for(self, named, xp, error_feedback):

@@ -56,7 +56,8 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
         if leader:
             # All buckets in one call: the ring pipelines them together.
             allreduce.allreduce_sum_parts(inter, parts, wire,
-                                     self.allreduce_algorithm)
+                                     self.allreduce_algorithm,
+                                     segment_bytes=self.segment_bytes)
         for part in parts:
             buffers.bcast_bytes(intra, part, root=0)
         buffer.from_host()

@@ -25,7 +25,8 @@ class NaiveCommunicator(FlatCommunicator):
         # 16-bit wires).
         for part in buffer.host_parts():
             allreduce.allreduce_sum_parts(group.comm, [part], buffer.layout.wire,
-                                     self.allreduce_algorithm)
+                                     self.allreduce_algorithm,
+                                     segment_bytes=self.segment_bytes)
         buffer.from_host()
 
     # The sharded optimizer's transports: MPI's own Reduce_scatter and

@@ -14,7 +14,8 @@ from mnopt import server_job
 from mnopt import server_loop
 from mnopt import server_protocol as protocol
 from mnopt.transport.layouts import LayoutMismatchError
-from mnopt.communicators.arguments import whole_argument
+from mnopt.communicators import tuning
+from mnopt.communicators.arguments import tunable_argument, whole_argument
 from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.colocated import ColocatedServers
 from mnopt.communicators.group import Group
@@ -58,11 +59,12 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         settings = super(ReductionServerCommunicator, cls).check_arguments(
             **kwargs)
         settings.update(
-            chunk_bytes=whole_argument('chunk_bytes', chunk_bytes, 1),
-            window=whole_argument('window', window, 1),
+            chunk_bytes=tunable_argument('chunk_bytes', chunk_bytes, 1),
+            window=tunable_argument('window', window, 1),
             # Any bound makes progress: a server always has one chunk's slot.
             server_memory=whole_argument('server_memory', server_memory, 1),
             stats=bool(stats), vote=None)
+        tuning.check(cls.name, settings)
         return settings
 
     def __init__(self, mpi_comm, **kwargs):
@@ -86,8 +88,6 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
             self._workers = list(range(mpi_comm.size))
         self._channels = channels
         self._unused_channels = list(channels)  # sync group, then async
-        self._chunk_bytes = settings['chunk_bytes']
-        self._window = settings['window']
         self.stats = server_loop.Stats() if settings['stats'] else None
         self._colocated = None  # with servers, the job says goodbye at exit
         super(ReductionServerCommunicator, self).__init__(mpi_comm,
@@ -120,6 +120,12 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         # With server processes the job's monitor serves every
         # communicator of the process.
         return not server_job.job().servers
+
+    #: The chunk and window now: the settings, or with 'auto' the
+    #: candidate being timed, then the choice (tuning.py).
+    chunk_bytes = property(
+        lambda self: self.averaging.tuner.values['chunk_bytes'])
+    window = property(lambda self: self.averaging.tuner.values['window'])
 
     @property
     def n_servers(self):
@@ -219,7 +225,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         values)`` as soon as its result is in."""
         if not data.size:
             return
-        chunk = max(1, self._chunk_bytes // data.itemsize)
+        chunk = max(1, self.chunk_bytes // data.itemsize)
         bounds = protocol.shard_bounds(data.size, self.n_servers)
         chan = group.state.chan
         if self._colocated is not None:
@@ -262,7 +268,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         # A window of chunks in flight per server: a new chunk leaves when
         # a mean comes back.  Posting everything at once fills the links'
         # queues, and each server's first mean then waits behind them.
-        for _ in range(self._window):
+        for _ in range(self.window):
             for j in order:
                 if pending[j]:
                     push(j)

@@ -22,6 +22,9 @@ from mnopt import cores
 #: colocated server's staging) and stats, timeline and MNOPT_TIMELINE
 #: (each rank writes its own file), MNOPT_BLAS_THREADS,
 #: MNOPT_THREAD_SLICE_US and MNOPT_SINGLE_RANK_AVERAGING (one rank only).
+#: Which settings are tuned ('auto') is compared as well (``tuned`` in
+#: shared_settings): the window is each rank's own, but a tuning's
+#: exchanges hang unless every rank tunes the same settings.
 SHARED_SETTINGS = {
     'communicator': 'each kind makes collectives of its own: a mix of '
                     'kinds hangs',
@@ -38,6 +41,8 @@ SHARED_SETTINGS = {
     'vote': 'how the votes travel: a ring against an all-to-all hangs',
     'on_overflow': "'ignore' skips the exchange with which 'warn' and "
                    "'error' tell an overflow from an inf that came in",
+    'segment_bytes': "the ring's message size: a rank that cuts other "
+                     'segments than its neighbour truncates messages',
     'chunk_bytes': 'reduction_server: every worker cuts its shards into '
                    'the same chunks, which the servers check',
     'MNOPT_ALLREDUCE': "the algorithm: mnopt's ring against MPI's "
@@ -69,5 +74,10 @@ def shared_settings(kind, settings):
     the environment; the start-up exchange compares them.  Unset ones are
     left out.  CommunicatorBase.shared_settings."""
     everything = dict(settings, communicator=kind, **environment_settings())
-    return {name: everything[name] for name in SHARED_SETTINGS
-            if everything.get(name) is not None}
+    shared = {name: everything[name] for name in SHARED_SETTINGS
+              if everything.get(name) is not None}
+    tuned = sorted(name for name, value in settings.items()
+                   if isinstance(value, str) and value == 'auto')
+    if tuned:
+        shared['tuned'] = tuned
+    return shared

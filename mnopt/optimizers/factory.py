@@ -80,8 +80,21 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
             during backward and the other ranks' gradients freed then.
             Not with double_buffering, the reduction_server
             communicator or compression='sign'.
+
+    A communicator with 'auto' settings (``bucket_bytes='auto'``, ...:
+    docs/tuning.md) tunes them in its first averagings, with the plain
+    optimizer or double buffering; ``overlap`` and ``shard_state`` refuse
+    it (a ValueError on every rank).
     """
     check_actual_optimizer(actual_optimizer)
+    tuning_problem = getattr(communicator, 'tuning_problem', None)
+    if (shard_state or overlap) and tuning_problem is not None:
+        # The communicator's 'auto' settings are shared, and so is this
+        # call's mode: every rank refuses alike, before any collective.
+        problem = tuning_problem('shard_state' if shard_state
+                                 else 'overlap')
+        if problem is not None:
+            raise ValueError(problem)
     if shard_state:
         if double_buffering:
             raise ValueError('shard_state does not combine with '
