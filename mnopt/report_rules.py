@@ -108,9 +108,12 @@ def _bandwidth(a):
     if not bw or not link or bw['busbw_bits'] >= LOW_BUSBW * link:
         return None
     return dict(
-        advice='try larger buckets (bucket_bytes), and on the '
-               'reduction_server communicator chunk_bytes=131072, window=4; '
-               'else check the link (another job on it, a slower port)',
+        advice="let the first averagings tune the pipeline "
+               "(bucket_bytes='auto', segment_bytes='auto'; on the "
+               "reduction_server communicator chunk_bytes='auto', "
+               "window='auto'; not with overlap or shard_state: "
+               "docs/tuning.md); else check the link "
+               '(another job on it, a slower port)',
         evidence='the collectives reach %s of bus bandwidth, %s of the %s '
                  'link' % (rate(bw['busbw_bits']),
                            pct(bw['busbw_bits'] / link), rate(link)))

@@ -256,3 +256,34 @@ def test_training_with_tuning_ends_alike_on_every_rank(
         assert all(s == said[0] for s in said)
     finally:
         comm.finalize()
+
+
+def test_the_other_group_runs_with_values_every_rank_shares(
+        small_candidates, monkeypatch):
+    """Tuned in the background (the first group to average), averaged in
+    the caller too in between: the caller's averagings run with the first
+    candidates until they have agreed that every rank holds the choice,
+    then with it; never with a candidate being timed elsewhere."""
+    monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring')
+    comm = mnopt.create_communicator('flat', bucket_bytes='auto',
+                                     segment_bytes='auto')
+    try:
+        tuner = comm.averaging.tuner
+        times = {name: made_up_times(comm.rank, candidates)
+                 for name, candidates in tuner.plan}
+        tuner.measure = lambda seconds, name, value: times[name][value]
+        first = {n: c[0] for n, c in tuner.plan}
+        budget = tuning.REPEATS * sum(len(c) for _, c in tuner.plan)
+        used = []
+        for step in range(budget + 2):
+            comm.mean_grads_async(grads(step, comm.rank)).wait()
+            comm.mean_grads(grads(step, comm.rank)[:2])   # another set
+            used.append({n: getattr(comm, n) for n in first})
+        chosen = comm.tuned_settings
+        assert chosen is not None and tuner.steps == budget
+        assert used[:budget - 1] == [first] * (budget - 1)
+        assert used[-1] == chosen
+        assert agreement.everyone(WORLD, used, 'test') == \
+            [used] * WORLD.size
+    finally:
+        comm.finalize()

@@ -258,9 +258,13 @@ class AveragingPipeline(object):
                                         self._wire_span)
         alone = self.size == 1 and self.skip_single_rank
         # 'auto' settings: the first averagings each run with a candidate
-        # (set in the tuner's values, which the hooks read) and are timed.
+        # (the tuner's current values, which the hooks read) and are timed.
         tuner = averaging.tuner
-        timed = not alone and not tuner.done and tuner.begin(named)
+        timed = not alone and bool(tuner.plan) and tuner.begin(
+            named, averaging.label(group), lambda done: all(
+                agreement.everyone(group.comm, done, 'tuning %s (whether '
+                                   'every rank holds the choice)'
+                                   % self.name, **self._stall_settings)))
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
         if alone:

@@ -144,11 +144,11 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     #: Wire bytes per reduction call now: ``bucket_bytes``, or with
     #: 'auto' the candidate being timed, then the choice.
     bucket_bytes = property(
-        lambda self: self.averaging.tuner.values['bucket_bytes'])
+        lambda self: self.averaging.tuner.current()['bucket_bytes'])
     #: The ring's message size now (None: the ring's own rule), as
     #: ``bucket_bytes``.
     segment_bytes = property(
-        lambda self: self.averaging.tuner.values['segment_bytes'])
+        lambda self: self.averaging.tuner.current()['segment_bytes'])
 
     @property
     def tuned_settings(self) -> dict[str, Any] | None:

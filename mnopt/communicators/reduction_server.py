@@ -124,8 +124,8 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
     #: The chunk and window now: the settings, or with 'auto' the
     #: candidate being timed, then the choice (tuning.py).
     chunk_bytes = property(
-        lambda self: self.averaging.tuner.values['chunk_bytes'])
-    window = property(lambda self: self.averaging.tuner.values['window'])
+        lambda self: self.averaging.tuner.current()['chunk_bytes'])
+    window = property(lambda self: self.averaging.tuner.current()['window'])
 
     @property
     def n_servers(self):

@@ -7,8 +7,9 @@ A coordinate search: the settings are tuned one after the other (the
 bucket size, then the ring's segment size; the reduction server's chunk,
 then its window), each over its ``CANDIDATES`` with the others held at
 their values so far.  Each candidate runs ``REPEATS`` averagings of the
-same gradient set (the first one averaged; others in between run with the
-values so far, untimed); its time on one rank is the least of its
+same gradient set (the first one averaged, on the synchronous or the
+background group, whichever averages first; others in between run
+untimed: see ``Tuner.begin``); its time on one rank is the least of its
 repeats (the first use of a setting pays for a new buffer), and its time
 overall that of its slowest rank.  When one setting's candidates are done
 the ranks exchange their times once (``agreement.quickest``,
@@ -28,6 +29,7 @@ the values it ran with gives (tests/test_tune.py).
 """
 
 import logging
+import threading
 
 from mnopt import grad_buffer
 from mnopt import log
@@ -98,10 +100,10 @@ def check(kind, settings):
 
 class Tuner(object):
     """The tuning of a ``kind`` communicator (``settings``: its checked
-    settings; ``rank``: its rank, 0 logs the choice).
-    ``values`` holds what the next averaging runs with, tuned or not;
-    ``result`` the choice, once made (None before; {} when nothing is
-    tuned)."""
+    settings; ``rank``: its rank, 0 logs the choice).  ``current()`` is
+    what the averaging running on the calling thread runs with, tuned or
+    not; ``result`` the choice, once made (None before; {} when nothing
+    is tuned)."""
 
     def __init__(self, kind, settings, rank):
         check(kind, settings)
@@ -109,6 +111,8 @@ class Tuner(object):
         #: The plan: (setting, candidates), in the order they are tuned.
         self.plan = [(n, CANDIDATES[n]) for n in TUNABLE.get(kind, ())
                      if n in names]
+        #: The tuned group's values: the candidate being timed, the
+        #: choices made so far, then the result.
         self.values = {n: settings.get(n, DEFAULTS[n]) for n in CANDIDATES}
         for name, candidates in self.plan:
             self.values[name] = candidates[0]
@@ -124,15 +128,45 @@ class Tuner(object):
         self._rank = rank
         self._phase = self._candidate = self._repeat = 0
         self._times = []
-        self._gradients = None
+        self._group = self._gradients = None
+        # What the other group runs with until it has agreed that every
+        # rank holds the result (never changed: no race with the tuning).
+        self._initial = dict(self.values)
+        self._settled = set()
+        self._local = threading.local()
 
     @property
     def done(self):
         return self.result is not None
 
-    def begin(self, named):
+    def current(self):
+        """The values the calling thread's averaging runs with."""
+        return getattr(self._local, 'values', self.values)
+
+    def begin(self, named, group, everyone_done):
         """Whether the averaging of ``named`` (name, array) pairs about to
-        run is timed; ``values`` then holds the candidate it runs with."""
+        run on ``group`` ('sync' or 'async') is timed; ``current()`` then
+        holds the values it runs with.
+
+        Only averagings of the first gradient set on the first group to
+        average are timed: the exchanges then run on one MPI
+        communicator, at the same averaging on every rank, and that
+        group's values change only between its own averagings.  The other
+        group (its own thread, at its own times) runs with the first
+        candidates until, at one of its averagings, it finds that every
+        rank holds the result (``everyone_done(self.done)``: one exchange
+        over its own communicator, at the same averaging on every rank);
+        then with the result.  No rank ever runs another value than the
+        others at the same averaging."""
+        if self._group is None:
+            self._group = group
+        if group != self._group:
+            if group not in self._settled and everyone_done(self.done):
+                self._settled.add(group)
+            self._local.values = self.values if group in self._settled \
+                else self._initial
+            return False
+        self._local.values = self.values
         if self.done:
             return False
         key = tuple((n, a.shape, a.dtype.str) for n, a in named)
