@@ -174,9 +174,9 @@ def test_naive_sums_each_array_on_its_own(monkeypatch, wire):
     sums = []
     real = allreduce.allreduce_sum_parts
 
-    def recording(comm, parts, *args):
+    def recording(comm, parts, *args, **kwargs):
         sums.append([p.size for p in parts])
-        return real(comm, parts, *args)
+        return real(comm, parts, *args, **kwargs)
 
     monkeypatch.setattr(allreduce, 'allreduce_sum_parts', recording)
     monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', '1')
