@@ -122,6 +122,9 @@ def main():
     p.add_argument('--small', action='store_true',
                    help='a few small arrays instead of ResNet-50 (a quick '
                         'check of the script itself)')
+    p.add_argument('--label', default='',
+                   help='what the run is (e.g. "2 nodes, 1 Gbit/s"), kept '
+                        'in the JSON for tune_report.py')
     p.add_argument('--json', help='write the results here')
     args = p.parse_args()
     world = MPI.COMM_WORLD
@@ -161,7 +164,9 @@ def main():
                                       medians[best]))
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump({'argv': sys.argv, 'ranks': world.size,
+            json.dump({'argv': sys.argv, 'label': args.label,
+                       'communicator': args.communicator,
+                       'ranks': world.size,
                        'bytes': nbytes, 'reps': args.reps,
                        'best_of_grid': cases[best][0],
                        'cases': rows, 'tunings': tunings}, f, indent=1)
