@@ -6,6 +6,8 @@ speed), within the budget of averagings; each averaging has the bits of a
 communicator with its settings fixed; what cannot be tuned is refused on
 every rank.  Runs serially and under mpiexec -n 2 / -n 3."""
 
+import logging
+
 import numpy
 import pytest
 from mpi4py import MPI
@@ -96,8 +98,9 @@ def test_the_budget_is_at_most_20_averagings():
     ('reduction_server', {'chunk_bytes': 'auto', 'window': 'auto'}),
 ])
 def test_every_rank_makes_the_same_choice(small_candidates, monkeypatch,
-                                          kind, options):
+                                          caplog, kind, options):
     monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring')
+    caplog.set_level(logging.INFO, logger='mnopt')
     comm = mnopt.create_communicator(kind, **options)
     try:
         plan = comm.averaging.tuner.plan
@@ -111,6 +114,12 @@ def test_every_rank_makes_the_same_choice(small_candidates, monkeypatch,
         assert chosen == {name: expected_choice(candidates, comm.size)
                           for name, candidates in plan}
         assert comm.averaging.tuner.steps == budget
+        # Said once, on rank 0 (logger mnopt.communicators.tuning).
+        said = [r.getMessage() for r in caplog.records
+                if r.name == 'mnopt.communicators.tuning']
+        assert said == (['mnopt: tuned in %d averagings: %s' % (
+            budget, ', '.join('%s=%r' % kv for kv in sorted(
+                chosen.items())))] if comm.rank == 0 else [])
         # The same on every rank, though each rank's own times would
         # have picked another (made_up_times).
         assert agreement.everyone(WORLD, chosen, 'test') == \
