@@ -124,7 +124,8 @@ class AveragingPipeline(object):
     ``averaging`` (an Averaging), ``size``, ``allreduce_grad_dtype``,
     ``compression``, ``warmup_steps``, ``skip_single_rank``, ``vote``,
     ``vote_stats`` and ``bucket_bytes``, the stall settings of its
-    agreements and the stall monitor ``watched`` uses.  Subclasses implement ``_sum(buffer, group)``: sum the group's
+    agreements (``_stall_settings``) and the stall monitor ``watched``
+    uses.  Subclasses implement ``_sum(buffer, group)``: sum the group's
     buffer in place across all ranks; optionally they override the other
     hooks below."""
 
