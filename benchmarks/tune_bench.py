@@ -106,7 +106,7 @@ def tuned_cases(kind, model, n, world):
         if world.rank == 0:
             sys.stderr.write('tuning %d: %s in %d averagings, %.1f s\n'
                              % (k, label(chosen), steps, took))
-        cases.append(('tuned #%d (%s)' % (k, label(chosen)),
+        cases.append(('tuned %d (%s)' % (k + 1, label(chosen)),
                       lambda comm=comm: comm.multi_node_mean_grad(model)))
         comms.append(comm)
     return cases, comms, tunings
@@ -158,8 +158,8 @@ def main():
         print('%-52s %.3f / %.3f / %.3f  x%.3f%s' % (
             name, s['min'], s['median'], s['max'], ratio, mark), flush=True)
     for k, t in enumerate(tunings):
-        print('tuning #%d: %d averagings, %.2f s (%.2f s each; the best '
-              'grid case: %.3f s)' % (k, t['averagings'], t['seconds'],
+        print('tuning %d: %d averagings, %.2f s (%.2f s each; the best '
+              'grid case: %.3f s)' % (k + 1, t['averagings'], t['seconds'],
                                       t['seconds'] / t['averagings'],
                                       medians[best]))
     if args.json:

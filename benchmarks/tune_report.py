@@ -15,6 +15,14 @@ def fmt(t):
     return '%.3f / %.3f / %.3f' % (t['min'], t['median'], t['max'])
 
 
+def _name(case):
+    """A case's label without '#' (older runs said 'tuned #0')."""
+    if case.startswith('tuned #'):
+        k, rest = case[len('tuned #'):].split(' ', 1)
+        return 'tuned %d %s' % (int(k) + 1, rest)
+    return case
+
+
 def summary(runs):
     lines = ['| run | communicator | best of the grid (median s) | default '
              '(x best) | tuned: choice, x best | tuning: averagings, s |',
@@ -45,13 +53,13 @@ def full(runs):
         out.append('|---|---|---|---|')
         for c in run['cases']:
             out.append('| %s%s | %s | %.3f | %.0f%% |' % (
-                c['case'], ' (best)' if c['over_best'] == 1.0 and
+                _name(c['case']), ' (best)' if c['over_best'] == 1.0 and
                 not c['tuned'] else '', fmt(c['time_s']), c['over_best'],
                 100 * c['cpu_idle']))
         for k, t in enumerate(run['tunings']):
-            out.append('\ntuning #%d: %d averagings in %.1f s; its times '
+            out.append('\ntuning %d: %d averagings in %.1f s; its times '
                        '(the slowest rank\'s least of 2): %s' % (
-                           k, t['averagings'], t['seconds'], ', '.join(
+                           k + 1, t['averagings'], t['seconds'], ', '.join(
                                '%s %s: %.3f' % (n, v, s)
                                for n, v, s in t['history'])))
         out.append('')
