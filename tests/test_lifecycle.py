@@ -167,9 +167,12 @@ def test_a_bad_setting_on_one_rank_ends_the_job(module_runner):
 
 
 # ------------------------------------------------ communicators are freed
+# MPICH runs out of communicators after 1022 flat or naive mnopt
+# communicators held at once, 511 hierarchical or reduction_server ones
+# (measured, 2026-11-26): each count is a quarter above that.
 @pytest.mark.parametrize('name,count', [
-    ('flat', 3000), ('naive', 1500), ('hierarchical', 1500),
-    ('reduction_server', 1500)])
+    ('flat', 1300), ('naive', 1300), ('hierarchical', 650),
+    ('reduction_server', 650)])
 def test_dropped_communicators_are_freed(name, count):
     """MPI has a few thousand communicators per process and each mnopt
     communicator holds several: dropping it without finalize() must give
