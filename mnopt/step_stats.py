@@ -143,7 +143,9 @@ def stragglers(per_rank, min_late=MIN_LATE):
     collectives seen on 2 or more ranks, 'last': {rank: [seconds late,
     ...]} where late by ``min_late`` or more, 'straggler': the rank last
     most often (of a tie, the one late by more in all; None if no rank
-    was late), 'late': its lateness summed (s)}."""
+    was late), 'late': its median lateness at those (s; 0.0 if none)}.
+    The median: a rank late to a step is late at each collective until
+    the ranks wait for each other, and one late by chance adds little."""
     waits = collections.defaultdict(dict)
     for rank, arrivals in enumerate(per_rank):
         for key, seconds in arrivals:
@@ -161,7 +163,7 @@ def stragglers(per_rank, min_late=MIN_LATE):
     straggler = min(last, key=lambda r: (-len(last[r]), -sum(last[r]), r)) \
         if last else None
     return {'matched': matched, 'last': dict(last), 'straggler': straggler,
-            'late': sum(last[straggler]) if last else 0.0}
+            'late': statistics.median(last[straggler]) if last else 0.0}
 
 
 class _Wire(object):

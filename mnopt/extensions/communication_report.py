@@ -32,9 +32,10 @@ reports, per step of the interval, into ``trainer.observation``:
 ``comm/straggler``          the rank that arrived last, by 0.1 ms or
                             more, at the most collectives of the interval
                             (-1: none was; only at N > 1)
-``comm/straggler_late``     seconds per step the others waited for it
-                            (its lateness at those collectives, summed,
-                            over the steps of the interval)
+``comm/straggler_late``     by how much, seconds: its median lateness at
+                            the collectives where it arrived last (its
+                            arrival less the median arrival of the
+                            others)
 ==========================  ============================================
 
 Who arrived last cannot be known on one rank: every ``trigger`` the ranks
@@ -154,7 +155,7 @@ class CommunicationReport(extension.Extension):
             report['matched'] = found['matched']
             straggler = found['straggler']
             report['comm/straggler'] = -1 if straggler is None else straggler
-            report['comm/straggler_late'] = found['late'] / steps
+            report['comm/straggler_late'] = found['late']
         return report
 
 
