@@ -128,6 +128,22 @@ def test_bytes_follow_the_algorithm(name):
         comm.finalize()
 
 
+def test_what_the_ranks_send_they_receive(comm_name):
+    """Over all ranks, the bytes sent are the bytes received, and a rank
+    that moves nothing is alone (hierarchical: an estimate, also with
+    nodes faked as pairs of ranks)."""
+    comm = mnopt.create_communicator(comm_name)
+    try:
+        comm.mean_grads(grads())
+        out = comm.communication_stats()
+        moved = comm.everyone((out['bytes_sent'], out['bytes_received']),
+                              'the test')
+        assert sum(s for s, _ in moved) == sum(r for _, r in moved)
+        assert all(s > 0 and r > 0 for s, r in moved) == (N > 1)
+    finally:
+        comm.finalize()
+
+
 def test_sign_counts_the_votes_bytes():
     comm = mnopt.create_communicator('flat', compression='sign')
     try:
