@@ -123,7 +123,8 @@ def _parser():
                         'or one merged file')
     p.add_argument('--json', action='store_true',
                    help='print the report as JSON')
-    p.add_argument('--link-rate', default=os.environ.get(step_stats.LINK_RATE_ENV),
+    p.add_argument('--link-rate',
+                   default=os.environ.get(step_stats.LINK_RATE_ENV),
                    metavar='RATE',
                    help='the link rate, to compare the bus bandwidth with '
                         '(1gbit, 250mbit, 10gbit; default $MNOPT_LINK_RATE)')

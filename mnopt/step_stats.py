@@ -283,7 +283,7 @@ class StepStats(object):
         from this thread's ``arrive``, where it was called."""
         return _Wire(self, span, key, nbytes, op, traffic_of)
 
-    # -- taking ----------------------------------------------------------------
+    # -- taking --------------------------------------------------------------
 
     def take(self):
         """What was added since the last ``take``, as a dict of the

@@ -44,9 +44,10 @@ result was in; the rank that waited least arrived last), in one small
 agreement over mnopt's private communicator (``comm.everyone``:
 stall-watched like every collective), not one per step.  The collectives
 are the averagings, ZeRO's, and mnopt's agreements (the optimizer's one
-per update: where a rank late to the step is waited for).  When to report is decided on the trainer's iteration, the same on
-every rank; a rank that reports at another iteration (its own trigger
-passed to ``trainer.extend``) is an error on every rank, never a hang.
+per update: where a rank late to the step is waited for).  When to
+report is decided on the trainer's iteration, the same on every rank; a
+rank that reports at another iteration (its own trigger passed to
+``trainer.extend``) is an error on every rank, never a hang.
 """
 
 from chainer.training import extension
@@ -157,15 +158,4 @@ class CommunicationReport(extension.Extension):
             report['comm/straggler'] = -1 if straggler is None else straggler
             report['comm/straggler_late'] = found['late']
         return report
-
-
-def observed_keys(link_rate=None):
-    """The keys a CommunicationReport reports (for a PrintReport's
-    entries); ``comm/busbw_fraction`` only when a link rate is known
-    (``link_rate``, else $MNOPT_LINK_RATE)."""
-    keys = ['comm/exposed', 'comm/hidden', 'comm/bytes_sent',
-            'comm/bytes_received', 'comm/busbw']
-    if step_stats.link_rate(link_rate):
-        keys.append('comm/busbw_fraction')
-    return keys + ['comm/straggler', 'comm/straggler_late']
 
