@@ -260,7 +260,7 @@ class Net(chainer.Chain):
         return loss
 
 
-def trainer_for(comm, optimizer_options, iterations, model=None):
+def trainer_for(comm, optimizer_options, iterations, out, model=None):
     model = model or Net()
     optimizer = mnopt.create_multi_node_optimizer(
         chainer.optimizers.SGD(lr=0.01), comm, **optimizer_options)
@@ -271,17 +271,18 @@ def trainer_for(comm, optimizer_options, iterations, model=None):
     it = chainer.iterators.SerialIterator(data, 4)
     updater = training.StandardUpdater(it, optimizer)
     trainer = training.Trainer(updater, (iterations, 'iteration'),
-                               out='/tmp/mnopt-comm-report-unused')
+                               out=str(out))
     return trainer, optimizer
 
 
 @needs_chainer
 @pytest.mark.parametrize('mode', sorted(MODES))
-def test_the_keys_are_in_the_log_report(mode):
+def test_the_keys_are_in_the_log_report(mode, tmp_path):
     comm_options, optimizer_options = MODES[mode]
     comm = mnopt.create_communicator('flat', **comm_options)
     try:
-        trainer, optimizer = trainer_for(comm, optimizer_options, 7)
+        trainer, optimizer = trainer_for(comm, optimizer_options, 7,
+                                         tmp_path)
         report = CommunicationReport(comm, trigger=(2, 'iteration'),
                                      link_rate='1gbit')
         trainer.extend(report)
@@ -323,11 +324,11 @@ def test_the_keys_are_in_the_log_report(mode):
 
 @needs_chainer
 @pytest.mark.skipif(N < 2, reason='a straggler needs two ranks')
-def test_the_report_names_the_late_rank():
+def test_the_report_names_the_late_rank(tmp_path):
     comm = mnopt.create_communicator('flat')
     late, sleep = N - 1, 0.2
     try:
-        trainer, _ = trainer_for(comm, {}, 5, Net(late, sleep))
+        trainer, _ = trainer_for(comm, {}, 5, tmp_path, Net(late, sleep))
         trainer.extend(CommunicationReport(comm, trigger=(4, 'iteration')))
         log = extensions.LogReport(trigger=(4, 'iteration'), filename=None)
         trainer.extend(log)
@@ -340,8 +341,9 @@ def test_the_report_names_the_late_rank():
         comm.finalize()
 
 
-def _counts(comm, optimizer_options, with_report, iterations=6):
-    trainer, optimizer = trainer_for(comm, optimizer_options, iterations)
+def _counts(comm, optimizer_options, with_report, out, iterations=6):
+    trainer, optimizer = trainer_for(comm, optimizer_options, iterations,
+                                     out)
     if with_report:
         trainer.extend(CommunicationReport(comm, trigger=(3, 'iteration')))
     trainer.run()
@@ -352,13 +354,14 @@ def _counts(comm, optimizer_options, with_report, iterations=6):
 
 @needs_chainer
 @pytest.mark.parametrize('mode', ['sync', 'double_buffering'])
-def test_no_collective_per_step(mode):
+def test_no_collective_per_step(mode, tmp_path):
     """The figures cost no collective; the report one per interval."""
     counts = []
     for with_report in (False, True):
         comm = mnopt.create_communicator('flat')
         try:
-            counts.append(_counts(comm, MODES[mode][1], with_report))
+            counts.append(_counts(comm, MODES[mode][1], with_report,
+                                  tmp_path))
         finally:
             comm.finalize()
     without, with_ = counts
