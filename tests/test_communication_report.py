@@ -286,7 +286,7 @@ def test_the_keys_are_in_the_log_report(mode, tmp_path):
         report = CommunicationReport(comm, trigger=(2, 'iteration'),
                                      link_rate='1gbit')
         trainer.extend(report)
-        log = extensions.LogReport(trigger=(2, 'iteration'), filename=None)
+        log = extensions.LogReport(trigger=(2, 'iteration'))
         trainer.extend(log)
         trainer.run()
         if optimizer_options.get('double_buffering'):
@@ -330,7 +330,7 @@ def test_the_report_names_the_late_rank(tmp_path):
     try:
         trainer, _ = trainer_for(comm, {}, 5, tmp_path, Net(late, sleep))
         trainer.extend(CommunicationReport(comm, trigger=(4, 'iteration')))
-        log = extensions.LogReport(trigger=(4, 'iteration'), filename=None)
+        log = extensions.LogReport(trigger=(4, 'iteration'))
         trainer.extend(log)
         trainer.run()
         entry, = log.log
