@@ -20,27 +20,14 @@ How the numbers are computed: mnopt/trace_analysis.py.
 import argparse
 import json
 import os
-import re
 import sys
 
 from mnopt import report_rules as rules
-from mnopt import timeline, trace_analysis
+from mnopt import step_stats, timeline, trace_analysis
 
-_RATE = re.compile(r'^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:bit)?(?:/s)?\s*$',
-                   re.I)
-
-
-def parse_rate(text):
-    """'1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second."""
-    m = _RATE.match(str(text))
-    if m is None:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError('not a link rate: %r (say 1gbit, 250mbit, '
-                             '10gbit/s: bits per second)' % (text,))
-    scale = {'': 1, 'k': 1e3, 'm': 1e6, 'g': 1e9, 't': 1e12}
-    return float(m.group(1)) * scale[m.group(2).lower()]
+#: '1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second (shared
+#: with the CommunicationReport: mnopt/step_stats.py).
+parse_rate = step_stats.parse_rate
 
 
 def _cells(s):
@@ -136,7 +123,8 @@ def _parser():
                         'or one merged file')
     p.add_argument('--json', action='store_true',
                    help='print the report as JSON')
-    p.add_argument('--link-rate', default=os.environ.get('MNOPT_LINK_RATE'),
+    p.add_argument('--link-rate',
+                   default=os.environ.get(step_stats.LINK_RATE_ENV),
                    metavar='RATE',
                    help='the link rate, to compare the bus bandwidth with '
                         '(1gbit, 250mbit, 10gbit; default $MNOPT_LINK_RATE)')

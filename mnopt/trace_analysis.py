@@ -20,26 +20,23 @@ them.  Its straggler is the rank that started last; it is late by its
 start less the median start of the others.  Bus bandwidth is counted as
 nccl-tests does, over the time from the last arrival to the end.
 
-Imports only the standard library, mnopt.timeline and mnopt.report_rules.
+Imports only the standard library, mnopt.timeline, mnopt.step_stats (the
+bus factors and who arrived last, shared with the communicator's per-step
+figures) and mnopt.report_rules.
 """
 
 import bisect
 import collections
 import statistics
 
-from mnopt import report_rules, timeline
+from mnopt import report_rules, step_stats, timeline
 
 COMPUTE = ('forward', 'backward', 'update')
 COMM = ('pack', 'cast', 'wire', 'sum', 'unpack')
 #: Bytes on the busiest link per byte of payload, by the 'op' of a 'wire'
-#: (nccl-tests' bus bandwidth factors), n = the number of ranks.
-BUS_FACTOR = {
-    'allreduce': lambda n: 2.0 * (n - 1) / n,
-    'reduce_scatter': lambda n: (n - 1.0) / n,
-    'allgather': lambda n: (n - 1.0) / n,
-    'bcast': lambda n: 1.0,
-    'reduce': lambda n: 1.0,
-}
+#: (nccl-tests' bus bandwidth factors): shared with the communicator's own
+#: per-step figures (mnopt/step_stats.py).
+BUS_FACTOR = step_stats.BUS_FACTOR
 
 
 class TraceError(ValueError):
@@ -274,9 +271,7 @@ def stragglers(colls, min_late_us=100.0):
     matched = [c for c in colls if len(c) >= 2]
     late = collections.defaultdict(list)
     for c in matched:
-        starts = sorted((v[0], rank) for rank, v in c.items())
-        last, rank = starts[-1]
-        by = last - statistics.median(s for s, _ in starts[:-1])
+        rank, by = step_stats.last_arrival({r: v[0] for r, v in c.items()})
         if by >= min_late_us:
             late[rank].append(by)
     last = [{'rank': rank, 'share': len(v) / len(matched),

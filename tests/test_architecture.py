@@ -26,7 +26,7 @@ LAYERS = [
                 'mnopt.stall_wait', 'mnopt.stall_last_word',
                 'mnopt.stall_watchdog', 'mnopt.arrays', 'mnopt.cli',
                 'mnopt.launched',
-                'mnopt.wire_dtypes', 'mnopt.timeline',
+                'mnopt.wire_dtypes', 'mnopt.timeline', 'mnopt.step_stats',
                 'mnopt.global_except_hook']),
     ('gpu', ['mnopt.gpu']),
     ('transport', ['mnopt.transport']),

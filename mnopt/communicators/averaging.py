@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from mpi4py import MPI
 
 from mnopt import grad_buffer
 from mnopt import sign
+from mnopt import step_stats
 from mnopt import timeline as timelines
 from mnopt.arrays import array_module
 from mnopt.communicators.background import caller_ready, on_side_stream
@@ -39,8 +39,9 @@ from mnopt.stall import watched
 class Averaging(object):
     """What every averaging of one communicator shares: its groups and
     background thread (``resources``, a Resources), the averaging in
-    flight, the averaging counter, the time spent, the overflow reporter
-    and the sign compression state.  Holds no reference to the
+    flight, the averaging counter, the time spent (in all, and per step:
+    ``stats``, a StepStats), the overflow reporter and the sign
+    compression state.  Holds no reference to the
     communicator, so a dropped one is freed at once: ``make_group`` (its
     hook, which makes the background thread's group) is held weakly."""
 
@@ -63,6 +64,12 @@ class Averaging(object):
         self.seconds = 0.0
         #: Where the averagings are recorded (the communicator's timeline).
         self.timeline = timelines.NULL
+        #: The communication figures since they were last taken
+        #: (mnopt/step_stats.py): kept whether or not there is a timeline.
+        self.stats = step_stats.StepStats(mpi_comm.size)
+        #: ZeRO's parameter all-gathers and the agreements so far (naming
+        #: each in ``stats``).
+        self.allgathers = self.agreements = 0
         self._lock = threading.Lock()
 
     sync_group = property(lambda self: self.resources.sync_group)
@@ -83,14 +90,24 @@ class Averaging(object):
         return step
 
     @contextlib.contextmanager
-    def timed(self):
-        """Count the time spent inside as time spent averaging."""
-        start = time.perf_counter()
+    def timed(self, where='caller'):
+        """Count the time spent inside as time spent averaging, and in
+        ``stats`` as ``where`` ('caller': the caller blocked on it,
+        'background': on the background thread)."""
+        start = step_stats.clock()
         try:
             yield
         finally:
+            seconds = step_stats.clock() - start
             with self._lock:   # the caller's and the background's
-                self.seconds += time.perf_counter() - start
+                self.seconds += seconds
+            self.stats.add_time(where, seconds)
+
+    def where(self, group):
+        """'background' for work on the background thread's group, else
+        'caller'."""
+        return 'background' if group is self.async_group and \
+            group is not None else 'caller'
 
     def background(self):
         """The background thread, and the second MPI communicator its
@@ -159,13 +176,27 @@ class AveragingPipeline(object):
             buffer.unpack(arrays)
 
     def _wire_span(self, step, nbytes, op='allreduce'):
-        """The 'wire' span of averaging ``step`` (this rank's arrival until
-        its result is in), for the timeline's report; a no-op when off."""
+        """The 'wire' of averaging ``step`` (this rank's arrival until its
+        result is in): timed for the per-step figures (``step_stats``,
+        bytes by ``_traffic``), and a span of the timeline's report when
+        it is on."""
         tl = self.timeline
-        if not tl:
-            return tl.span('wire')
-        return tl.span('wire', 'comm', seq=step, bytes=nbytes, op=op,
-                       comm=self.timeline_name)
+        span = tl.span('wire', 'comm', seq=step, bytes=nbytes, op=op,
+                       comm=self.timeline_name) if tl else tl.span('wire')
+        return self.averaging.stats.wire_timer(
+            span, (self.timeline_name, step), nbytes, op, self._traffic)
+
+    def _traffic(self, nbytes, op):
+        """(bytes sent, bytes received) by this rank for a collective of
+        ``nbytes`` of payload: a ring's, or a bandwidth-optimal MPI
+        collective's (step_stats.traffic); the sign vote ('vote'): the
+        bytes its algorithm says it sent (``vote_stats``), as many
+        received (the scales' all-gather, 8 bytes per array and rank, is
+        left out).  Overridden where the algorithm moves other amounts."""
+        if op == 'vote':
+            sent = self.vote_stats.get('bytes_sent', 0)
+            return sent, sent
+        return step_stats.traffic(op, nbytes, self.size)
 
     def _vote(self, group, bits, n_elements, step):
         """Element-wise majority of every rank's packed sign bits over the
@@ -191,7 +222,8 @@ class AveragingPipeline(object):
         """
         release_collected()
         # The caller is blocked for all of it: exposed communication.
-        with self.timeline.span('wait', 'comm'), self.averaging.timed():
+        with self.timeline.span('wait', 'comm'), \
+                self.averaging.timed('caller'):
             self._mean(self.averaging.sync_group, list(named_grads),
                        iteration)
 
@@ -219,13 +251,13 @@ class AveragingPipeline(object):
         device, ready = caller_ready(named, xp)
         averaging.in_flight = MeanHandle(executor.submit(
             self._mean_in_background, averaging.async_group, named, xp,
-            device, ready, iteration), self.timeline)
+            device, ready, iteration), self.timeline, averaging.stats)
         return averaging.in_flight
 
     @watched('mean_grads_async.background')
     def _mean_in_background(self, group, named, xp, device, ready,
                             iteration):
-        with self.averaging.timed():
+        with self.averaging.timed('background'):
             self._mean_in_background_untimed(group, named, xp, device,
                                              ready, iteration)
 
@@ -245,6 +277,9 @@ class AveragingPipeline(object):
 
     def _mean_on_device(self, group, named, xp, iteration=None):
         averaging = self.averaging
+        # The ranks first wait for each other in the layout check: a late
+        # rank's arrival is there, not at the wire.
+        averaging.stats.arrive()
         step = averaging.next_step()
         # Warm-up counts iterations; the votes' coin, averagings.
         warm = step if iteration is None else iteration

@@ -32,6 +32,7 @@ from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
 from mnopt import stall
+from mnopt import step_stats
 from mnopt import timeline as timelines
 from mnopt.communicators.averaging import Averaging, AveragingPipeline
 from mnopt.communicators.chainer_glue import ChainerGlue
@@ -137,6 +138,15 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     #: averagings so far: against the time a caller was blocked, what
     #: double buffering or overlap hid.
     averaging_seconds = property(lambda self: self.averaging.seconds)
+    #: The communication figures since they were last taken (a StepStats,
+    #: mnopt/step_stats.py): kept with the timeline on or off.
+    step_stats = property(lambda self: self.averaging.stats)
+
+    def communication_stats(self) -> dict[str, Any]:
+        """This rank's communication figures since the last call, and
+        zero again (``step_stats.take()``; mnopt/step_stats.py says what
+        each is).  Local: no communication."""
+        return self.averaging.stats.take()
 
     # What the parts hold, by their old names (tests read them).
     _sync_group = property(lambda self: self._resources.sync_group)
@@ -256,33 +266,42 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     # communicator: never in the user's message or tag space.  Watched
     # like every collective, so a rank that exited or finalized is seen
     # at once (one name for all four: ranks call them in the same order).
+    # Each is also a point where the ranks wait for each other: its wait
+    # is kept for the per-step figures (who arrived last: a rank late to
+    # a step is waited for at the step's first agreement).
+    def _agree(self, run, *args):
+        averaging = self.averaging
+        averaging.agreements += 1
+        key = (self.timeline_name, 'agreement', averaging.agreements)
+        start = step_stats.clock()
+        try:
+            return run(self._sync_group.comm, *args, **self._stall_settings)
+        finally:
+            averaging.stats.add_arrival(key, step_stats.clock() - start)
+
     @watched('agreement')
     def everyone(self, value: Any, what: str) -> list[Any]:
         """``[rank 0's value, rank 1's, ...]`` on every rank."""
-        return agreement.everyone(self._sync_group.comm, value, what,
-                                  **self._stall_settings)
+        return self._agree(agreement.everyone, value, what)
 
     @watched('agreement')
     def raise_together(self, problem: BaseException | None,
                        what: str) -> None:
         """Raise on every rank if any rank's ``problem`` is an exception
         (agreement.raise_together)."""
-        agreement.raise_together(self._sync_group.comm, problem, what,
-                                 **self._stall_settings)
+        self._agree(agreement.raise_together, problem, what)
 
     @watched('agreement')
     def same(self, settings: dict[str, Any], what: str
              ) -> dict[str, Any]:
         """ValueError on every rank unless every rank's ``settings`` dict
         is equal, naming what differs (agreement.same)."""
-        return agreement.same(self._sync_group.comm, settings, what,
-                              **self._stall_settings)
+        return self._agree(agreement.same, settings, what)
 
     @watched('agreement')
     def common(self, items: Iterable[Any], what: str) -> list[Any]:
         """The items every rank holds, sorted (agreement.common)."""
-        return agreement.common(self._sync_group.comm, items, what,
-                                **self._stall_settings)
+        return self._agree(agreement.common, items, what)
 
     # ----------------------------------------------------------- collectives
     @watched('split')

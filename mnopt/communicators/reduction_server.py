@@ -166,6 +166,14 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         group.state.result = buffer.swap_host(result)
         buffer.from_host()
 
+    def _traffic(self, nbytes, op):
+        """A worker pushes its buffer to the servers and pulls the mean
+        back: the payload each way (the vote's bits likewise)."""
+        if op == 'vote':
+            return super(ReductionServerCommunicator, self)._traffic(
+                nbytes, op)
+        return nbytes, nbytes
+
     def _vote(self, group, bits, n_elements, step):
         """Bernstein et al.'s scheme: push the packed sign bits, the
         servers count the votes and push back the majority bits."""
