@@ -65,6 +65,7 @@ CONFORMANCE_FLOOR = {
 #: The runs of the kit that take longest.
 LONG = (('2', 'iterators_tests'), ('2', 'links_tests'))
 
+
 def run_kit(run_sh, python, ranks, module):
     """The kit's summary line of one module at ``ranks`` ranks."""
     proc = subprocess.run(
