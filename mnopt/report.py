@@ -13,6 +13,7 @@ evidence (mnopt/report_rules.py)::
     python -m mnopt.report --link-rate 1gbit --skip 5 trace.rank*.json
     python -m mnopt.report --json trace.rank*.json > report.json
     python -m mnopt.report --merge all.json trace.rank*.json  # for Perfetto
+    python -m mnopt.report --plot steps.png trace.rank*.json  # a picture
 
 How the numbers are computed: mnopt/trace_analysis.py.
 """
@@ -23,7 +24,7 @@ import os
 import sys
 
 from mnopt import report_rules as rules
-from mnopt import step_stats, timeline, trace_analysis
+from mnopt import report_plot, step_stats, timeline, trace_analysis
 
 #: '1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second (shared
 #: with the CommunicationReport: mnopt/step_stats.py).
@@ -141,6 +142,12 @@ def _parser():
     p.add_argument('--merge', metavar='OUT',
                    help='also write the ranks as one trace file OUT, on that '
                         'one axis (to open in Perfetto)')
+    p.add_argument('--plot', metavar='PNG',
+                   help='also draw a few steps, every rank and thread, into '
+                        'this image (needs matplotlib)')
+    p.add_argument('--plot-steps', type=int, default=3, metavar='N',
+                   help='how many steps --plot draws, from the first one '
+                        '--skip keeps (default 3)')
     return p
 
 
@@ -156,11 +163,22 @@ def main(argv=None):
         parser.error(str(e))
     if args.skip < 0:
         parser.error('--skip takes a count of steps, not %d' % args.skip)
+    if args.plot_steps < 1:
+        parser.error('--plot-steps takes a count of steps >= 1, not %d'
+                     % args.plot_steps)
+    if args.plot:
+        try:
+            import matplotlib  # NOQA
+        except ImportError:
+            parser.error('--plot needs matplotlib (pip install matplotlib)')
     try:
         analysis = trace_analysis.analyze(
             args.traces, args.align, args.skip, args.min_late * 1e3, link)
         if args.merge:
             merge(args.traces, args.merge, args.align)
+        if args.plot:
+            report_plot.plot(args.traces, args.plot, args.skip,
+                             args.plot_steps, args.align)
     except trace_analysis.TraceError as e:
         parser.error(str(e))
     if args.json:

@@ -40,7 +40,8 @@ LAYERS = [
     ('entry points', ['mnopt', 'mnopt.__main__', 'mnopt.check',
                       'mnopt.benchmark', 'mnopt.benchmarking',
                       'mnopt.netsim', 'mnopt.launch', 'mnopt.report',
-                      'mnopt.report_rules', 'mnopt.trace_analysis',
+                      'mnopt.report_rules', 'mnopt.report_plot',
+                      'mnopt.trace_analysis',
                       'mnopt.tune']),
 ]
 CHAINER_LAYER = 'chainer'

@@ -294,3 +294,44 @@ def test_python_m_mnopt_report(traces):
     assert 'of the 100 Gbit/s link' in done.stdout     # $MNOPT_LINK_RATE
     missing = run('/nonexistent/trace.json')
     assert missing.returncode == 2 and 'no such trace' in missing.stderr
+
+
+def test_the_rows_of_a_plot_are_each_ranks_threads_on_one_axis(traces):
+    """report_plot.rows: main thread first, then averaging, for each rank;
+    every bar inside the window, times from its start, on the common axis
+    (rank 1's clock, 250 ms ahead, moved back)."""
+    from mnopt import report_plot
+    ranks = trace_analysis.load_traces(traces)
+    trace_analysis.align(ranks)
+    lo, hi = report_plot.window(ranks, 2, 2)
+    assert hi - lo == pytest.approx(200e3, abs=1.0)   # steps 2 and 3
+    drawn = report_plot.rows(ranks, lo, hi)
+    assert [label for label, _ in drawn] == [
+        'rank %d %s' % (r, t) for r in (0, 1, 2)
+        for t in ('main', 'averaging')]
+    for label, bars in drawn:
+        assert all(0 <= start and start + length <= 200.0 + 1e-6
+                   for _, start, length in bars), label
+    main = dict(drawn)
+    # Each rank's forward of step 2 at 5-35 ms of the window.
+    for r in (0, 1, 2):
+        forwards = sorted(s for n, s, _ in main['rank %d main' % r]
+                          if n == 'forward')
+        assert forwards[0] == pytest.approx(5.0, abs=0.01), (r, forwards)
+    # The straggler's wires start 3 ms after the others'.
+    late = sorted(s for n, s, _ in main['rank 2 averaging'] if n == 'wire')
+    early = sorted(s for n, s, _ in main['rank 0 averaging'] if n == 'wire')
+    assert late[0] - early[0] == pytest.approx(3.0, abs=0.01)
+
+
+def test_plot_writes_an_image(traces, tmp_path, capsys):
+    pytest.importorskip('matplotlib', reason='--plot needs matplotlib')
+    out = tmp_path / 'steps.png'
+    assert report.main(['--plot', str(out), '--plot-steps', '2', '--skip',
+                        '1'] + traces) == 0
+    assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        report.main(['--plot', str(out), '--plot-steps', '0'] + traces)
+    assert exit_.value.code == 2
+    assert '--plot-steps' in capsys.readouterr().err
