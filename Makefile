@@ -147,15 +147,15 @@ experiments: setup
 # number of ranks changes what is computed: ring segments, uneven shards
 # and scatters, votes, a middle rank).  The other stacks run what can
 # differ on them: every test but the end-to-end jobs (``spawn``: restart,
-# examples, faults) serially, plus the jobs marked ``every_stack`` (stack
-# checks), and on a stack with another MPI library (OWN_MPI) those marked
-# ``every_mpi`` (what the library's launcher decides: how a job ends, MPMD
-# launches); under -n 2 the ``many_ranks`` modules (the collectives, where
+# examples, faults) and the ``long`` ones serially, plus the jobs marked
+# ``every_stack`` (stack checks), and on a stack with another MPI library
+# (OWN_MPI) those marked ``every_mpi`` (what the library decides: how a
+# job ends, MPMD launches, how many communicators it has); under -n 2 the ``many_ranks`` modules (the collectives, where
 # NumPy's buffers, Python's threads and the MPI library meet).  The core
 # stack runs serially: it adds the no-Chainer case and the kernel compile
 # check, which must not skip there.  TESTS_ALL=1 runs everything on every
 # stack, and every module under -n 3.
-ON_EVERY_STACK := not spawn or every_stack
+ON_EVERY_STACK := not (spawn or long) or every_stack
 OWN_MPI_openmpi := or every_mpi
 WORKERS ?= 2
 # Open MPI's mpiexec, started from an xdist worker, ends at once with status
