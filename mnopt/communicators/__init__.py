@@ -186,10 +186,12 @@ def _agree_to_start(comm, problem, shared, name, stall_warning, timeout):
     value."""
     from mnopt.transport import agreement
     what = 'create_communicator(%r)' % (name,)
+    # One exchange whatever the kind: ranks creating different kinds are
+    # told so by the settings' comparison below, naming the setting.
     said = agreement.everyone(
         comm, (agreement.describe(problem), shared),
         '%s (waiting for every rank to create it)' % what, stall_warning,
-        timeout)
+        timeout, exchange='create_communicator')
     agreement.settle(problem, [p for p, _ in said], what)
     message = agreement.disagreement([s for _, s in said],
                                      'the settings of %s' % what)
