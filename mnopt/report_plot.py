@@ -25,9 +25,10 @@ BACKGROUND = ('step',)
 
 
 def window(ranks, first, count):
-    """(start, end) in us on the common axis: from the start of step
-    ``first`` to the end of step ``first + count - 1`` of the lowest rank
-    (or its whole trace where it has fewer steps)."""
+    """(start, end, what) on the common axis, in us: from the start of
+    step ``first`` to the end of step ``first + count - 1`` of the lowest
+    rank, within the steps it has ('what' says which were drawn); the
+    whole trace where it has none."""
     ref = ranks[min(ranks)]
     steps = sorted((s[3], s[4]) for s in ref.named(('step',), ref.main_tid))
     if not steps:
@@ -37,10 +38,13 @@ def window(ranks, first, count):
         return (min(s[3] + ranks[r].offset for r in ranks
                     for s in ranks[r].spans),
                 max(s[4] + ranks[r].offset for r in ranks
-                    for s in ranks[r].spans))
+                    for s in ranks[r].spans), 'the whole trace: no steps')
     first = max(0, min(first, len(steps) - 1))
     last = min(len(steps), first + max(1, count)) - 1
-    return steps[first][0] + ref.offset, steps[last][1] + ref.offset
+    what = 'step %d' % first if first == last else \
+        'steps %d to %d' % (first, last)
+    return (steps[first][0] + ref.offset, steps[last][1] + ref.offset,
+            what + '; grey: the step')
 
 
 def rows(ranks, lo, hi):
@@ -75,7 +79,7 @@ def plot(paths, out, first=0, count=3, align_how='auto'):
 
     ranks = trace_analysis.load_traces(paths)
     trace_analysis.align(ranks, align_how)
-    lo, hi = window(ranks, first, count)
+    lo, hi, what = window(ranks, first, count)
     drawn = rows(ranks, lo, hi)
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(drawn) + 1.4))
     seen = set()
@@ -93,8 +97,7 @@ def plot(paths, out, first=0, count=3, align_how='auto'):
     ax.set_yticks(range(len(drawn)))
     ax.set_yticklabels([label for label, _ in reversed(drawn)])
     ax.set_xlim(0, (hi - lo) / 1e3)
-    ax.set_xlabel('ms (steps %d to %d; grey: the step)'
-                  % (first, first + count - 1))
+    ax.set_xlabel('ms (%s)' % what)
     order = [n for n in COLOURS if n in seen]
     ax.legend(handles=[Patch(color=COLOURS[n], label=n) for n in order],
               loc='upper center', bbox_to_anchor=(0.5, -0.35 if

@@ -214,6 +214,10 @@ class StepStats(object):
         self._arrivals = collections.deque(maxlen=keep)
         #: {thread ident: clock() at its arrival}, for its next collective.
         self.arrived = {}
+        #: (CommunicationReport, its trainer) that takes the figures, if
+        #: one claimed them: ``take`` hands each figure out once, so a
+        #: second reader would see only what the first left.
+        self.reader = None
         self._reset()
 
     def _reset(self):

@@ -409,3 +409,26 @@ def test_only_iterations_are_accepted():
             CommunicationReport(comm, link_rate='fast')
     finally:
         comm.finalize()
+
+
+@needs_chainer
+def test_one_report_per_communicator(tmp_path):
+    """Each figure is taken once: a second report of the same
+    communicator in one trainer is refused (it would report what the
+    first left); another trainer's report may take them."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        trainer, _ = trainer_for(comm, {}, 2, tmp_path / 'a')
+        trainer.extend(CommunicationReport(comm), name='first')
+        trainer.extend(CommunicationReport(comm, trigger=3), name='second')
+        with pytest.raises(ValueError, match='trainer already has a '
+                                             'CommunicationReport'):
+            trainer.run()
+        trainer, _ = trainer_for(comm, {}, 2, tmp_path / 'b')
+        report = CommunicationReport(comm)
+        trainer.extend(report)
+        trainer.run()
+        assert report.last['steps'] == 1
+        assert comm.step_stats.reader is None
+    finally:
+        comm.finalize()

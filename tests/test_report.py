@@ -303,8 +303,12 @@ def test_the_rows_of_a_plot_are_each_ranks_threads_on_one_axis(traces):
     from mnopt import report_plot
     ranks = trace_analysis.load_traces(traces)
     trace_analysis.align(ranks)
-    lo, hi = report_plot.window(ranks, 2, 2)
+    lo, hi, what = report_plot.window(ranks, 2, 2)
     assert hi - lo == pytest.approx(200e3, abs=1.0)   # steps 2 and 3
+    assert what.startswith('steps 2 to 3')
+    # Past the last step: the last one, and the label says so.
+    assert report_plot.window(ranks, 50, 3)[2].startswith(
+        'step %d' % (STEPS - 1))
     drawn = report_plot.rows(ranks, lo, hi)
     assert [label for label, _ in drawn] == [
         'rank %d %s' % (r, t) for r in (0, 1, 2)

@@ -145,7 +145,9 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     def communication_stats(self) -> dict[str, Any]:
         """This rank's communication figures since the last call, and
         zero again (``step_stats.take()``; mnopt/step_stats.py says what
-        each is).  Local: no communication."""
+        each is).  Local: no communication.  Each figure is handed out
+        once: beside a CommunicationReport, which calls this every
+        iteration, a call takes what the report would have shown."""
         return self.averaging.stats.take()
 
     # What the parts hold, by their old names (tests read them).

@@ -108,9 +108,29 @@ class CommunicationReport(extension.Extension):
         self._arrivals = []
 
     def initialize(self, trainer):
-        """Forget what came before training (set-up, a broadcast)."""
+        """Claim the communicator's figures (each is taken once: one
+        report per communicator) and forget what came before training
+        (set-up, a broadcast)."""
+        stats = getattr(self.comm, 'step_stats', None)
+        if stats is not None:
+            other, its_trainer = stats.reader or (None, None)
+            if other not in (None, self) and its_trainer is trainer:
+                raise ValueError(
+                    'CommunicationReport: this trainer already has a '
+                    'CommunicationReport of this communicator: each takes '
+                    'the figures it reports, so a second would see only '
+                    'what the first left; use one, with the interval you '
+                    'want')
+            stats.reader = self, trainer
         self.comm.communication_stats()
         self._reset(trainer.updater.iteration)
+
+    def finalize(self):
+        """Let go of the communicator's figures (another trainer's report
+        may take them)."""
+        stats = getattr(self.comm, 'step_stats', None)
+        if stats is not None and stats.reader and stats.reader[0] is self:
+            stats.reader = None
 
     def __call__(self, trainer):
         figures = self.comm.communication_stats()
