@@ -128,7 +128,7 @@ class Timeline(object):
     """
 
     def __init__(self, path, rank, origin=None, flush_every=0.5,
-                 batch=1024):
+                 batch=1024, append=False):
         self.path, self.rank = path, int(rank)
         self.origin = ORIGIN if origin is None else origin
         self._batch, self._first = batch, True
@@ -136,8 +136,13 @@ class Timeline(object):
         self._tids = {}             # thread ident -> tid
         self._lock = threading.Lock()     # tids, the file, _first
         self._closed, self._pid = False, os.getpid()
-        self._file = open(path, 'w', encoding='utf-8')
-        self._file.write('[\n')
+        if append and os.path.exists(path):
+            # Go on with a file this process closed: its events stay.
+            self._first = not _reopen(path)
+            self._file = open(path, 'a', encoding='utf-8')
+        else:
+            self._file = open(path, 'w', encoding='utf-8')
+            self._file.write('[\n')
         unix_us = (time.time() - (clock() - self.origin)) * 1e6
         for name, args in (('process_name', {'name': 'rank %d' % self.rank}),
                            ('process_sort_index', {'sort_index': self.rank}),
@@ -285,6 +290,21 @@ class Timeline(object):
         atexit.unregister(self.close)
 
 
+def _reopen(path):
+    """Take the closing bracket off the trace file ``path`` so that
+    events can follow; whether it holds an event already."""
+    with open(path, 'rb+') as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 64))
+        tail = f.read()
+        body = tail.rstrip()
+        if body.endswith(b']'):
+            body = body[:-1].rstrip()
+        f.truncate(size - len(tail) + len(body))
+        return not body.endswith(b'[') and size - len(tail) + len(body) > 0
+
+
 def _quoted(text, _cache={}):
     """``text`` as a JSON string (names and categories repeat: cached)."""
     quoted = _cache.get(text)
@@ -335,7 +355,9 @@ def open_from_environment(rank, explicit=None):
         if tl is None or not tl:
             parent = os.path.dirname(path)
             os.makedirs(parent, exist_ok=True)
-            tl = _open[path] = Timeline(path, rank)
+            # A file this process wrote and closed (every communicator
+            # recording there was finalized) goes on: a later one appends.
+            tl = _open[path] = Timeline(path, rank, append=tl is not None)
         return tl
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ def create_communicator(communicator_name: str = 'auto',
         cls = communicator_class(communicator_name)
         settings = cls.check_arguments(**kwargs)
         shared = cls.shared_settings(settings)
+        _open_timeline(settings['timeline'])
         problem = None
     except (TypeError, ValueError, RuntimeError) as e:
         problem = e
@@ -151,6 +153,21 @@ def create_communicator(communicator_name: str = 'auto',
                     problem, shared, communicator_name, stall_warning,
                     timeout)
     return cls(mpi_comm, **settings)
+
+
+def _open_timeline(path):
+    """Open this rank's timeline file (``timeline=``, else
+    $MNOPT_TIMELINE) before the start-up exchange, so that one a rank
+    cannot write is a ValueError on every rank, not an exception on that
+    rank alone; the communicator then finds it open."""
+    from mpi4py import MPI
+    from mnopt import timeline
+    try:
+        timeline.open_from_environment(MPI.COMM_WORLD.rank, path)
+    except OSError as e:
+        raise ValueError('the timeline file cannot be written (timeline=%r, '
+                         '$%s=%r): %s' % (path, timeline.ENV,
+                                          os.environ.get(timeline.ENV), e))
 
 
 def _problem_with_servers(cls, servers, kwargs):
