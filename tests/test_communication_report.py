@@ -432,3 +432,22 @@ def test_one_report_per_communicator(tmp_path):
         assert comm.step_stats.reader is None
     finally:
         comm.finalize()
+
+
+def test_a_communicators_name_is_the_same_on_each_of_its_ranks():
+    """Rank 0 first makes a communicator of its own (over COMM_SELF): the
+    shared one still has one name on every rank, so its collectives are
+    matched across ranks (the straggler), and the two differ on rank 0."""
+    from mpi4py import MPI
+    own = mnopt.create_communicator('flat', mpi_comm=MPI.COMM_SELF) \
+        if WORLD.rank == 0 else None
+    comm = mnopt.create_communicator('flat')
+    try:
+        names = comm.everyone(comm.timeline_name, 'the names')
+        assert len(set(names)) == 1, names
+        if own is not None:
+            assert own.timeline_name != comm.timeline_name
+    finally:
+        comm.finalize()
+        if own is not None:
+            own.finalize()

@@ -17,6 +17,8 @@ always were.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -51,6 +53,32 @@ from mnopt.stall import watched
 __all__ = ['CommunicatorBase', 'MeanHandle', 'MpiCommunicatorBase']
 
 
+#: {the COMM_WORLD ranks of a group: communicators made over it here}.
+_made_over = collections.Counter()
+
+
+def _label(kind, mpi_comm):
+    """``kind#n``: the n-th communicator this process made over the ranks
+    of ``mpi_comm``.  Making one is collective over those ranks, so n is
+    the same on each of them whatever else a rank made (a communicator
+    of its own over COMM_SELF, say); a group short of COMM_WORLD adds a
+    digest of its ranks (``flat#0@3f2a9c``), telling communicators over
+    different groups apart within one process."""
+    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ranks = tuple(MPI.Group.Translate_ranks(
+            group, list(range(mpi_comm.size)), world))
+    finally:
+        group.Free()
+        world.Free()
+    n = _made_over[ranks]
+    _made_over[ranks] += 1
+    if len(ranks) == MPI.COMM_WORLD.size and ranks == tuple(sorted(ranks)):
+        return '%s#%d' % (kind, n)
+    digest = hashlib.sha1(repr(ranks).encode()).hexdigest()[:6]
+    return '%s#%d@%s' % (kind, n, digest)
+
+
 class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
                           ChainerMNCollectives, ChainerGlue,
                           CommunicatorBase):
@@ -63,7 +91,6 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     (sharded.py's transports).
     """
 
-    _created = 0  # communicators made by this process: their labels
 
     def __init__(self, mpi_comm: MPI.Comm, **settings: Any) -> None:
         #: The keyword arguments it was made with, checked and normalized
@@ -111,11 +138,10 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
             mpi_comm, self.name, self._make_group, resources,
             overflow.Reporter(settings['on_overflow']),
             SignCompression(self.error_feedback))
-        label = '%s#%d' % (self.name, MpiCommunicatorBase._created)
-        MpiCommunicatorBase._created += 1
+        label = _label(self.name, mpi_comm)
         #: This communicator in the timeline (the 'comm' of its 'wire'
-        #: spans): the same on every rank that creates communicators in
-        #: the same order.
+        #: spans), in stall reports and in the per-step figures' matching
+        #: of collectives across ranks: the same on each of its ranks.
         self.timeline_name = label
         self.averaging.timeline = self.timeline
         self._monitor = self._make_monitor(mpi_comm, label,
