@@ -124,11 +124,12 @@ class Timeline(object):
 
     ``origin`` (default: the module's ORIGIN) is the ``clock()`` reading
     that is time zero in the file; a test gives 0.0 to record spans at
-    timestamps of its own choosing.
+    timestamps of its own choosing.  ``role`` names the process ('rank N';
+    a reduction server process: 'server N').
     """
 
     def __init__(self, path, rank, origin=None, flush_every=0.5,
-                 batch=1024):
+                 batch=1024, role='rank'):
         self.path, self.rank = path, int(rank)
         self.origin = ORIGIN if origin is None else origin
         self._batch, self._first = batch, True
@@ -139,7 +140,8 @@ class Timeline(object):
         self._file = open(path, 'w', encoding='utf-8')
         self._file.write('[\n')
         unix_us = (time.time() - (clock() - self.origin)) * 1e6
-        for name, args in (('process_name', {'name': 'rank %d' % self.rank}),
+        for name, args in (('process_name', {'name': '%s %d' % (role,
+                                                                 self.rank)}),
                            ('process_sort_index', {'sort_index': self.rank}),
                            ('mnopt_clock', {'unix_us': round(unix_us, 3),
                                             'rank': self.rank})):
@@ -319,11 +321,12 @@ def trace_path(template, rank):
     return '%s.rank%d%s' % (base, rank, ext)
 
 
-def open_from_environment(rank, explicit=None):
+def open_from_environment(rank, explicit=None, role='rank'):
     """The timeline of ``rank``: the file ``explicit`` names (a path
     template as for ``trace_path``), else the one $MNOPT_TIMELINE names,
     else NULL.  One Timeline per file and process: communicators of one
-    rank share it.  A Timeline given as ``explicit`` is returned as is."""
+    rank share it.  A Timeline given as ``explicit`` is returned as is.
+    ``role``: see Timeline."""
     if isinstance(explicit, (Timeline, NullTimeline)):
         return explicit
     template = explicit or os.environ.get(ENV, '').strip()
@@ -335,7 +338,7 @@ def open_from_environment(rank, explicit=None):
         if tl is None or not tl:
             parent = os.path.dirname(path)
             os.makedirs(parent, exist_ok=True)
-            tl = _open[path] = Timeline(path, rank)
+            tl = _open[path] = Timeline(path, rank, role=role)
         return tl
 
 
