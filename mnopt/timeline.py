@@ -19,14 +19,23 @@ Phases (``name``; the report relies on them).  On the main thread, cat
 'compute': 'step' (one iteration, holding the others), 'forward',
 'backward', 'update'; cat 'comm': 'wait' (the main thread blocked on
 averaging: exposed communication).  On the averaging thread ('averaging'),
-a reduction server's ('server'), or the main thread where averaging runs
-there (sync mode), cat 'comm': 'pack' (gradients into a bucket), 'cast' (to
-the wire's dtype), 'wire' (the collective, from this rank's arrival until
-its result is in), 'sum' (a reduction done here), 'unpack'.  Args where
-known: ``step``, ``bucket`` (its index in the step), ``bytes``, ``seq``
-(the n-th collective of the communicator, the same n on every rank),
-``comm`` (which communicator, where a rank has several), ``op`` (of a
-'wire': 'allreduce', 'reduce_scatter', 'allgather', 'bcast').
+or the main thread where averaging runs there (sync mode), cat 'comm':
+'pack' (gradients into a bucket), 'cast' (packing that changes the dtype
+to the wire's), 'wire' (the collective: one per bucket where the
+transport sums bucket by bucket, else one holding ``buckets`` of them),
+'unpack'.  On a reduction server's thread ('server': a colocated one on
+its worker's timeline, a server process in its own file, process 'server
+N'), per chunk a 'wire' (op 'recv': every worker's share in), a 'sum'
+(the reduction) and at the end a 'wire' (op 'send').  Args where known:
+``step``, ``bucket`` (its index in its collective), ``buckets``,
+``bytes``, ``seq`` (the n-th averaging of the communicator, the same n on
+every rank), ``gather`` (ZeRO's n-th parameter all-gather, which has no
+seq: the averaging counter is kept in snapshots), ``comm`` (which
+communicator, where a rank has several), ``op`` (of a 'wire':
+'allreduce', 'reduce_scatter', 'allgather', 'vote', 'recv', 'send'),
+``arrived`` (of a collective's 'wire': when this rank arrived at it, us
+on the trace's axis, before the check of the layout where a late rank is
+waited for; the wire starts after it).
 
 Recording appends a tuple to a list (thread-safe, no lock); a background
 thread writes them in batches, at least every ``flush_every`` s (0.5),
