@@ -170,6 +170,8 @@ def test_a_bad_setting_on_one_rank_ends_the_job(module_runner):
 # MPICH runs out of communicators after 1022 flat or naive mnopt
 # communicators held at once, 511 hierarchical or reduction_server ones
 # (measured, 2026-11-26): each count is a quarter above that.
+@pytest.mark.long   # MPI's limit: the first stack, and other MPI libraries
+@pytest.mark.every_mpi
 @pytest.mark.parametrize('name,count', [
     ('flat', 1300), ('naive', 1300), ('hierarchical', 650),
     ('reduction_server', 650)])

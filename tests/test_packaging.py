@@ -253,6 +253,7 @@ WRONG_USES = {
     'bcast_data': "comm.bcast_data(model, root='0')",
     'broadcast_data': "comm.broadcast_data(model, root='0')",
     'finalize': 'comm.finalize().done()',
+    'communication_stats': 'comm.communication_stats(True)',
     'everyone': 'comm.everyone(1, 2)',
     'raise_together': "comm.raise_together('oops', 'a check')",
     'same': "comm.same([1], 'seeds')",
