@@ -19,14 +19,23 @@ Phases (``name``; the report relies on them).  On the main thread, cat
 'compute': 'step' (one iteration, holding the others), 'forward',
 'backward', 'update'; cat 'comm': 'wait' (the main thread blocked on
 averaging: exposed communication).  On the averaging thread ('averaging'),
-a reduction server's ('server'), or the main thread where averaging runs
-there (sync mode), cat 'comm': 'pack' (gradients into a bucket), 'cast' (to
-the wire's dtype), 'wire' (the collective, from this rank's arrival until
-its result is in), 'sum' (a reduction done here), 'unpack'.  Args where
-known: ``step``, ``bucket`` (its index in the step), ``bytes``, ``seq``
-(the n-th collective of the communicator, the same n on every rank),
-``comm`` (which communicator, where a rank has several), ``op`` (of a
-'wire': 'allreduce', 'reduce_scatter', 'allgather', 'bcast').
+or the main thread where averaging runs there (sync mode), cat 'comm':
+'pack' (gradients into a bucket), 'cast' (packing that changes the dtype
+to the wire's), 'wire' (the collective: one per bucket where the
+transport sums bucket by bucket, else one holding ``buckets`` of them),
+'unpack'.  On a reduction server's thread ('server': a colocated one on
+its worker's timeline, a server process in its own file, process 'server
+N'), per chunk a 'wire' (op 'recv': every worker's share in), a 'sum'
+(the reduction) and at the end a 'wire' (op 'send').  Args where known:
+``step``, ``bucket`` (its index in its collective), ``buckets``,
+``bytes``, ``seq`` (the n-th averaging of the communicator, the same n on
+every rank), ``gather`` (ZeRO's n-th parameter all-gather, which has no
+seq: the averaging counter is kept in snapshots), ``comm`` (which
+communicator, where a rank has several), ``op`` (of a 'wire':
+'allreduce', 'reduce_scatter', 'allgather', 'vote', 'recv', 'send'),
+``arrived`` (of a collective's 'wire': when this rank arrived at it, us
+on the trace's axis, before the check of the layout where a late rank is
+waited for; the wire starts after it).
 
 Recording appends a tuple to a list (thread-safe, no lock); a background
 thread writes them in batches, at least every ``flush_every`` s (0.5),
@@ -124,11 +133,12 @@ class Timeline(object):
 
     ``origin`` (default: the module's ORIGIN) is the ``clock()`` reading
     that is time zero in the file; a test gives 0.0 to record spans at
-    timestamps of its own choosing.
+    timestamps of its own choosing.  ``role`` names the process ('rank N';
+    a reduction server process: 'server N').
     """
 
     def __init__(self, path, rank, origin=None, flush_every=0.5,
-                 batch=1024, append=False):
+                 batch=1024, role='rank', append=False):
         self.path, self.rank = path, int(rank)
         self.origin = ORIGIN if origin is None else origin
         self._batch, self._first = batch, True
@@ -144,7 +154,8 @@ class Timeline(object):
             self._file = open(path, 'w', encoding='utf-8')
             self._file.write('[\n')
         unix_us = (time.time() - (clock() - self.origin)) * 1e6
-        for name, args in (('process_name', {'name': 'rank %d' % self.rank}),
+        for name, args in (('process_name', {'name': '%s %d' % (role,
+                                                                 self.rank)}),
                            ('process_sort_index', {'sort_index': self.rank}),
                            ('mnopt_clock', {'unix_us': round(unix_us, 3),
                                             'rank': self.rank})):
@@ -339,11 +350,12 @@ def trace_path(template, rank):
     return '%s.rank%d%s' % (base, rank, ext)
 
 
-def open_from_environment(rank, explicit=None):
+def open_from_environment(rank, explicit=None, role='rank'):
     """The timeline of ``rank``: the file ``explicit`` names (a path
     template as for ``trace_path``), else the one $MNOPT_TIMELINE names,
     else NULL.  One Timeline per file and process: communicators of one
-    rank share it.  A Timeline given as ``explicit`` is returned as is."""
+    rank share it.  A Timeline given as ``explicit`` is returned as is.
+    ``role``: see Timeline."""
     if isinstance(explicit, (Timeline, NullTimeline)):
         return explicit
     template = explicit or os.environ.get(ENV, '').strip()
@@ -357,7 +369,8 @@ def open_from_environment(rank, explicit=None):
             os.makedirs(parent, exist_ok=True)
             # A file this process wrote and closed (every communicator
             # recording there was finalized) goes on: a later one appends.
-            tl = _open[path] = Timeline(path, rank, append=tl is not None)
+            tl = _open[path] = Timeline(path, rank, role=role,
+                                        append=tl is not None)
         return tl
 
 

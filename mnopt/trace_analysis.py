@@ -14,11 +14,13 @@ Per step, on each rank's main thread (the one that records 'step'):
   phases while the main thread computes;
 - idle: the rest of the step (data loading, Python between the phases).
 
-Collectives: the 'wire' spans that carry a ``seq`` (and ``comm``, where a
-rank has several communicators) are one collective on every rank that has
-them.  Its straggler is the rank that started last; it is late by its
-start less the median start of the others.  Bus bandwidth is counted as
-nccl-tests does, over the time from the last arrival to the end.
+Collectives: the 'wire' spans with a ``seq`` (ZeRO's all-gather: a
+``gather``; and ``comm``) are one collective on every rank (its buckets'
+wires together).  Its straggler arrived last (``arrived``: entering the
+averaging, before the layout check where a late rank is waited for; else
+the wire's start), late by that less the others' median arrival; bus
+bandwidth as nccl-tests, from the last wire start to the end.  A server
+process (no step, no collective) is no worker.
 
 Imports only the standard library, mnopt.timeline, mnopt.step_stats (the
 bus factors and who arrived last, shared with the communicator's per-step
@@ -27,6 +29,7 @@ figures) and mnopt.report_rules.
 
 import bisect
 import collections
+import itertools
 import statistics
 
 from mnopt import report_rules, step_stats, timeline
@@ -168,11 +171,21 @@ def total(ivs):
 
 # -- alignment -------------------------------------------------------------
 
+def collective_key(args):
+    """The collective of a 'wire' (its args), alike on every rank: (comm,
+    seq), (comm, 'allgather', gather); None (a server's receive, send)."""
+    if 'seq' in args:
+        return (args.get('comm'), args['seq'])
+    if 'gather' in args:
+        return (args.get('comm'), 'allgather', args['gather'])
+    return None
+
+
 def _wire_ends(r):
     ends = {}
     for s in r.named(('wire',)):
-        if 'seq' in s[5]:
-            key = (s[5].get('comm'), s[5]['seq'])
+        key = collective_key(s[5])
+        if key is not None:
             ends[key] = max(ends.get(key, s[4]), s[4])
     return ends
 
@@ -244,22 +257,26 @@ def summarize(steps):
 # -- collectives -----------------------------------------------------------
 
 def collectives(ranks):
-    """[{rank: (start, end, bytes, op)}] per collective ('wire' spans with
-    a seq, on the shared axis), in order of their first start."""
+    """[{rank: (start, end, bytes, op, arrival)}] per collective (its
+    buckets' wires together, ``arrived`` else start), by first start."""
     found = collections.defaultdict(dict)
     for r in ranks.values():
         for s in r.named(('wire',)):
-            if 'seq' not in s[5]:
+            key = collective_key(s[5])
+            if key is None:
                 continue
-            key = (s[5].get('comm'), s[5]['seq'])
             start, end = s[3] + r.offset, s[4] + r.offset
+            arrived = s[5].get('arrived')
+            arrival = start if arrived is None else min(
+                float(arrived) + r.offset, start)
             old = found[key].get(r.rank)
             nbytes = s[5].get('bytes') or 0
             if old:
                 start, end = min(start, old[0]), max(end, old[1])
                 nbytes += old[2]
+                arrival = min(arrival, old[4])
             found[key][r.rank] = (start, end, nbytes,
-                                  s[5].get('op', 'allreduce'))
+                                  s[5].get('op', 'allreduce'), arrival)
     return sorted(found.values(), key=lambda c: min(v[0] for v in c.values()))
 
 
@@ -271,7 +288,7 @@ def stragglers(colls, min_late_us=100.0):
     matched = [c for c in colls if len(c) >= 2]
     late = collections.defaultdict(list)
     for c in matched:
-        rank, by = step_stats.last_arrival({r: v[0] for r, v in c.items()})
+        rank, by = step_stats.last_arrival({r: v[4] for r, v in c.items()})
         if by >= min_late_us:
             late[rank].append(by)
     last = [{'rank': rank, 'share': len(v) / len(matched),
@@ -309,15 +326,21 @@ def bucket_gaps(ranks):
     """How busy the wire is during backward, once the first bucket of the
     step is on it: {'backward_ms', 'idle_share' (the link idle between
     the first bucket's start and the end of backward, over all of
-    backward), 'buckets' (wire spans per backward), 'bucket_bytes' (their
-    median)} over every rank; None without wire spans in backward."""
+    backward), 'buckets' (buckets per backward), 'bucket_bytes' (their
+    median)} over every rank; None without wire spans in backward.
+
+    Only collectives' wires (no server's receive or send); a span with
+    ``buckets`` (a ring's, pipelining them) counts as that many."""
     idle = backward = 0.0
     n_backward = n_wires = 0
     sizes = []
     for r in ranks.values():
-        wire_spans = r.named(('wire',))
+        wire_spans = [w for w in r.named(('wire',))   # sorted by start
+                      if collective_key(w[5]) is not None]
         wires = union([(w[3], w[4]) for w in wire_spans])
-        starts = sorted(s[3] for s in wire_spans)
+        starts = [s[3] for s in wire_spans]
+        counts = [0] + list(itertools.accumulate(
+            max(1, int(w[5].get('buckets') or 1)) for w in wire_spans))
         for s in r.named(('backward',), tid=r.main_tid):
             lo, hi = s[3], s[4]
             inside = clip(wires, lo, hi)
@@ -325,15 +348,24 @@ def bucket_gaps(ranks):
             if not inside:
                 continue
             n_backward += 1
-            n_wires += (bisect.bisect_left(starts, hi)
-                        - bisect.bisect_left(starts, lo))
+            n_wires += counts[bisect.bisect_left(starts, hi)] - \
+                counts[bisect.bisect_left(starts, lo)]
             idle += hi - inside[0][0] - total(inside)
-        sizes += [w[5]['bytes'] for w in wire_spans if w[5].get('bytes')]
+        for w in wire_spans:
+            n = max(1, int(w[5].get('buckets') or 1))
+            if w[5].get('bytes'):
+                sizes += [w[5]['bytes'] / n] * n
     if not n_backward:
         return None
     return {'backward_ms': backward / 1e3, 'idle_share': idle / backward,
             'buckets': n_wires / n_backward,
             'bucket_bytes': statistics.median(sizes) if sizes else None}
+
+
+def workers(ranks):
+    """The ranks that train (not reduction server processes)."""
+    return [k for k, r in ranks.items() if r.named(('step',)) or any(
+        collective_key(s[5]) is not None for s in r.named(('wire',)))]
 
 
 def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
@@ -359,7 +391,7 @@ def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
         'each_step': each,
         'collectives': dict(count=len(colls), **stragglers(colls,
                                                            min_late_us)),
-        'bandwidth': bandwidth(colls, len(ranks)),
+        'bandwidth': bandwidth(colls, len(workers(ranks))),
         'buckets': bucket_gaps(ranks),
         'link_bits': link_bits,
         'cast': any(r.named(('cast',)) for r in ranks.values()),

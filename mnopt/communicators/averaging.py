@@ -127,6 +127,58 @@ class Averaging(object):
         return resources.executor
 
 
+#: The timeline's Wires of the collective each thread is in.
+_current = threading.local()
+
+
+class Wires(object):
+    """The timeline's 'wire' spans of one collective, the span a
+    ``StepStats.wire_timer`` enters (made only when the timeline is on).
+    Inside it a transport that sums bucket by bucket records each bucket
+    as a 'wire' (``bucket(i, nbytes)``: args ``bucket`` = its index in the
+    collective, and its ``bytes``); where none did, the whole collective
+    is one 'wire'.  Every span carries ``args`` (``seq`` or ``gather``,
+    ``op``, ``comm``) and ``arrived``: when this thread arrived at the
+    collective (``StepStats.arrive``, before the layout check where a
+    late rank is waited for), in us on the trace's axis."""
+
+    __slots__ = ('_tl', 'args', '_start', '_split', '_outer')
+
+    def __init__(self, tl, stats, **args):
+        self._tl, self.args, self._split = tl, args, False
+        arrived = stats.arrived.get(threading.get_ident())
+        if arrived is not None:
+            args['arrived'] = round((arrived - tl.origin) * 1e6, 3)
+
+    def __enter__(self):
+        self._outer = getattr(_current, 'wires', None)
+        _current.wires = self
+        self._start = timelines.clock()
+        return self
+
+    def set(self, **args):
+        self.args.update(args)
+
+    @contextlib.contextmanager
+    def bucket(self, index, nbytes):
+        """One bucket's 'wire', inside this collective."""
+        self._split = True
+        start = timelines.clock()
+        try:
+            yield
+        finally:
+            args = dict(self.args, bucket=index, bytes=nbytes)
+            args.pop('buckets', None)
+            self._tl.record('wire', 'comm', start, timelines.clock(), **args)
+
+    def __exit__(self, *exc):
+        _current.wires = self._outer
+        if not self._split:
+            self._tl.record('wire', 'comm', self._start, timelines.clock(),
+                            **self.args)
+        return False
+
+
 def _setup_averaging_thread(timeline):
     thread_setup()
     timeline.name_thread('averaging')
@@ -178,13 +230,22 @@ class AveragingPipeline(object):
     def _wire_span(self, step, nbytes, op='allreduce'):
         """The 'wire' of averaging ``step`` (this rank's arrival until its
         result is in): timed for the per-step figures (``step_stats``,
-        bytes by ``_traffic``), and a span of the timeline's report when
-        it is on."""
+        bytes by ``_traffic``), and 'wire' spans of the timeline when it
+        is on (``Wires``: one, or one per bucket where the transport sums
+        bucket by bucket)."""
         tl = self.timeline
-        span = tl.span('wire', 'comm', seq=step, bytes=nbytes, op=op,
-                       comm=self.timeline_name) if tl else tl.span('wire')
+        span = Wires(tl, self.averaging.stats, seq=step, op=op,
+                     comm=self.timeline_name, bytes=nbytes) if tl \
+            else tl.span('wire')
         return self.averaging.stats.wire_timer(
             span, (self.timeline_name, step), nbytes, op, self._traffic)
+
+    def _bucket_wires(self):
+        """The timeline's ``Wires`` of the collective this thread is in
+        (a transport that sums bucket by bucket records one 'wire' per
+        bucket with it: ``with wires.bucket(i, nbytes)``); None when the
+        timeline is off: the transport then runs as it always does."""
+        return getattr(_current, 'wires', None) if self.timeline else None
 
     def _traffic(self, nbytes, op):
         """(bytes sent, bytes received) by this rank for a collective of

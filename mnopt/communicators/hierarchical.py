@@ -72,6 +72,9 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
         intra, inter = group.state.intra, group.state.inter
         leader = intra.rank == 0
         parts = list(buffer.host_parts())
+        wires = self._bucket_wires()
+        if wires is not None:   # reduce, ring, bcast: buckets not apart
+            wires.set(buckets=len(parts))
         for part in parts:
             buffers.reduce_sum(intra, part, wire, root=0)
         if leader:

@@ -23,9 +23,17 @@ class NaiveCommunicator(FlatCommunicator):
         # ring): MPI's Allreduce, or the ring for that array alone where
         # allreduce.uses_ring picks it (large float arrays across nodes, the
         # 16-bit wires).
-        for part in buffer.host_parts():
-            allreduce.allreduce_sum_parts(group.comm, [part], buffer.layout.wire,
-                                     self.allreduce_algorithm)
+        wires = self._bucket_wires()   # the timeline's, when it is on
+        for i, part in enumerate(buffer.host_parts()):
+            if wires is None:
+                allreduce.allreduce_sum_parts(
+                    group.comm, [part], buffer.layout.wire,
+                    self.allreduce_algorithm)
+                continue
+            with wires.bucket(i, part.nbytes):   # a 'wire' per array
+                allreduce.allreduce_sum_parts(
+                    group.comm, [part], buffer.layout.wire,
+                    self.allreduce_algorithm)
         buffer.from_host()
 
     # The sharded optimizer's transports: MPI's own Reduce_scatter and

@@ -16,7 +16,7 @@ from mnopt import server_protocol as protocol
 from mnopt.transport.layouts import LayoutMismatchError
 from mnopt.communicators.arguments import whole_argument
 from mnopt.communicators.base import MpiCommunicatorBase
-from mnopt.communicators.colocated import ColocatedServers
+from mnopt.communicators.colocated import ColocatedServers, chunk_spans
 from mnopt.communicators.group import Group
 from mnopt.communicators.janitor import release_after_collection
 
@@ -95,7 +95,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         if not job.servers:  # colocated: this worker serves shard `rank`
             self._colocated = ColocatedServers(
                 channels, mpi_comm.rank, settings['server_memory'],
-                self._monitor)
+                self._monitor, self.timeline)
             # Garbage collection stops them too (after it, as it frees
             # the rest: release_after_collection): nothing here holds
             # the communicator.
@@ -142,18 +142,23 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                 buffer, group, arrays, step)
         # Each chunk is packed from the arrays just before it leaves and
         # each mean unpacked into them as it arrives: both copies hide
-        # behind the network (one 'wire' span holds them).
+        # behind the network (one 'wire' span holds their spans).
         with self._wire_span(step, buffer.nbytes):
             self._stream(buffer, group, arrays)
 
     def _stream(self, buffer, group, arrays):
+        def pack(part):
+            buffer.pack_range(arrays, part.start, part.stop,
+                              self._pack_divisor())
+
+        def unpack(part, means):
+            buffer.unpack_range(arrays, means, part.start, part.stop)
+        if self.timeline:   # each chunk's pack and unpack, inside the wire
+            pack, unpack = chunk_spans(self.timeline, buffer, pack, unpack)
         self._exchange(
             group, buffer.wire, self._result_buffer(group, buffer),
             buffer.layout.wire, buffer.layout.digest,
-            on_push=lambda part: buffer.pack_range(
-                arrays, part.start, part.stop, self._pack_divisor()),
-            on_result=lambda part, means: buffer.unpack_range(
-                arrays, means, part.start, part.stop))
+            on_push=pack, on_result=unpack)
 
     def _sum(self, buffer, group):
         data = next(iter(buffer.host_parts()), None)

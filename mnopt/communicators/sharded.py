@@ -53,8 +53,8 @@ from typing import Any
 import numpy
 
 from mnopt import grad_buffer
-from mnopt import timeline as timelines
 from mnopt.arrays import array_module
+from mnopt.communicators.averaging import Wires
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.devices import on_device
 from mnopt.communicators.mean_handle import MeanHandle
@@ -326,9 +326,10 @@ class ShardedCollectives(object):
         group = self.averaging.sync_group
         if problem is not None:
             agree(group.comm, None, problem)
-        # The caller is blocked for all of it (exposed); its wire is
-        # counted in the per-step figures, not in the timeline (its seq
-        # would be the averaging counter's, which snapshots keep).
+        # The caller is blocked for all of it (exposed).  Its 'wire'
+        # carries no seq (that is the averaging counter, which snapshots
+        # keep: an all-gather counted in it would change what they hold)
+        # but its own count, 'gather', as the per-step figures name it.
         with stats.timed('caller'), on_device(xp, named):
             stats.arrive()
             shards = self._shards(group, named, arrays_per_rank, 'bytes')
@@ -336,11 +337,14 @@ class ShardedCollectives(object):
                 return
             arrays = [a for _, a in named]
             self.averaging.allgathers += 1
+            nbytes, tl = sum(shards.byte_counts), self.timeline
+            span = Wires(tl, stats, gather=self.averaging.allgathers,
+                         op='allgather', comm=self.timeline_name,
+                         bytes=nbytes) if tl else tl.span('wire')
             with stats.wire_timer(
-                    timelines.NULL.span('wire'), (self.timeline_name,
-                                                  'allgather',
-                                                  self.averaging.allgathers),
-                    sum(shards.byte_counts), 'allgather', self._traffic):
+                    span, (self.timeline_name, 'allgather',
+                           self.averaging.allgathers),
+                    nbytes, 'allgather', self._traffic):
                 if shards.in_place:
                     self._allgather_in_place(group, shards, arrays)
                 else:
