@@ -50,7 +50,9 @@ context manager, so instrumented code costs a call when the timeline is
 off, and ``bool(NULL)`` is False (``if tl: tl.record(...)`` skips costly
 arguments).
 
-Leaf module: imports only the standard library and mnopt.log.
+One idea, the trace file: writing it and reading it back (over 400
+lines with both).  Leaf module: imports only the standard library and
+mnopt.log.
 """
 
 import atexit
