@@ -97,7 +97,7 @@ class NullTimeline(object):
     do-nothing context manager."""
 
     path = None
-    record = instant = counter = name_thread = flush = close = \
+    record = instant = counter = mark_job = name_thread = flush = close = \
         staticmethod(_nothing)
 
     def __bool__(self):
@@ -148,6 +148,7 @@ class Timeline(object):
         self._tids = {}             # thread ident -> tid
         self._lock = threading.Lock()     # tids, the file, _first
         self._closed, self._pid = False, os.getpid()
+        self._job = None            # mark_job's, once
         if append and os.path.exists(path):
             # Go on with a file this process closed: its events stay.
             self._first = not _reopen(path)
@@ -227,6 +228,15 @@ class Timeline(object):
         if not self._closed:
             self._events.append(('i', name, cat, clock(), None, self._tid(),
                                  args))
+
+    def mark_job(self, job):
+        """Name the job this file belongs to (the same id in every rank's
+        file; the first one given counts), so that the report refuses to
+        read files of different jobs as one."""
+        if not self._closed and not self._job:
+            self._job = job
+            self._events.append(('M', 'mnopt_job', None, 0.0, None, 0,
+                                 {'job': job}))
 
     def counter(self, name, **values):
         """A counter track of this process (``bytes_in_flight=n``)."""

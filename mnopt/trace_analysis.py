@@ -1,7 +1,8 @@
 """Reading mnopt timelines (mnopt/timeline.py): where each step's time goes.
 
 What ``python -m mnopt.report`` prints, computed from the phases the
-timeline's docstring names.  All times here are microseconds on one axis
+timeline's docstring names (one idea, the report's numbers: over 400
+lines with the reading of the files).  All times here are microseconds on one axis
 shared by every rank (see ``align``).
 
 Per step, on each rank's main thread (the one that records 'step'):
@@ -54,6 +55,7 @@ class RankTrace(object):
     def __init__(self, rank, path):
         self.rank, self.path = rank, path
         self.spans, self.threads, self.unix_us = [], {}, None
+        self.job = None          # the job's id (mnopt_job), where recorded
         self.offset = 0.0        # added to this rank's times: the shared axis
 
     def named(self, names, tid=None, other_than=None):
@@ -97,6 +99,8 @@ def load_traces(paths):
                 r.threads[ev.get('tid', 0)] = args.get('name')
             elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_clock':
                 r.unix_us = args.get('unix_us')
+            elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_job':
+                r.job = r.job or args.get('job')
             elif ev['ph'] == 'X':
                 ts = float(ev.get('ts', 0))
                 r.spans.append((ev.get('name'), ev.get('cat'), ev.get('tid'),
@@ -104,6 +108,11 @@ def load_traces(paths):
         ranks.update(here)
     if not ranks:
         raise TraceError('no events in %s' % ', '.join(paths))
+    jobs = sorted({r.job for r in ranks.values() if r.job})
+    if len(jobs) > 1:
+        raise TraceError('these traces come from %d different jobs (%s): '
+                         'give the files of one job'
+                         % (len(jobs), ', '.join(jobs)))
     for r in ranks.values():
         r.spans.sort(key=lambda s: s[3])
     return ranks

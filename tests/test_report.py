@@ -449,3 +449,27 @@ def test_reduction_servers_are_neither_workers_nor_collectives(traces,
     # The colocated server's work runs while rank 0 computes: hidden.
     hidden = _by_rank(a)[0]['hidden_ms'] - _by_rank(before)[0]['hidden_ms']
     assert hidden == pytest.approx(4 * 4, abs=0.01)
+
+
+def test_files_of_different_jobs_are_refused(tmp_path, capsys):
+    """Each job names itself in its files (the first communicator over
+    COMM_WORLD agrees on an id): files of two jobs are not read as one;
+    files without a name (older ones) still are."""
+    main, avg = _steps()
+    paths = []
+    for rank, job in ((0, 'aaaa'), (1, 'bbbb'), (2, None)):
+        tl = timeline.Timeline(str(tmp_path / ('t.rank%d.json' % rank)),
+                               rank, origin=0.0)
+        if job:
+            tl.mark_job(job)
+            tl.mark_job('ignored: the first one counts')
+        for name, cat, start, end, args in main:
+            tl.record(name, cat, start, end, **args)
+        tl.close()
+        paths.append(tl.path)
+    with pytest.raises(trace_analysis.TraceError, match='2 different jobs'):
+        trace_analysis.load_traces(paths)
+    assert sorted(trace_analysis.load_traces(paths[::2])) == [0, 2]
+    with pytest.raises(SystemExit):
+        report.main(paths)
+    assert 'different jobs' in capsys.readouterr().err

@@ -149,9 +149,13 @@ def create_communicator(communicator_name: str = 'auto',
     # The start-up exchange, this call's first collective of its own (the
     # job's, above, is watched too): every rank learns every rank's problem
     # and shared settings before any collective that needs them.
-    _agree_to_start(server_job.job().channels()[0] if servers else mpi_comm,
-                    problem, shared, communicator_name, stall_warning,
-                    timeout)
+    job = _agree_to_start(
+        server_job.job().channels()[0] if servers else mpi_comm, problem,
+        shared, communicator_name, stall_warning, timeout)
+    if mpi_comm == MPI.COMM_WORLD:
+        from mnopt import timeline
+        timeline.open_from_environment(
+            MPI.COMM_WORLD.rank, settings['timeline']).mark_job(job)
     return cls(mpi_comm, **settings)
 
 
@@ -200,20 +204,23 @@ def _agree_to_start(comm, problem, shared, name, stall_warning, timeout):
     problem, every rank raises (that rank its own exception, the others a
     RuntimeError naming it); else if the shared settings differ, every
     rank raises the same ValueError naming each setting and every rank's
-    value."""
+    value.  Returns rank 0's token: one id of the exchange on every rank
+    (a timeline names its job with the first one over COMM_WORLD)."""
+    import secrets
     from mnopt.transport import agreement
     what = 'create_communicator(%r)' % (name,)
     # One exchange whatever the kind: ranks creating different kinds are
     # told so by the settings' comparison below, naming the setting.
     said = agreement.everyone(
-        comm, (agreement.describe(problem), shared),
+        comm, (agreement.describe(problem), shared, secrets.token_hex(6)),
         '%s (waiting for every rank to create it)' % what, stall_warning,
         timeout, exchange='create_communicator')
-    agreement.settle(problem, [p for p, _ in said], what)
-    message = agreement.disagreement([s for _, s in said],
+    agreement.settle(problem, [p for p, _, _ in said], what)
+    message = agreement.disagreement([s for _, s, _ in said],
                                      'the settings of %s' % what)
     if message:
         raise ValueError(message)
+    return said[0][2]
 
 
 def __getattr__(name):
