@@ -303,7 +303,12 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         key = (self.timeline_name, 'agreement', averaging.agreements)
         start = step_stats.clock()
         try:
-            return run(self._sync_group.comm, *args, **self._stall_settings)
+            # In the timeline a 'wait' (the caller blocked on the other
+            # ranks: a rank late to the step is waited for here).
+            with self.timeline.span('wait', 'comm', op='agreement',
+                                    comm=self.timeline_name):
+                return run(self._sync_group.comm, *args,
+                           **self._stall_settings)
         finally:
             averaging.stats.add_arrival(key, step_stats.clock() - start)
 
