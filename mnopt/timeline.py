@@ -324,8 +324,9 @@ def _reopen(path):
         body = tail.rstrip()
         if body.endswith(b']'):
             body = body[:-1].rstrip()
-        f.truncate(size - len(tail) + len(body))
-        return not body.endswith(b'[') and size - len(tail) + len(body) > 0
+        kept = size - len(tail) + len(body)
+        f.truncate(kept)
+        return kept > 0 and not body.endswith(b'[')
 
 
 def _quoted(text, _cache={}):

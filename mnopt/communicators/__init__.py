@@ -131,12 +131,12 @@ def create_communicator(communicator_name: str = 'auto',
         kwargs['bucket_bytes'] = bucket_bytes
     # Every setting, keyword or MNOPT_*, is checked before the first
     # collective: a bad one on one rank is reported by the exchange below.
-    cls = settings = shared = None
+    cls = settings = shared = tl = None
     try:
         cls = communicator_class(communicator_name)
         settings = cls.check_arguments(**kwargs)
         shared = cls.shared_settings(settings)
-        _open_timeline(settings['timeline'])
+        tl = _open_timeline(settings['timeline'])
         problem = None
     except (TypeError, ValueError, RuntimeError) as e:
         problem = e
@@ -153,21 +153,19 @@ def create_communicator(communicator_name: str = 'auto',
         server_job.job().channels()[0] if servers else mpi_comm, problem,
         shared, communicator_name, stall_warning, timeout)
     if mpi_comm == MPI.COMM_WORLD:
-        from mnopt import timeline
-        timeline.open_from_environment(
-            MPI.COMM_WORLD.rank, settings['timeline']).mark_job(job)
+        tl.mark_job(job)
     return cls(mpi_comm, **settings)
 
 
 def _open_timeline(path):
-    """Open this rank's timeline file (``timeline=``, else
-    $MNOPT_TIMELINE) before the start-up exchange, so that one a rank
+    """This rank's timeline (``timeline=``, else $MNOPT_TIMELINE; NULL
+    when off), opened before the start-up exchange, so that a file a rank
     cannot write is a ValueError on every rank, not an exception on that
     rank alone; the communicator then finds it open."""
     from mpi4py import MPI
     from mnopt import timeline
     try:
-        timeline.open_from_environment(MPI.COMM_WORLD.rank, path)
+        return timeline.open_from_environment(MPI.COMM_WORLD.rank, path)
     except OSError as e:
         raise ValueError('the timeline file cannot be written (timeline=%r, '
                          '$%s=%r): %s' % (path, timeline.ENV,

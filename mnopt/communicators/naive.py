@@ -1,6 +1,8 @@
 """The naive communicator: one allreduce per gradient array, the reference
 the others are checked against."""
 
+import contextlib
+
 import numpy
 from mpi4py import MPI
 
@@ -25,12 +27,9 @@ class NaiveCommunicator(FlatCommunicator):
         # 16-bit wires).
         wires = self._bucket_wires()   # the timeline's, when it is on
         for i, part in enumerate(buffer.host_parts()):
-            if wires is None:
-                allreduce.allreduce_sum_parts(
-                    group.comm, [part], buffer.layout.wire,
-                    self.allreduce_algorithm)
-                continue
-            with wires.bucket(i, part.nbytes):   # a 'wire' per array
+            # With the timeline on, a 'wire' per array.
+            with contextlib.nullcontext() if wires is None else \
+                    wires.bucket(i, part.nbytes):
                 allreduce.allreduce_sum_parts(
                     group.comm, [part], buffer.layout.wire,
                     self.allreduce_algorithm)
