@@ -147,15 +147,18 @@ experiments: setup
 # number of ranks changes what is computed: ring segments, uneven shards
 # and scatters, votes, a middle rank).  The other stacks run what can
 # differ on them: every test but the end-to-end jobs (``spawn``: restart,
-# examples, faults) serially, plus the jobs marked ``every_stack`` (stack
-# checks), and on a stack with another MPI library (OWN_MPI) those marked
-# ``every_mpi`` (what the library's launcher decides: how a job ends, MPMD
-# launches); under -n 2 the ``many_ranks`` modules (the collectives, where
+# examples, faults) and the ``long`` ones serially, plus the jobs marked
+# ``every_stack`` (stack checks), and on a stack with another MPI library
+# (OWN_MPI) those marked ``every_mpi`` (what the library decides: how a
+# job ends, MPMD launches, how many communicators it has); under -n 2 the ``many_ranks`` modules (the collectives, where
 # NumPy's buffers, Python's threads and the MPI library meet).  The core
 # stack runs serially: it adds the no-Chainer case and the kernel compile
-# check, which must not skip there.  TESTS_ALL=1 runs everything on every
+# check, which must not skip there; so does numpy1 (SERIAL_ONLY).  TESTS_ALL=1 runs everything on every
 # stack, and every module under -n 3.
-ON_EVERY_STACK := not spawn or every_stack
+ON_EVERY_STACK := not (spawn or long) or every_stack
+# Serial pass only (unless first): numpy1 shares NumPy 1 with lowest, whose
+# -n 2 pass meets NumPy 1's buffers with MPI.
+SERIAL_ONLY := numpy1
 OWN_MPI_openmpi := or every_mpi
 WORKERS ?= 2
 # Open MPI's mpiexec, started from an xdist worker, ends at once with status
@@ -193,6 +196,9 @@ test-%: .venv/%/.installed
 	fi; \
 	if [ $* = core ]; then \
 	    MNOPT_REQUIRE_NVRTC=1 $$pytest $${only:+-m "$$only"}; \
+	elif [ -n "$$only" ] && [ -n "$(filter $*,$(SERIAL_ONLY))" ]; then \
+	    MNOPT_TEST_MPIEXEC="$(LAUNCH_$*)" \
+	        $$pytest -m "($$only) and not machine_wide"; \
 	else \
 	    export MNOPT_TEST_MPIEXEC="$(LAUNCH_$*)" && \
 	    $$pytest -m "$${only:+($$only) and }not machine_wide" && \

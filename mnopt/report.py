@@ -13,6 +13,7 @@ evidence (mnopt/report_rules.py)::
     python -m mnopt.report --link-rate 1gbit --skip 5 trace.rank*.json
     python -m mnopt.report --json trace.rank*.json > report.json
     python -m mnopt.report --merge all.json trace.rank*.json  # for Perfetto
+    python -m mnopt.report --plot steps.png trace.rank*.json  # a picture
 
 How the numbers are computed: mnopt/trace_analysis.py.
 """
@@ -20,27 +21,14 @@ How the numbers are computed: mnopt/trace_analysis.py.
 import argparse
 import json
 import os
-import re
 import sys
 
 from mnopt import report_rules as rules
-from mnopt import timeline, trace_analysis
+from mnopt import report_plot, step_stats, timeline, trace_analysis
 
-_RATE = re.compile(r'^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:bit)?(?:/s)?\s*$',
-                   re.I)
-
-
-def parse_rate(text):
-    """'1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second."""
-    m = _RATE.match(str(text))
-    if m is None:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError('not a link rate: %r (say 1gbit, 250mbit, '
-                             '10gbit/s: bits per second)' % (text,))
-    scale = {'': 1, 'k': 1e3, 'm': 1e6, 'g': 1e9, 't': 1e12}
-    return float(m.group(1)) * scale[m.group(2).lower()]
+#: '1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second (shared
+#: with the CommunicationReport: mnopt/step_stats.py).
+parse_rate = step_stats.parse_rate
 
 
 def _cells(s):
@@ -136,7 +124,8 @@ def _parser():
                         'or one merged file')
     p.add_argument('--json', action='store_true',
                    help='print the report as JSON')
-    p.add_argument('--link-rate', default=os.environ.get('MNOPT_LINK_RATE'),
+    p.add_argument('--link-rate',
+                   default=os.environ.get(step_stats.LINK_RATE_ENV),
                    metavar='RATE',
                    help='the link rate, to compare the bus bandwidth with '
                         '(1gbit, 250mbit, 10gbit; default $MNOPT_LINK_RATE)')
@@ -153,6 +142,12 @@ def _parser():
     p.add_argument('--merge', metavar='OUT',
                    help='also write the ranks as one trace file OUT, on that '
                         'one axis (to open in Perfetto)')
+    p.add_argument('--plot', metavar='PNG',
+                   help='also draw a few steps, every rank and thread, into '
+                        'this image (needs matplotlib)')
+    p.add_argument('--plot-steps', type=int, default=3, metavar='N',
+                   help='how many steps --plot draws, from the first one '
+                        '--skip keeps (default 3)')
     return p
 
 
@@ -168,11 +163,22 @@ def main(argv=None):
         parser.error(str(e))
     if args.skip < 0:
         parser.error('--skip takes a count of steps, not %d' % args.skip)
+    if args.plot_steps < 1:
+        parser.error('--plot-steps takes a count of steps >= 1, not %d'
+                     % args.plot_steps)
+    if args.plot:
+        try:
+            import matplotlib  # NOQA
+        except ImportError:
+            parser.error('--plot needs matplotlib (pip install matplotlib)')
     try:
         analysis = trace_analysis.analyze(
             args.traces, args.align, args.skip, args.min_late * 1e3, link)
         if args.merge:
             merge(args.traces, args.merge, args.align)
+        if args.plot:
+            report_plot.plot(args.traces, args.plot, args.skip,
+                             args.plot_steps, args.align)
     except trace_analysis.TraceError as e:
         parser.error(str(e))
     if args.json:

@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from mnopt import log
 from mnopt import stall_settings
+from mnopt import timeline as timelines
 from mnopt.server_job import CHANNEL_NAMES, job
 from mnopt.server_loop import Stats, serve
 from mnopt.server_protocol import DEFAULT_MEMORY
@@ -71,16 +72,26 @@ def main(argv=None):
         logger.error('mnopt.server %d: refused a reduction: %s', index,
                      problem)
 
+    # $MNOPT_TIMELINE: this process's own file, by its COMM_WORLD rank
+    # (the workers' rule), its threads named 'server'.
+    tl = timelines.open_from_environment(world.rank, role='server')
+
+    def serve_channel(chan, name):
+        tl.name_thread('server')
+        serve(chan, the_job.workers, index, len(the_job.servers),
+              args.memory, stats, report, the_job.monitor(), 'serve.' + name,
+              timeline=tl)
+
     from mnopt.global_except_hook import run_or_abort
     threads = [threading.Thread(target=run_or_abort, args=(
-        serve, chan, the_job.workers, index, len(the_job.servers),
-        args.memory, stats, report, the_job.monitor(), 'serve.' + name))
+        serve_channel, chan, name))
         for chan, name in zip(chans, CHANNEL_NAMES)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    tl.close()
     if stats is not None:
         elapsed = time.perf_counter() - start
         print(stats.format('server %d' % index))

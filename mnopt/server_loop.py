@@ -58,7 +58,7 @@ class Stats(object):
 
 def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
           stats=None, on_error=None, monitor=None, name='serve',
-          idle=None, on_headers=None):
+          idle=None, on_headers=None, timeline=None):
     """Serve reductions on ``chan`` until every worker says goodbye.
 
     ``workers`` are the workers' ranks in ``chan`` (in worker order);
@@ -76,6 +76,9 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
     between averagings the thread sleeps instead of polling MPI.
     ``on_headers()`` runs once each round's headers are all in (the
     colocated server forgets its cue there: that exchange is this one).
+    ``timeline`` (mnopt/timeline.py), where on: per chunk a 'wire' (op
+    'recv': waiting for every worker's share) and a 'sum' (the reduction),
+    then a 'wire' (op 'send') until the results have left, with bytes.
     """
     _sched.prefer_low_latency()   # it waits on the network: mnopt/_sched.py
     n = len(workers)
@@ -91,7 +94,7 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
             if watch is not None:
                 watch.detail = '(reducing)'
             _serve_request(chan, workers, headers, my_index, n_servers,
-                           memory, stats, on_error)
+                           memory, stats, on_error, timeline)
         finally:
             if watch is not None:
                 watch.__exit__(None, None, None)
@@ -134,7 +137,7 @@ def _receive_headers(chan, workers, headers, byes, monitor, name,
 
 
 def _serve_request(chan, workers, headers, my_index, n_servers, memory,
-                   stats, on_error):
+                   stats, on_error, timeline=None):
     """One request, its headers in: check them, answer, reduce."""
     n = len(workers)
     active = [i for i, w in enumerate(workers) if headers[i, 0] ==
@@ -152,7 +155,7 @@ def _serve_request(chan, workers, headers, my_index, n_servers, memory,
             on_error(problem)
         _drain(chan, workers, headers, active)
         return
-    _reduce(chan, workers, headers[active[0]], memory, stats)
+    _reduce(chan, workers, headers[active[0]], memory, stats, timeline)
 
 
 def _drain(chan, workers, headers, active):
@@ -202,7 +205,7 @@ class _MajorityOfWorkers(object):
             sign.majority_bits(counts, self.n, 8 * first, self.step))
 
 
-def _reduce(chan, workers, header, memory, stats):
+def _reduce(chan, workers, header, memory, stats, timeline=None):
     n = len(workers)
     shard_start, shard_len, chunk = int(header[4]), int(header[5]), \
         int(header[6])
@@ -232,6 +235,7 @@ def _reduce(chan, workers, header, memory, stats):
         post(c)
     combine = _MajorityOfWorkers(n, int(header[9])) if wire == 'sign' \
         else _MeanOfWorkers(wire, n, chunk)
+    record = timeline.record if timeline else None   # off: one test a chunk
     for c, piece in enumerate(pieces):
         k = c % n_slots
         size = piece.stop - piece.start
@@ -248,9 +252,16 @@ def _reduce(chan, workers, header, memory, stats):
         if stats is not None:
             stats.add('recv', t1 - t0)
             stats.add('reduce', t2 - t1)
+        if record is not None:
+            nbytes = n * size * dtype.itemsize
+            record('wire', 'comm', t0, t1, op='recv', bytes=nbytes)
+            record('sum', 'comm', t1, t2, bytes=nbytes)
     t3 = time.perf_counter()
     for s in sends:
         polling.wait_all(s)
+    if record is not None:
+        record('wire', 'comm', t3, time.perf_counter(), op='send',
+               bytes=n * shard_len * dtype.itemsize)
     if stats is not None:
         stats.add('send', time.perf_counter() - t3)
         stats.bytes += 2 * n * shard_len * dtype.itemsize

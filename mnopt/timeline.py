@@ -19,14 +19,23 @@ Phases (``name``; the report relies on them).  On the main thread, cat
 'compute': 'step' (one iteration, holding the others), 'forward',
 'backward', 'update'; cat 'comm': 'wait' (the main thread blocked on
 averaging: exposed communication).  On the averaging thread ('averaging'),
-a reduction server's ('server'), or the main thread where averaging runs
-there (sync mode), cat 'comm': 'pack' (gradients into a bucket), 'cast' (to
-the wire's dtype), 'wire' (the collective, from this rank's arrival until
-its result is in), 'sum' (a reduction done here), 'unpack'.  Args where
-known: ``step``, ``bucket`` (its index in the step), ``bytes``, ``seq``
-(the n-th collective of the communicator, the same n on every rank),
-``comm`` (which communicator, where a rank has several), ``op`` (of a
-'wire': 'allreduce', 'reduce_scatter', 'allgather', 'bcast').
+or the main thread where averaging runs there (sync mode), cat 'comm':
+'pack' (gradients into a bucket), 'cast' (packing that changes the dtype
+to the wire's), 'wire' (the collective: one per bucket where the
+transport sums bucket by bucket, else one holding ``buckets`` of them),
+'unpack'.  On a reduction server's thread ('server': a colocated one on
+its worker's timeline, a server process in its own file, process 'server
+N'), per chunk a 'wire' (op 'recv': every worker's share in), a 'sum'
+(the reduction) and at the end a 'wire' (op 'send').  Args where known:
+``step``, ``bucket`` (its index in its collective), ``buckets``,
+``bytes``, ``seq`` (the n-th averaging of the communicator, the same n on
+every rank), ``gather`` (ZeRO's n-th parameter all-gather, which has no
+seq: the averaging counter is kept in snapshots), ``comm`` (which
+communicator, where a rank has several), ``op`` (of a 'wire':
+'allreduce', 'reduce_scatter', 'allgather', 'vote', 'recv', 'send'),
+``arrived`` (of a collective's 'wire': when this rank arrived at it, us
+on the trace's axis, before the check of the layout where a late rank is
+waited for; the wire starts after it).
 
 Recording appends a tuple to a list (thread-safe, no lock); a background
 thread writes them in batches, at least every ``flush_every`` s (0.5),
@@ -41,7 +50,9 @@ context manager, so instrumented code costs a call when the timeline is
 off, and ``bool(NULL)`` is False (``if tl: tl.record(...)`` skips costly
 arguments).
 
-Leaf module: imports only the standard library and mnopt.log.
+One idea, the trace file: writing it and reading it back (over 400
+lines with both).  Leaf module: imports only the standard library and
+mnopt.log.
 """
 
 import atexit
@@ -86,7 +97,7 @@ class NullTimeline(object):
     do-nothing context manager."""
 
     path = None
-    record = instant = counter = name_thread = flush = close = \
+    record = instant = counter = mark_job = name_thread = flush = close = \
         staticmethod(_nothing)
 
     def __bool__(self):
@@ -124,11 +135,12 @@ class Timeline(object):
 
     ``origin`` (default: the module's ORIGIN) is the ``clock()`` reading
     that is time zero in the file; a test gives 0.0 to record spans at
-    timestamps of its own choosing.
+    timestamps of its own choosing.  ``role`` names the process ('rank N';
+    a reduction server process: 'server N').
     """
 
     def __init__(self, path, rank, origin=None, flush_every=0.5,
-                 batch=1024):
+                 batch=1024, role='rank', append=False):
         self.path, self.rank = path, int(rank)
         self.origin = ORIGIN if origin is None else origin
         self._batch, self._first = batch, True
@@ -136,10 +148,17 @@ class Timeline(object):
         self._tids = {}             # thread ident -> tid
         self._lock = threading.Lock()     # tids, the file, _first
         self._closed, self._pid = False, os.getpid()
-        self._file = open(path, 'w', encoding='utf-8')
-        self._file.write('[\n')
+        self._job = None            # mark_job's, once
+        if append and os.path.exists(path):
+            # Go on with a file this process closed: its events stay.
+            self._first = not _reopen(path)
+            self._file = open(path, 'a', encoding='utf-8')
+        else:
+            self._file = open(path, 'w', encoding='utf-8')
+            self._file.write('[\n')
         unix_us = (time.time() - (clock() - self.origin)) * 1e6
-        for name, args in (('process_name', {'name': 'rank %d' % self.rank}),
+        for name, args in (('process_name', {'name': '%s %d' % (role,
+                                                                 self.rank)}),
                            ('process_sort_index', {'sort_index': self.rank}),
                            ('mnopt_clock', {'unix_us': round(unix_us, 3),
                                             'rank': self.rank})):
@@ -209,6 +228,15 @@ class Timeline(object):
         if not self._closed:
             self._events.append(('i', name, cat, clock(), None, self._tid(),
                                  args))
+
+    def mark_job(self, job):
+        """Name the job this file belongs to (the same id in every rank's
+        file; the first one given counts), so that the report refuses to
+        read files of different jobs as one."""
+        if not self._closed and not self._job:
+            self._job = job
+            self._events.append(('M', 'mnopt_job', None, 0.0, None, 0,
+                                 {'job': job}))
 
     def counter(self, name, **values):
         """A counter track of this process (``bytes_in_flight=n``)."""
@@ -285,6 +313,22 @@ class Timeline(object):
         atexit.unregister(self.close)
 
 
+def _reopen(path):
+    """Take the closing bracket off the trace file ``path`` so that
+    events can follow; whether it holds an event already."""
+    with open(path, 'rb+') as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 64))
+        tail = f.read()
+        body = tail.rstrip()
+        if body.endswith(b']'):
+            body = body[:-1].rstrip()
+        kept = size - len(tail) + len(body)
+        f.truncate(kept)
+        return kept > 0 and not body.endswith(b'[')
+
+
 def _quoted(text, _cache={}):
     """``text`` as a JSON string (names and categories repeat: cached)."""
     quoted = _cache.get(text)
@@ -319,11 +363,12 @@ def trace_path(template, rank):
     return '%s.rank%d%s' % (base, rank, ext)
 
 
-def open_from_environment(rank, explicit=None):
+def open_from_environment(rank, explicit=None, role='rank'):
     """The timeline of ``rank``: the file ``explicit`` names (a path
     template as for ``trace_path``), else the one $MNOPT_TIMELINE names,
     else NULL.  One Timeline per file and process: communicators of one
-    rank share it.  A Timeline given as ``explicit`` is returned as is."""
+    rank share it.  A Timeline given as ``explicit`` is returned as is.
+    ``role``: see Timeline."""
     if isinstance(explicit, (Timeline, NullTimeline)):
         return explicit
     template = explicit or os.environ.get(ENV, '').strip()
@@ -335,7 +380,10 @@ def open_from_environment(rank, explicit=None):
         if tl is None or not tl:
             parent = os.path.dirname(path)
             os.makedirs(parent, exist_ok=True)
-            tl = _open[path] = Timeline(path, rank)
+            # A file this process wrote and closed (every communicator
+            # recording there was finalized) goes on: a later one appends.
+            tl = _open[path] = Timeline(path, rank, role=role,
+                                        append=tl is not None)
         return tl
 
 

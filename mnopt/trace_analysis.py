@@ -1,7 +1,8 @@
 """Reading mnopt timelines (mnopt/timeline.py): where each step's time goes.
 
 What ``python -m mnopt.report`` prints, computed from the phases the
-timeline's docstring names.  All times here are microseconds on one axis
+timeline's docstring names (one idea, the report's numbers: over 400
+lines with the reading of the files).  All times here are microseconds on one axis
 shared by every rank (see ``align``).
 
 Per step, on each rank's main thread (the one that records 'step'):
@@ -14,32 +15,32 @@ Per step, on each rank's main thread (the one that records 'step'):
   phases while the main thread computes;
 - idle: the rest of the step (data loading, Python between the phases).
 
-Collectives: the 'wire' spans that carry a ``seq`` (and ``comm``, where a
-rank has several communicators) are one collective on every rank that has
-them.  Its straggler is the rank that started last; it is late by its
-start less the median start of the others.  Bus bandwidth is counted as
-nccl-tests does, over the time from the last arrival to the end.
+Collectives: the 'wire' spans with a ``seq`` (ZeRO's all-gather: a
+``gather``; and ``comm``) are one collective on every rank (its buckets'
+wires together).  Its straggler arrived last (``arrived``: entering the
+averaging, before the layout check where a late rank is waited for; else
+the wire's start), late by that less the others' median arrival; bus
+bandwidth as nccl-tests, from the last wire start to the end.  A server
+process (no step, no collective) is no worker.
 
-Imports only the standard library, mnopt.timeline and mnopt.report_rules.
+Imports only the standard library, mnopt.timeline, mnopt.step_stats (the
+bus factors and who arrived last, shared with the communicator's per-step
+figures) and mnopt.report_rules.
 """
 
 import bisect
 import collections
+import itertools
 import statistics
 
-from mnopt import report_rules, timeline
+from mnopt import report_rules, step_stats, timeline
 
 COMPUTE = ('forward', 'backward', 'update')
 COMM = ('pack', 'cast', 'wire', 'sum', 'unpack')
 #: Bytes on the busiest link per byte of payload, by the 'op' of a 'wire'
-#: (nccl-tests' bus bandwidth factors), n = the number of ranks.
-BUS_FACTOR = {
-    'allreduce': lambda n: 2.0 * (n - 1) / n,
-    'reduce_scatter': lambda n: (n - 1.0) / n,
-    'allgather': lambda n: (n - 1.0) / n,
-    'bcast': lambda n: 1.0,
-    'reduce': lambda n: 1.0,
-}
+#: (nccl-tests' bus bandwidth factors): shared with the communicator's own
+#: per-step figures (mnopt/step_stats.py).
+BUS_FACTOR = step_stats.BUS_FACTOR
 
 
 class TraceError(ValueError):
@@ -54,6 +55,7 @@ class RankTrace(object):
     def __init__(self, rank, path):
         self.rank, self.path = rank, path
         self.spans, self.threads, self.unix_us = [], {}, None
+        self.job = None          # the job's id (mnopt_job), where recorded
         self.offset = 0.0        # added to this rank's times: the shared axis
 
     def named(self, names, tid=None, other_than=None):
@@ -97,6 +99,8 @@ def load_traces(paths):
                 r.threads[ev.get('tid', 0)] = args.get('name')
             elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_clock':
                 r.unix_us = args.get('unix_us')
+            elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_job':
+                r.job = r.job or args.get('job')
             elif ev['ph'] == 'X':
                 ts = float(ev.get('ts', 0))
                 r.spans.append((ev.get('name'), ev.get('cat'), ev.get('tid'),
@@ -104,6 +108,11 @@ def load_traces(paths):
         ranks.update(here)
     if not ranks:
         raise TraceError('no events in %s' % ', '.join(paths))
+    jobs = sorted({r.job for r in ranks.values() if r.job})
+    if len(jobs) > 1:
+        raise TraceError('these traces come from %d different jobs (%s): '
+                         'give the files of one job'
+                         % (len(jobs), ', '.join(jobs)))
     for r in ranks.values():
         r.spans.sort(key=lambda s: s[3])
     return ranks
@@ -171,11 +180,21 @@ def total(ivs):
 
 # -- alignment -------------------------------------------------------------
 
+def collective_key(args):
+    """The collective of a 'wire' (its args), alike on every rank: (comm,
+    seq), (comm, 'allgather', gather); None (a server's receive, send)."""
+    if 'seq' in args:
+        return (args.get('comm'), args['seq'])
+    if 'gather' in args:
+        return (args.get('comm'), 'allgather', args['gather'])
+    return None
+
+
 def _wire_ends(r):
     ends = {}
     for s in r.named(('wire',)):
-        if 'seq' in s[5]:
-            key = (s[5].get('comm'), s[5]['seq'])
+        key = collective_key(s[5])
+        if key is not None:
             ends[key] = max(ends.get(key, s[4]), s[4])
     return ends
 
@@ -247,22 +266,26 @@ def summarize(steps):
 # -- collectives -----------------------------------------------------------
 
 def collectives(ranks):
-    """[{rank: (start, end, bytes, op)}] per collective ('wire' spans with
-    a seq, on the shared axis), in order of their first start."""
+    """[{rank: (start, end, bytes, op, arrival)}] per collective (its
+    buckets' wires together, ``arrived`` else start), by first start."""
     found = collections.defaultdict(dict)
     for r in ranks.values():
         for s in r.named(('wire',)):
-            if 'seq' not in s[5]:
+            key = collective_key(s[5])
+            if key is None:
                 continue
-            key = (s[5].get('comm'), s[5]['seq'])
             start, end = s[3] + r.offset, s[4] + r.offset
+            arrived = s[5].get('arrived')
+            arrival = start if arrived is None else min(
+                float(arrived) + r.offset, start)
             old = found[key].get(r.rank)
             nbytes = s[5].get('bytes') or 0
             if old:
                 start, end = min(start, old[0]), max(end, old[1])
                 nbytes += old[2]
+                arrival = min(arrival, old[4])
             found[key][r.rank] = (start, end, nbytes,
-                                  s[5].get('op', 'allreduce'))
+                                  s[5].get('op', 'allreduce'), arrival)
     return sorted(found.values(), key=lambda c: min(v[0] for v in c.values()))
 
 
@@ -274,9 +297,7 @@ def stragglers(colls, min_late_us=100.0):
     matched = [c for c in colls if len(c) >= 2]
     late = collections.defaultdict(list)
     for c in matched:
-        starts = sorted((v[0], rank) for rank, v in c.items())
-        last, rank = starts[-1]
-        by = last - statistics.median(s for s, _ in starts[:-1])
+        rank, by = step_stats.last_arrival({r: v[4] for r, v in c.items()})
         if by >= min_late_us:
             late[rank].append(by)
     last = [{'rank': rank, 'share': len(v) / len(matched),
@@ -314,15 +335,21 @@ def bucket_gaps(ranks):
     """How busy the wire is during backward, once the first bucket of the
     step is on it: {'backward_ms', 'idle_share' (the link idle between
     the first bucket's start and the end of backward, over all of
-    backward), 'buckets' (wire spans per backward), 'bucket_bytes' (their
-    median)} over every rank; None without wire spans in backward."""
+    backward), 'buckets' (buckets per backward), 'bucket_bytes' (their
+    median)} over every rank; None without wire spans in backward.
+
+    Only collectives' wires (no server's receive or send); a span with
+    ``buckets`` (a ring's, pipelining them) counts as that many."""
     idle = backward = 0.0
     n_backward = n_wires = 0
     sizes = []
     for r in ranks.values():
-        wire_spans = r.named(('wire',))
+        wire_spans = [w for w in r.named(('wire',))   # sorted by start
+                      if collective_key(w[5]) is not None]
         wires = union([(w[3], w[4]) for w in wire_spans])
-        starts = sorted(s[3] for s in wire_spans)
+        starts = [s[3] for s in wire_spans]
+        counts = [0] + list(itertools.accumulate(
+            max(1, int(w[5].get('buckets') or 1)) for w in wire_spans))
         for s in r.named(('backward',), tid=r.main_tid):
             lo, hi = s[3], s[4]
             inside = clip(wires, lo, hi)
@@ -330,15 +357,24 @@ def bucket_gaps(ranks):
             if not inside:
                 continue
             n_backward += 1
-            n_wires += (bisect.bisect_left(starts, hi)
-                        - bisect.bisect_left(starts, lo))
+            n_wires += counts[bisect.bisect_left(starts, hi)] - \
+                counts[bisect.bisect_left(starts, lo)]
             idle += hi - inside[0][0] - total(inside)
-        sizes += [w[5]['bytes'] for w in wire_spans if w[5].get('bytes')]
+        for w in wire_spans:
+            n = max(1, int(w[5].get('buckets') or 1))
+            if w[5].get('bytes'):
+                sizes += [w[5]['bytes'] / n] * n
     if not n_backward:
         return None
     return {'backward_ms': backward / 1e3, 'idle_share': idle / backward,
             'buckets': n_wires / n_backward,
             'bucket_bytes': statistics.median(sizes) if sizes else None}
+
+
+def workers(ranks):
+    """The ranks that train (not reduction server processes)."""
+    return [k for k, r in ranks.items() if r.named(('step',)) or any(
+        collective_key(s[5]) is not None for s in r.named(('wire',)))]
 
 
 def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
@@ -364,7 +400,7 @@ def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
         'each_step': each,
         'collectives': dict(count=len(colls), **stragglers(colls,
                                                            min_late_us)),
-        'bandwidth': bandwidth(colls, len(ranks)),
+        'bandwidth': bandwidth(colls, len(workers(ranks))),
         'buckets': bucket_gaps(ranks),
         'link_bits': link_bits,
         'cast': any(r.named(('cast',)) for r in ranks.values()),

@@ -23,12 +23,18 @@ import numpy
 from mpi4py import MPI
 
 import mnopt  # before Chainer: Chainer's NumPy 2 names
+import mnopt.timeline
 import chainer
 import chainer.links as L
 
 WORLD = MPI.COMM_WORLD
 SNAPSHOTS = [3, 5]     # iterations a snapshot is written at
 STOP = 7               # every case ends here
+#: What observing a run must show: the CommunicationReport's keys in the
+#: log, the timeline's phases in this rank's trace.
+OBSERVED = ('comm/exposed', 'comm/hidden', 'comm/bytes_sent',
+            'comm/bytes_received')
+PHASES = ('step', 'forward', 'backward', 'update', 'wire')
 N_SAMPLES, BATCH = 48, 4   # 12 / 8 iterations an epoch at 2 / 3 ranks
 MODES = {
     'sync': {},
@@ -49,8 +55,10 @@ def dataset():
     return chainer.datasets.TupleDataset(x, t, numpy.arange(N_SAMPLES))
 
 
-def communicator(case):
+def communicator(case, out):
     kwargs = {'allreduce_grad_dtype': case['wire']}
+    if case['observe'] == 'timeline':
+        kwargs['timeline'] = os.path.join(out, 'trace.json')
     if case['mode'] == 'sign':
         kwargs['compression'] = 'sign'
     base = mnopt.create_communicator(case['comm'], **kwargs)
@@ -89,8 +97,10 @@ class Recorder(object):
 def train(case, out, stop, snapshots):
     """Train ``case`` to ``stop`` with snapshots (autoloaded) in ``out``;
     returns (iteration resumed from, parameter digest, samples seen twice,
-    whether the parameters moved after the resume)."""
-    comm, made = communicator(case)
+    whether the parameters moved after the resume, what observing the run
+    missed: OBSERVED's keys absent from the log or phases absent from the
+    timeline)."""
+    comm, made = communicator(case, out)
     iterator = None
     try:
         numpy.random.seed(case['seed'])   # initial weights, orders
@@ -126,18 +136,32 @@ def train(case, out, stop, snapshots):
             trainer.extend(snap, trigger=chainer.training.triggers.
                            ManualScheduleTrigger(snapshots, 'iteration'))
             snap.initialize(trainer)   # the autoload (run() does it again)
+        if case['observe'] == 'report':
+            trainer.extend(mnopt.extensions.CommunicationReport(comm))
+            log = chainer.training.extensions.LogReport(
+                trigger=(1, 'iteration'), filename=None)
+            trainer.extend(log)
         resumed = trainer.updater.iteration
         before = [p.array.copy() for _, p in sorted(model.namedparams())]
         trainer.run()
         after = [p.array for _, p in sorted(model.namedparams())]
         digest = hashlib.sha1(b''.join(a.tobytes() for a in after))
         moved = any((a != b).any() for a, b in zip(after, before))
-        return resumed, digest.hexdigest(), recorder.twice(), moved
+        missed = []
+        if case['observe'] == 'report' and resumed < stop:
+            missed = sorted(set(OBSERVED) - set(log.log[-1]))
     finally:
         if isinstance(iterator, chainer.iterators.MultiprocessIterator):
             iterator.finalize()
         for c in made:
             c.finalize()
+    if case['observe'] == 'timeline' and resumed < stop:
+        # Complete once the communicators are finalized.
+        path = mnopt.timeline.trace_path(os.path.join(out, 'trace.json'),
+                                         WORLD.rank)
+        names = {e.get('name') for e in mnopt.timeline.load(path)}
+        missed = sorted(set(PHASES) - names)
+    return resumed, digest.hexdigest(), recorder.twice(), moved, missed
 
 
 def run_case(case, phase, root):

@@ -69,6 +69,11 @@ def pytest_configure(config):
         'markers', 'spawn: launches its own mpiexec job; runs only in the '
                    'serial pass (an mpiexec inside mpiexec is not supported)')
     config.addinivalue_line(
+        'markers', 'long: runs in the process, but for as long as a '
+                   'spawned job (tens of seconds): runs where spawned jobs '
+                   'do, in the serial pass of the first stack (and, marked '
+                   'every_mpi too, on a stack with another MPI library)')
+    config.addinivalue_line(
         'markers', 'every_stack: a spawned job that runs on every stack, not '
                    'only the first (what NumPy, Chainer or the MPI library '
                    'and its launcher can change; see the Makefile)')

@@ -78,6 +78,27 @@ def test_a_value_that_does_not_pickle_on_one_rank_fails_on_every_rank(comm):
     assert comm.everyone(comm.rank, 'after') == list(range(comm.size))
 
 
+def test_ranks_in_different_exchanges_fail_on_every_rank(comm):
+    """The last rank is in another exchange (its own trigger fired, say):
+    every rank raises, naming each rank's exchange, instead of taking the
+    other exchange's values for its own.  Alone, the names agree."""
+    last = comm.size - 1
+    what = 'the report' if comm.rank == last else "the optimizer's step"
+    if comm.size == 1:
+        assert comm.everyone(7, what) == [7]
+        return
+    with pytest.raises(RuntimeError) as error:
+        comm.everyone((comm.rank, 'payload'), what)
+    message = str(error.value)
+    assert 'different exchanges' in message
+    for r in range(comm.size):
+        name = 'the report' if r == last else "the optimizer's step"
+        assert 'rank %d in %r' % (r, name) in message, message
+    # Out of step no longer: the next exchange, the same on every rank,
+    # goes through.
+    assert comm.everyone(comm.rank, 'after') == list(range(comm.size))
+
+
 def test_disagreement_reads_settings_one_rank_lacks():
     assert agreement.disagreement([{'a': 1}, {'a': 1}], 'x') is None
     assert agreement.disagreement([{'a': 1}, {}], 'x') == \

@@ -26,7 +26,7 @@ LAYERS = [
                 'mnopt.stall_wait', 'mnopt.stall_last_word',
                 'mnopt.stall_watchdog', 'mnopt.arrays', 'mnopt.cli',
                 'mnopt.launched',
-                'mnopt.wire_dtypes', 'mnopt.timeline',
+                'mnopt.wire_dtypes', 'mnopt.timeline', 'mnopt.step_stats',
                 'mnopt.global_except_hook']),
     ('gpu', ['mnopt.gpu']),
     ('transport', ['mnopt.transport']),
@@ -40,7 +40,8 @@ LAYERS = [
     ('entry points', ['mnopt', 'mnopt.__main__', 'mnopt.check',
                       'mnopt.benchmark', 'mnopt.benchmarking',
                       'mnopt.netsim', 'mnopt.launch', 'mnopt.report',
-                      'mnopt.report_rules', 'mnopt.trace_analysis',
+                      'mnopt.report_rules', 'mnopt.report_plot',
+                      'mnopt.trace_analysis',
                       'mnopt.tune']),
 ]
 CHAINER_LAYER = 'chainer'

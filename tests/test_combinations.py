@@ -17,7 +17,10 @@ thousands of cases), and each case checks what a user would:
   iterator's orders are reproducible: bit_identical_promised);
 - a resume at another number of ranks (``grow`` 2 -> 3, ``shrink`` 3 -> 2)
   resumes from the newest snapshot and trains on;
-- no rank sees a sample twice within an epoch.
+- no rank sees a sample twice within an epoch;
+- an observed run shows what it promises: the timeline each phase of a
+  step (step, forward, backward, update, wire), the CommunicationReport its
+  keys in the log.
 
 The cases run in four mpiexec jobs (tests/combination_job.py): the first
 halves at 2 and at 3 ranks, then the files are damaged as each case says,
@@ -49,6 +52,8 @@ FACTORS = collections.OrderedDict([
     ('split', [False, True]),
     ('sets', ['one', 'per_rank']),   # multi_node_snapshot's replica sets
     ('ranks', [2, 3]),   # where the case starts
+    # A timeline recorded, or a CommunicationReport in the log.
+    ('observe', ['none', 'timeline', 'report']),
 ])
 
 
@@ -163,9 +168,12 @@ def problems_of(case, report, phase):
         return ['%s: %s' % (phase, errors)]
     out = []
     runs = [r['run'] for r in report['ranks']]
-    if len({digest for _, digest, _, _ in runs}) != 1:
+    if len({digest for _, digest, _, _, _ in runs}) != 1:
         out.append('%s: replicas differ' % phase)
-    for rank, (_, _, twice, moved) in enumerate(runs):
+    for rank, (_, _, twice, moved, missed) in enumerate(runs):
+        if missed:
+            out.append('%s: rank %d: observing (%s) missed %s'
+                       % (phase, rank, case['observe'], missed))
         if twice:
             out.append('%s: rank %d saw samples twice in an epoch: %s'
                        % (phase, rank, twice))

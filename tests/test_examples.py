@@ -1,5 +1,6 @@
 """The ImageNet and digits examples, run as whole mpiexec jobs."""
 
+import json
 import os
 import shutil
 
@@ -58,6 +59,13 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
     assert proc.stdout.count('== mnopt: 2 ranks, communicator %s, wire %s'
                              % (name, wire)) == 1, proc.stdout[-2000:]
     assert 'training   4 iterations in' in proc.stdout
+    # Each step's communication in the log (CommunicationReport), with who
+    # the ranks waited for.
+    with open(str(tmp_path / 'log')) as f:
+        log = json.load(f)
+    assert log and all('comm/exposed' in e and 'comm/hidden' in e
+                       for e in log), log
+    assert all(e['comm/straggler'] in (-1, 0, 1) for e in log), log
     assert '% of step time blocked in averaging' in proc.stdout
     hides = {'--double-buffering': 'double buffering hid ',
              '--overlap': 'overlap hid '}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_mpi, slack
+from conftest import REPO, WORLD, run_mpi, slack
 
 
 def _wait_for(condition, timeout, what):
@@ -167,9 +167,20 @@ def test_a_bad_setting_on_one_rank_ends_the_job(module_runner):
 
 
 # ------------------------------------------------ communicators are freed
-@pytest.mark.parametrize('name,count', [
-    ('flat', 3000), ('naive', 1500), ('hierarchical', 1500),
-    ('reduction_server', 1500)])
+# MPICH runs out of communicators after 1022 flat or naive mnopt
+# communicators held at once, 511 hierarchical or reduction_server ones
+# (measured, 2026-11-26): each count is a quarter above that.  Under
+# mpiexec (each creation a collective: a minute for all four) flat and
+# reduction_server only: naive and hierarchical free through the same
+# janitor as flat.
+DROPPED = [('flat', 1300), ('naive', 1300), ('hierarchical', 650),
+           ('reduction_server', 650)]
+
+
+@pytest.mark.long   # MPI's limit: the first stack, and other MPI libraries
+@pytest.mark.every_mpi
+@pytest.mark.parametrize('name,count', DROPPED if WORLD.size == 1 else [
+    case for case in DROPPED if case[0] in ('flat', 'reduction_server')])
 def test_dropped_communicators_are_freed(name, count):
     """MPI has a few thousand communicators per process and each mnopt
     communicator holds several: dropping it without finalize() must give

@@ -37,23 +37,25 @@ STEPS = 10
 BUCKET = 4 << 20
 
 
-def _write(path, rank, main, averaging, shift=0.0):
-    """A trace of ``rank``: ``main`` and ``averaging`` are lists of (name,
-    cat, start_s, end_s, args), recorded on the main thread and on a
-    thread named 'averaging'; ``shift`` moves every time (a host clock
-    off by that much)."""
+def _write(path, rank, main, averaging, shift=0.0, server=()):
+    """A trace of ``rank``: ``main``, ``averaging`` and ``server`` are
+    lists of (name, cat, start_s, end_s, args), recorded on the main
+    thread and on threads named 'averaging' and 'server'; ``shift`` moves
+    every time (a host clock off by that much)."""
     tl = timeline.Timeline(path, rank, origin=0.0)
     for name, cat, start, end, args in main:
         tl.record(name, cat, start + shift, end + shift, **args)
 
-    def other():
-        tl.name_thread('averaging')
-        for name, cat, start, end, args in averaging:
+    def other(role, spans):
+        tl.name_thread(role)
+        for name, cat, start, end, args in spans:
             tl.record(name, cat, start + shift, end + shift, **args)
 
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
+    for role, spans in (('averaging', averaging), ('server', server)):
+        if spans or role == 'averaging':
+            t = threading.Thread(target=other, args=(role, spans))
+            t.start()
+            t.join()
     tl.close()
     return path
 
@@ -294,3 +296,180 @@ def test_python_m_mnopt_report(traces):
     assert 'of the 100 Gbit/s link' in done.stdout     # $MNOPT_LINK_RATE
     missing = run('/nonexistent/trace.json')
     assert missing.returncode == 2 and 'no such trace' in missing.stderr
+
+
+def test_the_rows_of_a_plot_are_each_ranks_threads_on_one_axis(traces):
+    """report_plot.rows: main thread first, then averaging, for each rank;
+    every bar inside the window, times from its start, on the common axis
+    (rank 1's clock, 250 ms ahead, moved back)."""
+    from mnopt import report_plot
+    ranks = trace_analysis.load_traces(traces)
+    trace_analysis.align(ranks)
+    lo, hi, what = report_plot.window(ranks, 2, 2)
+    assert hi - lo == pytest.approx(200e3, abs=1.0)   # steps 2 and 3
+    assert what.startswith('steps 2 to 3')
+    # Past the last step: the last one, and the label says so.
+    assert report_plot.window(ranks, 50, 3)[2].startswith(
+        'step %d' % (STEPS - 1))
+    drawn = report_plot.rows(ranks, lo, hi)
+    assert [label for label, _ in drawn] == [
+        'rank %d %s' % (r, t) for r in (0, 1, 2)
+        for t in ('main', 'averaging')]
+    for label, bars in drawn:
+        assert all(0 <= start and start + length <= 200.0 + 1e-6
+                   for _, start, length in bars), label
+    main = dict(drawn)
+    # Each rank's forward of step 2 at 5-35 ms of the window.
+    for r in (0, 1, 2):
+        forwards = sorted(s for n, s, _ in main['rank %d main' % r]
+                          if n == 'forward')
+        assert forwards[0] == pytest.approx(5.0, abs=0.01), (r, forwards)
+    # The straggler's wires start 3 ms after the others'.
+    late = sorted(s for n, s, _ in main['rank 2 averaging'] if n == 'wire')
+    early = sorted(s for n, s, _ in main['rank 0 averaging'] if n == 'wire')
+    assert late[0] - early[0] == pytest.approx(3.0, abs=0.01)
+
+
+def test_plot_writes_an_image(traces, tmp_path, capsys):
+    pytest.importorskip('matplotlib', reason='--plot needs matplotlib')
+    out = tmp_path / 'steps.png'
+    assert report.main(['--plot', str(out), '--plot-steps', '2', '--skip',
+                        '1'] + traces) == 0
+    assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        report.main(['--plot', str(out), '--plot-steps', '0'] + traces)
+    assert exit_.value.code == 2
+    assert '--plot-steps' in capsys.readouterr().err
+
+
+# -- per-bucket wires, arrivals, reduction servers ---------------------------
+
+def _one_collective_a_step(avg, ring=False):
+    """The 4 bucket wires of each step as one collective (seq = the
+    step), each with its bucket index; ``ring``: one span of the 4 (40 to
+    76 ms) with ``buckets=4``, as the ring records them."""
+    out, first = [], {}
+    for name, cat, start, end, args in avg:
+        args = dict(args, seq=args['step'])
+        if name == 'wire' and ring:
+            if args['bucket'] == 0:
+                first[args['step']] = start
+            if args['bucket'] == 3:
+                out.append((name, cat, first[args['step']], end, dict(
+                    args, bucket=0, buckets=4, bytes=4 * BUCKET)))
+            continue
+        out.append((name, cat, start, end, args))
+    return out
+
+
+@pytest.mark.parametrize('ring', [False, True])
+def test_the_buckets_of_one_collective(tmp_path, ring):
+    paths = []
+    for rank, late in ((0, 0), (1, 0), (2, 3 * MS)):
+        main, avg = _steps(late)
+        paths.append(_write(str(tmp_path / ('b%d.json' % rank)), rank,
+                            main, _one_collective_a_step(avg, ring)))
+    a = trace_analysis.analyze(paths)
+    c = a['collectives']
+    assert c['count'] == c['matched'] == STEPS, 'its buckets are one'
+    straggler, = c['stragglers']
+    assert straggler['rank'] == 2
+    assert straggler['late_ms'] == pytest.approx(3, abs=0.01)
+    b = a['buckets']
+    assert b['buckets'] == 4 and b['bucket_bytes'] == BUCKET
+    # The link idles between the bucket wires (not within the ring's).
+    idle = 0 if ring else (12 + 12 + 21) / 120
+    assert b['idle_share'] == pytest.approx(idle, abs=1e-4)
+    colls = trace_analysis.collectives(trace_analysis.load_traces(paths))
+    assert {v[2] for c in colls for v in c.values()} == {4 * BUCKET}
+
+
+def test_arrival_is_the_averagings_start_not_the_wires(tmp_path):
+    # Rank 2 enters every averaging 5 ms late; the others wait for it in
+    # the layout check, so every wire starts when it comes: only the
+    # 'arrived' arg shows who was late.
+    paths = []
+    for rank in (0, 1, 2):
+        main, avg = _steps()
+        avg = [(n, c, s, e, dict(args, arrived=round(
+            (s - (0 if rank == 2 else 5 * MS)) * 1e6, 3)))
+            if n == 'wire' else (n, c, s, e, args)
+            for n, c, s, e, args in avg]
+        paths.append(_write(str(tmp_path / ('a%d.json' % rank)), rank,
+                            main, avg))
+    a = trace_analysis.analyze(paths)
+    straggler, = a['collectives']['stragglers']
+    assert straggler['rank'] == 2 and straggler['share'] == 1.0
+    assert straggler['late_ms'] == pytest.approx(5, abs=0.01)
+    # Without it, no one is late.
+    for path in paths:
+        events = [e for e in timeline.load(path)]
+        for e in events:
+            e.get('args', {}).pop('arrived', None)
+        with open(path, 'w') as f:
+            json.dump(events, f)
+    b = trace_analysis.analyze(paths)
+    assert b['collectives']['stragglers'] == []
+
+
+def _server_spans():
+    """A server's spans of each step: per 4 MiB chunk a receive, a sum
+    and a send (during forward: a background averaging's); no seq."""
+    out = []
+    for k in range(STEPS):
+        for start in (11, 16, 21, 26):        # during forward
+            t = 10.0 + k * 0.1 + start * MS
+            out += [('wire', 'comm', t, t + 2 * MS,
+                     dict(op='recv', bytes=BUCKET)),
+                    ('sum', 'comm', t + 2 * MS, t + 3 * MS,
+                     dict(bytes=BUCKET)),
+                    ('wire', 'comm', t + 3 * MS, t + 4 * MS,
+                     dict(op='send', bytes=BUCKET))]
+    return out
+
+
+def test_reduction_servers_are_neither_workers_nor_collectives(traces,
+                                                               tmp_path):
+    before = trace_analysis.analyze(traces)
+    # A colocated server on rank 0's timeline, and a server process
+    # (rank 3: no step, only its thread 'server').
+    main, avg = _steps()
+    with_colocated = [_write(str(tmp_path / 's0.json'), 0, main, avg,
+                             server=_server_spans())] + traces[1:]
+    server = _write(str(tmp_path / 's3.json'), 3, [], [],
+                    server=_server_spans())
+    a = trace_analysis.analyze(with_colocated + [server])
+    assert a['ranks'] == [0, 1, 2, 3]
+    assert [s['rank'] for s in a['per_rank']] == [0, 1, 2]
+    assert trace_analysis.workers(trace_analysis.load_traces(
+        with_colocated + [server])) == [0, 1, 2]
+    for key in ('collectives', 'bandwidth', 'buckets'):
+        assert a[key] == before[key], key
+    # The colocated server's work runs while rank 0 computes: hidden.
+    hidden = _by_rank(a)[0]['hidden_ms'] - _by_rank(before)[0]['hidden_ms']
+    assert hidden == pytest.approx(4 * 4, abs=0.01)
+
+
+def test_files_of_different_jobs_are_refused(tmp_path, capsys):
+    """Each job names itself in its files (the first communicator over
+    COMM_WORLD agrees on an id): files of two jobs are not read as one;
+    files without a name (older ones) still are."""
+    main, avg = _steps()
+    paths = []
+    for rank, job in ((0, 'aaaa'), (1, 'bbbb'), (2, None)):
+        tl = timeline.Timeline(str(tmp_path / ('t.rank%d.json' % rank)),
+                               rank, origin=0.0)
+        if job:
+            tl.mark_job(job)
+            tl.mark_job('ignored: the first one counts')
+        for name, cat, start, end, args in main:
+            tl.record(name, cat, start, end, **args)
+        tl.close()
+        paths.append(tl.path)
+    with pytest.raises(trace_analysis.TraceError, match='2 different jobs'):
+        trace_analysis.load_traces(paths)
+    assert sorted(trace_analysis.load_traces(paths[::2])) == [0, 2]
+    with pytest.raises(SystemExit):
+        report.main(paths)
+    assert 'different jobs' in capsys.readouterr().err

@@ -22,13 +22,12 @@ pytestmark = pytest.mark.spawn
 pytest.importorskip('chainer', reason='the example needs Chainer')
 pytest.importorskip('PIL', reason="the example needs mnopt[examples]")
 TRAIN = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
-# An eighth of the embedded set, 80 images at 2 ranks x 4: 10 iterations
-# an epoch (the whole set at batch 32 took 4x as long for the same
-# iterations).  The run resumes in epoch 1 (a new order was drawn once)
-# and crosses into epoch 2 (drawn again): the order's generator must come
-# back with the snapshot.
-ITERATIONS, INTERVAL, EPOCH = 24, 4, 10
-IMAGES_PER_CLASS, BATCH = 10, 4
+# A sixteenth of the embedded set, 40 images at 2 ranks x 4: 5 iterations
+# an epoch.  The run resumes in epoch 1 (a new order was drawn once) and
+# crosses into epoch 2 (drawn again): the order's generator must come back
+# with the snapshot.
+ITERATIONS, INTERVAL, EPOCH = 12, 2, 5
+IMAGES_PER_CLASS, BATCH = 5, 4
 
 
 @pytest.fixture(scope='module')
@@ -94,12 +93,11 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache, mode):
                            start_new_session=True)
     try:
         # Kill one rank at a random moment in epoch 1, shortly after the
-        # shared file of snapshot 16 appears: while the ranks' own files
-        # may still be written (then 12 is the newest complete one).  The
-        # moment is drawn from the first half of the time 12 to 16 took, so
-        # the kill lands before snapshot 20 however fast or busy the
-        # machine is.
-        after = 16
+        # shared file of snapshot 8 appears: while the ranks' own files may
+        # still be written (then 6 is the newest complete one).  The moment
+        # is drawn from the first half of the time 6 to 8 took, so the kill
+        # lands before snapshot 10 however fast or busy the machine is.
+        after = 8
         deadline = time.time() + slack(240)
         appeared = {}
         for snapshot in (after - INTERVAL, after):

@@ -226,3 +226,18 @@ def test_a_setting_one_rank_gets_wrong_is_an_error_on_every_rank():
             assert message.startswith('ValueError: ranks disagree'), message
             assert '%s (rank 0: %s)' % (case.split('=')[0], value) \
                 in message, message
+
+
+def test_a_timeline_one_rank_cannot_write_is_an_error_on_every_rank(
+        tmp_path):
+    """The last rank's timeline path runs through a file: every rank gets
+    the error (that rank a ValueError, the others a RuntimeError naming
+    it), none hangs; the file is opened before the start-up exchange."""
+    blocker = tmp_path / 'a_file'
+    blocker.write_text('')
+    last = MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1
+    path = str(blocker / 't.json') if last else str(tmp_path / 't.json')
+    with pytest.raises(ValueError if last else RuntimeError) as error:
+        mnopt.create_communicator('flat', timeline=path)
+    assert 'the timeline file cannot be written' in str(error.value)
+    assert 'a_file' in str(error.value)   # the last rank's path

@@ -68,6 +68,7 @@ def test_the_core_works_without_chainer(n):
     assert proc.stdout.count('core OK') == n
 
 
+@pytest.mark.spawn   # a benchmark run: 20 s, on the first stack only
 def test_the_benchmark_runs_without_chainer(tmp_path):
     out = tmp_path / 'bench.json'
     code = NO_CHAINER + ('import runpy\nrunpy.run_module("mnopt.benchmark", '

@@ -337,3 +337,34 @@ def test_exit_without_close_writes_the_bracket(tmp_path):
         events = json.load(f)
     _validate(events)
     assert len(_spans(events, 'step')) == len(_spans(events, 'wire')) == 100
+
+
+def test_a_file_closed_and_opened_again_keeps_its_events(tmp_path):
+    """Every communicator recording into a file finalized, then a new one
+    made with the same path: the process goes on in that file (its
+    earlier events stay; the file is valid JSON after each close).  A
+    path first opened in this process starts afresh."""
+    template = str(tmp_path / 'trace.json')
+    path = timeline.trace_path(template, 0)
+    with open(path, 'w') as f:
+        f.write('[{"ph": "X", "name": "an earlier run"}]\n')
+    first = timeline.open_from_environment(0, template)
+    first.record('wire', 'comm', 1.0, 1.5, seq=1)
+    first.close()
+    assert [e['name'] for e in json.load(open(path))
+            if e.get('ph') == 'X'] == ['wire']
+    again = timeline.open_from_environment(0, template)
+    assert again is not first and again
+    again.record('wire', 'comm', 2.0, 2.5, seq=2)
+    again.close()
+    events = json.load(open(path))       # a valid JSON array
+    assert [e['args']['seq'] for e in events
+            if e.get('ph') == 'X'] == [1, 2]
+    # Closed before any event: the next one follows the '[' alone.
+    empty = str(tmp_path / 'empty.json')
+    timeline.open_from_environment(0, empty).close()
+    later = timeline.open_from_environment(0, empty)
+    later.record('step', 'compute', 0.0, 1.0)
+    later.close()
+    assert [e['name'] for e in json.load(open(timeline.trace_path(
+        empty, 0))) if e.get('ph') == 'X'] == ['step']

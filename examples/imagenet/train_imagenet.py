@@ -252,7 +252,8 @@ def summary(trainer, comm, args, throughput, averaging_seconds, elapsed):
                                 last['validation/main/loss'], last['epoch'],
                                 1.0 / args.n_classes))
     out = args.out
-    plots = [os.path.join(out, f) for f in ('accuracy.png', 'loss.png')
+    plots = [os.path.join(out, f) for f in ('accuracy.png', 'loss.png',
+                                            'communication.png')
              if os.path.exists(os.path.join(out, f))]
     if plots:
         lines.append('plots      ' + ', '.join(plots))
@@ -766,13 +767,19 @@ def main(argv=None):
     trainer.extend(Snapshot(comm, args.keep_snapshots,
                             optimizer if args.shard_state else None),
                    name=RANK_SNAPSHOT, trigger=FiredWith(snapshot_trigger))
+    # Each step's communication (comm/exposed, comm/hidden, comm/busbw,
+    # comm/straggler, ...: docs/observability.md), on every rank: the ranks
+    # exchange who arrived last once per log interval.
+    trainer.extend(mnopt.extensions.CommunicationReport(
+        comm, trigger=log_interval))
     if comm.rank == 0:   # the other ranks stay quiet unless they fail
         trainer.extend(extensions.LogReport(trigger=log_interval))
         trainer.extend(extensions.observe_lr(), trigger=log_interval)
         trainer.extend(extensions.PrintReport(
             ['epoch', 'iteration', 'main/loss', 'validation/main/loss',
              'main/accuracy', 'validation/main/accuracy', 'images/sec',
-             'averaging_s/iter', 'elapsed_time']), trigger=log_interval)
+             'comm/exposed', 'comm/hidden', 'comm/busbw', 'comm/straggler',
+             'elapsed_time']), trigger=log_interval)
         trainer.extend(extensions.ProgressBar(update_interval=1))
         if extensions.PlotReport.available():
             trainer.extend(extensions.PlotReport(
@@ -781,6 +788,13 @@ def main(argv=None):
             trainer.extend(extensions.PlotReport(
                 ['main/accuracy', 'validation/main/accuracy'], 'epoch',
                 file_name='accuracy.png'))
+            # Beside them: seconds per step blocked on communication, and
+            # hidden behind compute, as means per epoch (drawn every
+            # iteration, matplotlib made rank 0 a quarter second late to
+            # every step of a short run).
+            trainer.extend(extensions.PlotReport(
+                ['comm/exposed', 'comm/hidden'], 'epoch',
+                file_name='communication.png'))
 
     if comm.rank == 0:
         print('mnopt ImageNet example: %d ranks, communicator %s, wire '

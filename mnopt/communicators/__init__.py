@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -140,11 +141,12 @@ def create_communicator(communicator_name: str = 'auto',
         kwargs['bucket_bytes'] = bucket_bytes
     # Every setting, keyword or MNOPT_*, is checked before the first
     # collective: a bad one on one rank is reported by the exchange below.
-    cls = settings = shared = None
+    cls = settings = shared = tl = None
     try:
         cls = communicator_class(communicator_name)
         settings = cls.check_arguments(**kwargs)
         shared = cls.shared_settings(settings)
+        tl = _open_timeline(settings['timeline'])
         problem = None
     except (TypeError, ValueError, RuntimeError) as e:
         problem = e
@@ -157,10 +159,27 @@ def create_communicator(communicator_name: str = 'auto',
     # The start-up exchange, this call's first collective of its own (the
     # job's, above, is watched too): every rank learns every rank's problem
     # and shared settings before any collective that needs them.
-    _agree_to_start(server_job.job().channels()[0] if servers else mpi_comm,
-                    problem, shared, communicator_name, stall_warning,
-                    timeout)
+    job = _agree_to_start(
+        server_job.job().channels()[0] if servers else mpi_comm, problem,
+        shared, communicator_name, stall_warning, timeout)
+    if mpi_comm == MPI.COMM_WORLD:
+        tl.mark_job(job)
     return cls(mpi_comm, **settings)
+
+
+def _open_timeline(path):
+    """This rank's timeline (``timeline=``, else $MNOPT_TIMELINE; NULL
+    when off), opened before the start-up exchange, so that a file a rank
+    cannot write is a ValueError on every rank, not an exception on that
+    rank alone; the communicator then finds it open."""
+    from mpi4py import MPI
+    from mnopt import timeline
+    try:
+        return timeline.open_from_environment(MPI.COMM_WORLD.rank, path)
+    except OSError as e:
+        raise ValueError('the timeline file cannot be written (timeline=%r, '
+                         '$%s=%r): %s' % (path, timeline.ENV,
+                                          os.environ.get(timeline.ENV), e))
 
 
 def _problem_with_servers(cls, servers, kwargs):
@@ -193,18 +212,23 @@ def _agree_to_start(comm, problem, shared, name, stall_warning, timeout):
     problem, every rank raises (that rank its own exception, the others a
     RuntimeError naming it); else if the shared settings differ, every
     rank raises the same ValueError naming each setting and every rank's
-    value."""
+    value.  Returns rank 0's token: one id of the exchange on every rank
+    (a timeline names its job with the first one over COMM_WORLD)."""
+    import secrets
     from mnopt.transport import agreement
     what = 'create_communicator(%r)' % (name,)
+    # One exchange whatever the kind: ranks creating different kinds are
+    # told so by the settings' comparison below, naming the setting.
     said = agreement.everyone(
-        comm, (agreement.describe(problem), shared),
+        comm, (agreement.describe(problem), shared, secrets.token_hex(6)),
         '%s (waiting for every rank to create it)' % what, stall_warning,
-        timeout)
-    agreement.settle(problem, [p for p, _ in said], what)
-    message = agreement.disagreement([s for _, s in said],
+        timeout, exchange='create_communicator')
+    agreement.settle(problem, [p for p, _, _ in said], what)
+    message = agreement.disagreement([s for _, s, _ in said],
                                      'the settings of %s' % what)
     if message:
         raise ValueError(message)
+    return said[0][2]
 
 
 def __getattr__(name):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from mpi4py import MPI
 
 from mnopt import grad_buffer
 from mnopt import sign
+from mnopt import step_stats
 from mnopt import timeline as timelines
 from mnopt.transport import agreement
 from mnopt.arrays import array_module
@@ -40,8 +40,9 @@ from mnopt.stall import watched
 class Averaging(object):
     """What every averaging of one communicator shares: its groups and
     background thread (``resources``, a Resources), the averaging in
-    flight, the averaging counter, the time spent, the overflow reporter
-    and the sign compression state.  Holds no reference to the
+    flight, the averaging counter, the time spent (in all, and per step:
+    ``stats``, a StepStats), the overflow reporter and the sign
+    compression state.  Holds no reference to the
     communicator, so a dropped one is freed at once: ``make_group`` (its
     hook, which makes the background thread's group) is held weakly."""
 
@@ -67,6 +68,12 @@ class Averaging(object):
         #: The tuning of 'auto' settings (mnopt/communicators/tuning.py),
         #: set by the communicator: the values each averaging runs with.
         self.tuner = None
+        #: The communication figures since they were last taken
+        #: (mnopt/step_stats.py): kept whether or not there is a timeline.
+        self.stats = step_stats.StepStats(mpi_comm.size)
+        #: ZeRO's parameter all-gathers and the agreements so far (naming
+        #: each in ``stats``).
+        self.allgathers = self.agreements = 0
         self._lock = threading.Lock()
 
     sync_group = property(lambda self: self.resources.sync_group)
@@ -87,14 +94,24 @@ class Averaging(object):
         return step
 
     @contextlib.contextmanager
-    def timed(self):
-        """Count the time spent inside as time spent averaging."""
-        start = time.perf_counter()
+    def timed(self, where='caller'):
+        """Count the time spent inside as time spent averaging, and in
+        ``stats`` as ``where`` ('caller': the caller blocked on it,
+        'background': on the background thread)."""
+        start = step_stats.clock()
         try:
             yield
         finally:
+            seconds = step_stats.clock() - start
             with self._lock:   # the caller's and the background's
-                self.seconds += time.perf_counter() - start
+                self.seconds += seconds
+            self.stats.add_time(where, seconds)
+
+    def where(self, group):
+        """'background' for work on the background thread's group, else
+        'caller'."""
+        return 'background' if group is self.async_group and \
+            group is not None else 'caller'
 
     def background(self):
         """The background thread, and the second MPI communicator its
@@ -112,6 +129,58 @@ class Averaging(object):
                 1, thread_name_prefix='mnopt-%s' % self._name,
                 initializer=_setup_averaging_thread, initargs=(self.timeline,))
         return resources.executor
+
+
+#: The timeline's Wires of the collective each thread is in.
+_current = threading.local()
+
+
+class Wires(object):
+    """The timeline's 'wire' spans of one collective, the span a
+    ``StepStats.wire_timer`` enters (made only when the timeline is on).
+    Inside it a transport that sums bucket by bucket records each bucket
+    as a 'wire' (``bucket(i, nbytes)``: args ``bucket`` = its index in the
+    collective, and its ``bytes``); where none did, the whole collective
+    is one 'wire'.  Every span carries ``args`` (``seq`` or ``gather``,
+    ``op``, ``comm``) and ``arrived``: when this thread arrived at the
+    collective (``StepStats.arrive``, before the layout check where a
+    late rank is waited for), in us on the trace's axis."""
+
+    __slots__ = ('_tl', 'args', '_start', '_split', '_outer')
+
+    def __init__(self, tl, stats, **args):
+        self._tl, self.args, self._split = tl, args, False
+        arrived = stats.arrived.get(threading.get_ident())
+        if arrived is not None:
+            args['arrived'] = round((arrived - tl.origin) * 1e6, 3)
+
+    def __enter__(self):
+        self._outer = getattr(_current, 'wires', None)
+        _current.wires = self
+        self._start = timelines.clock()
+        return self
+
+    def set(self, **args):
+        self.args.update(args)
+
+    @contextlib.contextmanager
+    def bucket(self, index, nbytes):
+        """One bucket's 'wire', inside this collective."""
+        self._split = True
+        start = timelines.clock()
+        try:
+            yield
+        finally:
+            args = dict(self.args, bucket=index, bytes=nbytes)
+            args.pop('buckets', None)
+            self._tl.record('wire', 'comm', start, timelines.clock(), **args)
+
+    def __exit__(self, *exc):
+        _current.wires = self._outer
+        if not self._split:
+            self._tl.record('wire', 'comm', self._start, timelines.clock(),
+                            **self.args)
+        return False
 
 
 def _setup_averaging_thread(timeline):
@@ -164,13 +233,36 @@ class AveragingPipeline(object):
             buffer.unpack(arrays)
 
     def _wire_span(self, step, nbytes, op='allreduce'):
-        """The 'wire' span of averaging ``step`` (this rank's arrival until
-        its result is in), for the timeline's report; a no-op when off."""
+        """The 'wire' of averaging ``step`` (this rank's arrival until its
+        result is in): timed for the per-step figures (``step_stats``,
+        bytes by ``_traffic``), and 'wire' spans of the timeline when it
+        is on (``Wires``: one, or one per bucket where the transport sums
+        bucket by bucket)."""
         tl = self.timeline
-        if not tl:
-            return tl.span('wire')
-        return tl.span('wire', 'comm', seq=step, bytes=nbytes, op=op,
-                       comm=self.timeline_name)
+        span = Wires(tl, self.averaging.stats, seq=step, op=op,
+                     comm=self.timeline_name, bytes=nbytes) if tl \
+            else tl.span('wire')
+        return self.averaging.stats.wire_timer(
+            span, (self.timeline_name, step), nbytes, op, self._traffic)
+
+    def _bucket_wires(self):
+        """The timeline's ``Wires`` of the collective this thread is in
+        (a transport that sums bucket by bucket records one 'wire' per
+        bucket with it: ``with wires.bucket(i, nbytes)``); None when the
+        timeline is off: the transport then runs as it always does."""
+        return getattr(_current, 'wires', None) if self.timeline else None
+
+    def _traffic(self, nbytes, op):
+        """(bytes sent, bytes received) by this rank for a collective of
+        ``nbytes`` of payload: a ring's, or a bandwidth-optimal MPI
+        collective's (step_stats.traffic); the sign vote ('vote'): the
+        bytes its algorithm says it sent (``vote_stats``), as many
+        received (the scales' all-gather, 8 bytes per array and rank, is
+        left out).  Overridden where the algorithm moves other amounts."""
+        if op == 'vote':
+            sent = self.vote_stats.get('bytes_sent', 0)
+            return sent, sent
+        return step_stats.traffic(op, nbytes, self.size)
 
     def _vote(self, group, bits, n_elements, step):
         """Element-wise majority of every rank's packed sign bits over the
@@ -196,7 +288,8 @@ class AveragingPipeline(object):
         """
         release_collected()
         # The caller is blocked for all of it: exposed communication.
-        with self.timeline.span('wait', 'comm'), self.averaging.timed():
+        with self.timeline.span('wait', 'comm'), \
+                self.averaging.timed('caller'):
             self._mean(self.averaging.sync_group, list(named_grads),
                        iteration)
 
@@ -224,13 +317,13 @@ class AveragingPipeline(object):
         device, ready = caller_ready(named, xp)
         averaging.in_flight = MeanHandle(executor.submit(
             self._mean_in_background, averaging.async_group, named, xp,
-            device, ready, iteration), self.timeline)
+            device, ready, iteration), self.timeline, averaging.stats)
         return averaging.in_flight
 
     @watched('mean_grads_async.background')
     def _mean_in_background(self, group, named, xp, device, ready,
                             iteration):
-        with self.averaging.timed():
+        with self.averaging.timed('background'):
             self._mean_in_background_untimed(group, named, xp, device,
                                              ready, iteration)
 
@@ -250,6 +343,9 @@ class AveragingPipeline(object):
 
     def _mean_on_device(self, group, named, xp, iteration=None):
         averaging = self.averaging
+        # The ranks first wait for each other in the layout check: a late
+        # rank's arrival is there, not at the wire.
+        averaging.stats.arrive()
         step = averaging.next_step()
         # Warm-up counts iterations; the votes' coin, averagings.
         warm = step if iteration is None else iteration

@@ -17,6 +17,8 @@ always were.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -32,6 +34,7 @@ from mnopt import grad_buffer
 from mnopt import overflow
 from mnopt import sign
 from mnopt import stall
+from mnopt import step_stats
 from mnopt import timeline as timelines
 from mnopt.communicators.averaging import Averaging, AveragingPipeline
 from mnopt.communicators.chainer_glue import ChainerGlue
@@ -51,6 +54,32 @@ from mnopt.stall import watched
 __all__ = ['CommunicatorBase', 'MeanHandle', 'MpiCommunicatorBase']
 
 
+#: {the COMM_WORLD ranks of a group: communicators made over it here}.
+_made_over = collections.Counter()
+
+
+def _label(kind, mpi_comm):
+    """``kind#n``: the n-th communicator this process made over the ranks
+    of ``mpi_comm``.  Making one is collective over those ranks, so n is
+    the same on each of them whatever else a rank made (a communicator
+    of its own over COMM_SELF, say); a group short of COMM_WORLD adds a
+    digest of its ranks (``flat#0@3f2a9c``), telling communicators over
+    different groups apart within one process."""
+    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ranks = tuple(MPI.Group.Translate_ranks(
+            group, list(range(mpi_comm.size)), world))
+    finally:
+        group.Free()
+        world.Free()
+    n = _made_over[ranks]
+    _made_over[ranks] += 1
+    if len(ranks) == MPI.COMM_WORLD.size and ranks == tuple(sorted(ranks)):
+        return '%s#%d' % (kind, n)
+    digest = hashlib.sha1(repr(ranks).encode()).hexdigest()[:6]
+    return '%s#%d@%s' % (kind, n, digest)
+
+
 class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
                           ChainerMNCollectives, ChainerGlue,
                           CommunicatorBase):
@@ -63,7 +92,6 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     (sharded.py's transports).
     """
 
-    _created = 0  # communicators made by this process: their labels
 
     def __init__(self, mpi_comm: MPI.Comm, **settings: Any) -> None:
         #: The keyword arguments it was made with, checked and normalized
@@ -110,11 +138,10 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
             mpi_comm, self.name, self._make_group, resources,
             overflow.Reporter(settings['on_overflow']),
             SignCompression(self.error_feedback))
-        label = '%s#%d' % (self.name, MpiCommunicatorBase._created)
-        MpiCommunicatorBase._created += 1
+        label = _label(self.name, mpi_comm)
         #: This communicator in the timeline (the 'comm' of its 'wire'
-        #: spans): the same on every rank that creates communicators in
-        #: the same order.
+        #: spans), in stall reports and in the per-step figures' matching
+        #: of collectives across ranks: the same on each of its ranks.
         self.timeline_name = label
         self.averaging.timeline = self.timeline
         #: The tuning of the settings passed as 'auto' (tuning.py); the
@@ -140,6 +167,17 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     #: averagings so far: against the time a caller was blocked, what
     #: double buffering or overlap hid.
     averaging_seconds = property(lambda self: self.averaging.seconds)
+    #: The communication figures since they were last taken (a StepStats,
+    #: mnopt/step_stats.py): kept with the timeline on or off.
+    step_stats = property(lambda self: self.averaging.stats)
+
+    def communication_stats(self) -> dict[str, Any]:
+        """This rank's communication figures since the last call, and
+        zero again (``step_stats.take()``; mnopt/step_stats.py says what
+        each is).  Local: no communication.  Each figure is handed out
+        once: beside a CommunicationReport, which calls this every
+        iteration, a call takes what the report would have shown."""
+        return self.averaging.stats.take()
 
     #: Wire bytes per reduction call now: ``bucket_bytes``, or with
     #: 'auto' the candidate being timed, then the choice.
@@ -292,33 +330,47 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     # communicator: never in the user's message or tag space.  Watched
     # like every collective, so a rank that exited or finalized is seen
     # at once (one name for all four: ranks call them in the same order).
+    # Each is also a point where the ranks wait for each other: its wait
+    # is kept for the per-step figures (who arrived last: a rank late to
+    # a step is waited for at the step's first agreement).
+    def _agree(self, run, *args):
+        averaging = self.averaging
+        averaging.agreements += 1
+        key = (self.timeline_name, 'agreement', averaging.agreements)
+        start = step_stats.clock()
+        try:
+            # In the timeline a 'wait' (the caller blocked on the other
+            # ranks: a rank late to the step is waited for here).
+            with self.timeline.span('wait', 'comm', op='agreement',
+                                    comm=self.timeline_name):
+                return run(self._sync_group.comm, *args,
+                           **self._stall_settings)
+        finally:
+            averaging.stats.add_arrival(key, step_stats.clock() - start)
+
     @watched('agreement')
     def everyone(self, value: Any, what: str) -> list[Any]:
         """``[rank 0's value, rank 1's, ...]`` on every rank."""
-        return agreement.everyone(self._sync_group.comm, value, what,
-                                  **self._stall_settings)
+        return self._agree(agreement.everyone, value, what)
 
     @watched('agreement')
     def raise_together(self, problem: BaseException | None,
                        what: str) -> None:
         """Raise on every rank if any rank's ``problem`` is an exception
         (agreement.raise_together)."""
-        agreement.raise_together(self._sync_group.comm, problem, what,
-                                 **self._stall_settings)
+        self._agree(agreement.raise_together, problem, what)
 
     @watched('agreement')
     def same(self, settings: dict[str, Any], what: str
              ) -> dict[str, Any]:
         """ValueError on every rank unless every rank's ``settings`` dict
         is equal, naming what differs (agreement.same)."""
-        return agreement.same(self._sync_group.comm, settings, what,
-                              **self._stall_settings)
+        return self._agree(agreement.same, settings, what)
 
     @watched('agreement')
     def common(self, items: Iterable[Any], what: str) -> list[Any]:
         """The items every rank holds, sorted (agreement.common)."""
-        return agreement.common(self._sync_group.comm, items, what,
-                                **self._stall_settings)
+        return self._agree(agreement.common, items, what)
 
     # ----------------------------------------------------------- collectives
     @watched('split')

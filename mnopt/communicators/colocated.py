@@ -1,6 +1,8 @@
 """A colocated reduction_server communicator's servers: one thread per
 channel in each worker, serving its shard of every exchange
-(mnopt/server_loop.py's ``serve``), closed once every worker said goodbye."""
+(mnopt/server_loop.py's ``serve``; on the rank's timeline as thread
+'server'), closed once every worker said goodbye; and the timeline's spans
+of a worker's streamed chunks (``chunk_spans``)."""
 
 import atexit
 import functools
@@ -23,7 +25,7 @@ class ColocatedServers(object):
     (all workers drop it at the same point of the program), or at exit;
     holds no reference to the communicator."""
 
-    def __init__(self, channels, rank, memory, monitor):
+    def __init__(self, channels, rank, memory, monitor, timeline=None):
         self.channels = channels
         self.n_workers = channels[0].size
         self._closed = False   # every goodbye sent
@@ -40,7 +42,8 @@ class ColocatedServers(object):
             t = threading.Thread(
                 target=run_or_abort, daemon=True, args=(
                     _serve, chan, rank, memory, monitor, 'serve.' + name,
-                    functools.partial(_idle, cue, self._leaving), cue.clear),
+                    functools.partial(_idle, cue, self._leaving), cue.clear,
+                    timeline),
                 name='mnopt-colocated-server')
             t.start()
             self.threads.append(t)
@@ -104,10 +107,33 @@ def _idle(cue, leaving):
     return False
 
 
-def _serve(chan, rank, memory, monitor, name, idle, on_headers):
+def _serve(chan, rank, memory, monitor, name, idle, on_headers, timeline):
     workers = list(range(chan.size))
+    if timeline:   # the rank's timeline, on a thread named 'server'
+        timeline.name_thread('server')
     server_loop.serve(chan, workers, rank, len(workers), memory, None, None,
-                      monitor, name, idle, on_headers)
+                      monitor, name, idle, on_headers, timeline)
+
+
+def chunk_spans(timeline, buffer, pack, unpack):
+    """``pack(part)`` and ``unpack(part, means)`` of a streamed exchange,
+    each chunk recorded as a 'pack' ('cast' where the wire's dtype differs
+    from a gradient's) and an 'unpack' span with its bytes, on
+    ``timeline`` (on)."""
+    itemsize = buffer.wire.itemsize
+    name = 'cast' if any(d != buffer.layout.wire
+                         for d in buffer.layout.dtypes) else 'pack'
+
+    def packed(part):
+        with timeline.span(name, 'comm', bucket=0,
+                           bytes=(part.stop - part.start) * itemsize):
+            pack(part)
+
+    def unpacked(part, means):
+        with timeline.span('unpack', 'comm', bucket=0,
+                           bytes=(part.stop - part.start) * itemsize):
+            unpack(part, means)
+    return packed, unpacked
 
 
 #: Colocated servers not yet known to have ended: at exit, this worker

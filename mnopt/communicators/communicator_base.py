@@ -187,6 +187,15 @@ class CommunicatorBase(object):
         'shard_state'), or None (local)."""
         raise NotImplementedError
 
+    # ----------------------------------------------------------- figures
+    def communication_stats(self) -> dict[str, Any]:
+        """This rank's communication figures since the last call (local;
+        mnopt/step_stats.py says what each is): exposed and hidden
+        seconds, wire seconds, bytes sent and received, bus bandwidth,
+        and each collective's wait (who arrived last).  Starts them
+        again from zero."""
+        raise NotImplementedError
+
     # ----------------------------------------------------------- sharded
     def sharding_problem(self) -> str | None:
         """Why this communicator cannot run a sharded optimizer, or None

@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 from mnopt.transport import allreduce, buffers, polling, reduce
 from mnopt.transport import ring
+from mnopt import step_stats
 from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.group import Group
 from mnopt.communicators.node_split import node_split
@@ -42,6 +43,26 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
 
     name = 'hierarchical'
 
+    def _traffic(self, nbytes, op):
+        """An estimate: a rank that is not its node's leader sends its
+        buffer to the leader and receives the result (an allreduce: S
+        each way; a reduce-scatter: S out, its share S/N back; an
+        all-gather: its share out, S back); a leader takes the node's
+        others' in and sends them theirs (as if MPI's Reduce and Bcast
+        inside the node were flat trees: binomial ones move the same
+        bytes in all, spread over the node's ranks), plus its part of the
+        ring among the leaders (step_stats.traffic)."""
+        if op == 'vote':
+            return super(HierarchicalCommunicator, self)._traffic(nbytes, op)
+        share = nbytes // max(self.size, 1)
+        out, back = {'reduce_scatter': (nbytes, share),
+                     'allgather': (share, nbytes)}.get(op, (nbytes, nbytes))
+        if self.intra_rank != 0:
+            return out, back
+        others = self.intra_size - 1
+        sent, received = step_stats.traffic(op, nbytes, self.inter_size)
+        return sent + others * back, received + others * out
+
     def _make_group(self, comm):
         intra, inter, _, _ = node_split(comm)
         return Group(comm, NodeComms(intra, inter))
@@ -51,6 +72,9 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
         intra, inter = group.state.intra, group.state.inter
         leader = intra.rank == 0
         parts = list(buffer.host_parts())
+        wires = self._bucket_wires()
+        if wires is not None:   # reduce, ring, bcast: buckets not apart
+            wires.set(buckets=len(parts))
         for part in parts:
             buffers.reduce_sum(intra, part, wire, root=0)
         if leader:

@@ -12,12 +12,15 @@ from mnopt import timeline as timelines
 class MeanHandle(object):
     """An averaging in progress; ``wait()`` returns when it is done and
     raises any exception it ended with.  ``timeline``: where a ``wait()``
-    that blocks is recorded ('wait': exposed communication)."""
+    that blocks is recorded ('wait': exposed communication); ``stats``
+    (a StepStats, mnopt/step_stats.py): where the time ``wait()`` took
+    is counted as exposed ('waited')."""
 
     def __init__(self, future: Future[Any] | None = None,
-                 timeline: Any = timelines.NULL) -> None:
+                 timeline: Any = timelines.NULL, stats: Any = None) -> None:
         self._future = future
         self._timeline = timeline
+        self._stats = stats
 
     def done(self) -> bool:
         future = self._future
@@ -28,9 +31,14 @@ class MeanHandle(object):
         future, self._future = self._future, None
         if future is None:
             return
-        tl = self._timeline
-        if tl and not future.done():
-            with tl.span('wait', 'comm'):
+        tl, stats = self._timeline, self._stats
+        start = timelines.clock()
+        try:
+            if tl and not future.done():
+                with tl.span('wait', 'comm'):
+                    future.result()
+            else:
                 future.result()
-        else:
-            future.result()
+        finally:
+            if stats is not None:
+                stats.add_time('waited', timelines.clock() - start)

@@ -1,6 +1,8 @@
 """The naive communicator: one allreduce per gradient array, the reference
 the others are checked against."""
 
+import contextlib
+
 import numpy
 from mpi4py import MPI
 
@@ -23,10 +25,15 @@ class NaiveCommunicator(FlatCommunicator):
         # ring): MPI's Allreduce, or the ring for that array alone where
         # allreduce.uses_ring picks it (large float arrays across nodes, the
         # 16-bit wires).
-        for part in buffer.host_parts():
-            allreduce.allreduce_sum_parts(group.comm, [part], buffer.layout.wire,
-                                     self.allreduce_algorithm,
-                                     segment_bytes=self.segment_bytes)
+        wires = self._bucket_wires()   # the timeline's, when it is on
+        for i, part in enumerate(buffer.host_parts()):
+            # With the timeline on, a 'wire' per array.
+            with contextlib.nullcontext() if wires is None else \
+                    wires.bucket(i, part.nbytes):
+                allreduce.allreduce_sum_parts(
+                    group.comm, [part], buffer.layout.wire,
+                    self.allreduce_algorithm,
+                    segment_bytes=self.segment_bytes)
         buffer.from_host()
 
     # The sharded optimizer's transports: MPI's own Reduce_scatter and

@@ -17,7 +17,7 @@ from mnopt.transport.layouts import LayoutMismatchError
 from mnopt.communicators import tuning
 from mnopt.communicators.arguments import tunable_argument, whole_argument
 from mnopt.communicators.base import MpiCommunicatorBase
-from mnopt.communicators.colocated import ColocatedServers
+from mnopt.communicators.colocated import ColocatedServers, chunk_spans
 from mnopt.communicators.group import Group
 from mnopt.communicators.janitor import release_after_collection
 
@@ -95,7 +95,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         if not job.servers:  # colocated: this worker serves shard `rank`
             self._colocated = ColocatedServers(
                 channels, mpi_comm.rank, settings['server_memory'],
-                self._monitor)
+                self._monitor, self.timeline)
             # Garbage collection stops them too (after it, as it frees
             # the rest: release_after_collection): nothing here holds
             # the communicator.
@@ -148,18 +148,23 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                 buffer, group, arrays, step)
         # Each chunk is packed from the arrays just before it leaves and
         # each mean unpacked into them as it arrives: both copies hide
-        # behind the network (one 'wire' span holds them).
+        # behind the network (one 'wire' span holds their spans).
         with self._wire_span(step, buffer.nbytes):
             self._stream(buffer, group, arrays)
 
     def _stream(self, buffer, group, arrays):
+        def pack(part):
+            buffer.pack_range(arrays, part.start, part.stop,
+                              self._pack_divisor())
+
+        def unpack(part, means):
+            buffer.unpack_range(arrays, means, part.start, part.stop)
+        if self.timeline:   # each chunk's pack and unpack, inside the wire
+            pack, unpack = chunk_spans(self.timeline, buffer, pack, unpack)
         self._exchange(
             group, buffer.wire, self._result_buffer(group, buffer),
             buffer.layout.wire, buffer.layout.digest,
-            on_push=lambda part: buffer.pack_range(
-                arrays, part.start, part.stop, self._pack_divisor()),
-            on_result=lambda part, means: buffer.unpack_range(
-                arrays, means, part.start, part.stop))
+            on_push=pack, on_result=unpack)
 
     def _sum(self, buffer, group):
         data = next(iter(buffer.host_parts()), None)
@@ -171,6 +176,14 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         # The means arrived in the second buffer: adopt it, keep the other.
         group.state.result = buffer.swap_host(result)
         buffer.from_host()
+
+    def _traffic(self, nbytes, op):
+        """A worker pushes its buffer to the servers and pulls the mean
+        back: the payload each way (the vote's bits likewise)."""
+        if op == 'vote':
+            return super(ReductionServerCommunicator, self)._traffic(
+                nbytes, op)
+        return nbytes, nbytes
 
     def _vote(self, group, bits, n_elements, step):
         """Bernstein et al.'s scheme: push the packed sign bits, the

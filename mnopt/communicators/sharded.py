@@ -54,6 +54,7 @@ import numpy
 
 from mnopt import grad_buffer
 from mnopt.arrays import array_module
+from mnopt.communicators.averaging import Wires
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.devices import on_device
 from mnopt.communicators.mean_handle import MeanHandle
@@ -74,7 +75,9 @@ class ShardedCollectives(object):
     ``compression``, ``allreduce_grad_dtype``, ``skip_single_rank`` and
     ``averaging`` (an Averaging: the groups, the background thread, the
     operation in flight, the averaging counter, the time spent and the
-    overflow reporter), and the stall monitor ``watched`` uses.
+    overflow reporter), ``timeline_name``, the hooks ``_wire_span`` and
+    ``_traffic`` (AveragingPipeline's), and the stall monitor ``watched``
+    uses.
 
     A communicator gives itself a sharded path by overriding the two
     transports, ``_shard_reduce_scatter`` and ``_shard_allgather`` (host
@@ -241,7 +244,7 @@ class ShardedCollectives(object):
             device, ready = caller_ready(named, xp)
         handle = averaging.in_flight = MeanHandle(executor.submit(
             self._reduce_scatter_in_background, named, arrays_per_rank, xp,
-            problem, device, ready), self.timeline)
+            problem, device, ready), self.timeline, averaging.stats)
         del named   # the background's reference is the only one left here
         return handle
 
@@ -260,7 +263,8 @@ class ShardedCollectives(object):
         if problem is not None:
             agree(group.comm, None, problem)
         averaging = self.averaging
-        with averaging.timed(), on_device(xp, named):
+        with averaging.timed(averaging.where(group)), on_device(xp, named):
+            averaging.stats.arrive()
             shards = self._shards(group, named, arrays_per_rank,
                                   self.allreduce_grad_dtype)
             if self.size == 1 and self.skip_single_rank:
@@ -318,18 +322,33 @@ class ShardedCollectives(object):
         owner's bytes, on every rank."""
         named = list(named_params)
         xp, problem = self._array_module_or_problem(named)
+        stats = self.averaging.stats
         group = self.averaging.sync_group
         if problem is not None:
             agree(group.comm, None, problem)
-        with on_device(xp, named):
+        # The caller is blocked for all of it (exposed).  Its 'wire'
+        # carries no seq (that is the averaging counter, which snapshots
+        # keep: an all-gather counted in it would change what they hold)
+        # but its own count, 'gather', as the per-step figures name it.
+        with stats.timed('caller'), on_device(xp, named):
+            stats.arrive()
             shards = self._shards(group, named, arrays_per_rank, 'bytes')
             if self.size == 1:
                 return
             arrays = [a for _, a in named]
-            if shards.in_place:
-                self._allgather_in_place(group, shards, arrays)
-            else:
-                self._allgather_params(group, shards, arrays, xp)
+            self.averaging.allgathers += 1
+            nbytes, tl = sum(shards.byte_counts), self.timeline
+            span = Wires(tl, stats, gather=self.averaging.allgathers,
+                         op='allgather', comm=self.timeline_name,
+                         bytes=nbytes) if tl else tl.span('wire')
+            with stats.wire_timer(
+                    span, (self.timeline_name, 'allgather',
+                           self.averaging.allgathers),
+                    nbytes, 'allgather', self._traffic):
+                if shards.in_place:
+                    self._allgather_in_place(group, shards, arrays)
+                else:
+                    self._allgather_params(group, shards, arrays, xp)
 
     def _allgather_in_place(self, group, shards, arrays):
         """numpy parameters, each array's bytes a part (a non-contiguous

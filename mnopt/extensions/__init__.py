@@ -2,6 +2,7 @@
 each."""
 
 from mnopt.extensions.allreduce_persistent import AllreducePersistent  # NOQA
+from mnopt.extensions.communication_report import CommunicationReport  # NOQA
 from mnopt.extensions.checkpoint import create_multi_node_checkpointer  # NOQA
 from mnopt.extensions.early_stopping import MultiNodeEarlyStoppingTrigger  # NOQA
 from mnopt.extensions.generic_evaluator import GenericMultiNodeEvaluator  # NOQA

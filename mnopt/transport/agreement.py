@@ -25,17 +25,25 @@ import numpy
 _MISSING = object()
 
 
-def everyone(comm, value, what, stall_warning=None, timeout=None):
+def everyone(comm, value, what, stall_warning=None, timeout=None,
+             exchange=None):
     """``[rank 0's value, rank 1's value, ...]`` on every rank of the
     mpi4py communicator ``comm``.  ``value`` must pickle; ``what`` names
-    the exchange in a stall report."""
+    the exchange in a stall report.
+
+    Every rank must be in the same exchange, named by ``exchange``
+    (default ``what``): ranks in different ones (a trigger, a condition or
+    an exception that differs between ranks put them there) would take
+    each other's values for their own and decide on them, so every rank
+    raises a RuntimeError naming each rank's exchange instead."""
     # Imported here: importing mpi4py.MPI starts MPI, which importing
     # mnopt's Chainer layer (which uses this module) must not.
     from mpi4py import MPI
     from mnopt import stall_wait
     try:
-        data = numpy.frombuffer(
-            pickle.dumps(value, pickle.HIGHEST_PROTOCOL), numpy.uint8)
+        data = numpy.frombuffer(pickle.dumps(
+            (what if exchange is None else exchange, value),
+            pickle.HIGHEST_PROTOCOL), numpy.uint8)
         problem = None
     except Exception as e:   # pickling runs the value's own code
         data, problem = numpy.empty(0, numpy.uint8), e
@@ -59,8 +67,17 @@ def everyone(comm, value, what, stall_warning=None, timeout=None):
         [comm.Iallgatherv([data, MPI.BYTE],
                           [gathered, (counts, displacements), MPI.BYTE])],
         what, stall_warning, timeout)
-    return [pickle.loads(gathered[d:d + n].tobytes())
+    said = [pickle.loads(gathered[d:d + n].tobytes())
             for d, n in zip(displacements, counts)]
+    if any(name != said[0][0] for name, _ in said):
+        raise RuntimeError(
+            'the ranks are in different exchanges (%s): every rank must '
+            "make mnopt's exchanges in the same order; a trigger, a "
+            'condition or an exception that differs between ranks puts '
+            'them out of step' % '; '.join(
+                'rank %d in %r' % (r, name)
+                for r, (name, _) in enumerate(said)))
+    return [v for _, v in said]
 
 
 def numbers(comm, mine, wait=None):
