@@ -9,6 +9,14 @@ docs/tuning.md (issue 40, item 4).
         .venv/numpy2/bin/python -m mpi4py benchmarks/tune_bench.py flat \\
         --reps 5 --json docs/results/netsim/tune_flat_2_1gbit.json
 
+With server processes (``--servers 4``: 4 workers + 4 servers), the
+reduction server as the published figures and the hand-picked
+``chunk_bytes=131072, window=4`` were measured::
+
+    python -m mnopt.netsim run --nodes 4 --servers 4 --rate 250mbit -- \\
+        .venv/numpy2/bin/python -m mpi4py benchmarks/tune_bench.py \\
+        reduction_server --reps 3 --json tune_rs_4+4_250mbit.json
+
 The grid is every combination of the tuning's own candidates
 (``tuning.CANDIDATES``: bucket size x ring segment for ``flat``, chunk x
 window for ``reduction_server``), so the best of the grid is the best
@@ -128,6 +136,12 @@ def main():
     p.add_argument('--json', help='write the results here')
     args = p.parse_args()
     world = MPI.COMM_WORLD
+    from mnopt import server_job
+    if server_job.job().servers:
+        # A job with server processes (netsim run --servers N): time over
+        # the workers only (the servers are in COMM_WORLD too).
+        first = mnopt.create_communicator(args.communicator)
+        world = first.mpi_comm
     shapes = [(1000, 300), (64,), (500, 500), (3, 3, 3, 3)] if args.small \
         else resnet50_grad_shapes()
     model = grad_model(shapes, world.rank)
