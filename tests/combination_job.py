@@ -36,6 +36,11 @@ OBSERVED = ('comm/exposed', 'comm/hidden', 'comm/bytes_sent',
             'comm/bytes_received')
 PHASES = ('step', 'forward', 'backward', 'update', 'wire')
 N_SAMPLES, BATCH = 48, 4   # 12 / 8 iterations an epoch at 2 / 3 ranks
+#: What 'auto' tunes on each kind (naive tunes nothing: it refuses).
+TUNED = {'naive': ['bucket_bytes'],
+         'flat': ['bucket_bytes', 'segment_bytes'],
+         'hierarchical': ['bucket_bytes', 'segment_bytes'],
+         'reduction_server': ['chunk_bytes', 'window']}
 MODES = {
     'sync': {},
     'double_buffering': {'double_buffering': True},
@@ -61,6 +66,8 @@ def communicator(case, out):
         kwargs['timeline'] = os.path.join(out, 'trace.json')
     if case['mode'] == 'sign':
         kwargs['compression'] = 'sign'
+    if case['tune'] == 'auto':
+        kwargs.update({name: 'auto' for name in TUNED[case['comm']]})
     base = mnopt.create_communicator(case['comm'], **kwargs)
     if not case['split']:
         return base, [base]

@@ -54,12 +54,22 @@ FACTORS = collections.OrderedDict([
     ('ranks', [2, 3]),   # where the case starts
     # A timeline recorded, or a CommunicationReport in the log.
     ('observe', ['none', 'timeline', 'report']),
+    # Settings as numbers, or 'auto' (tuned in the first averagings: the
+    # cases stop inside the tuning, so it spans snapshots and resumes).
+    ('tune', ['fixed', 'auto']),
 ])
 
 
 def _allowed(row):
-    """allpairspy's filter: grow starts at 2 ranks, shrink at 3."""
+    """allpairspy's filter: grow starts at 2 ranks, shrink at 3; 'auto'
+    only where it is tuned."""
     values = dict(zip(FACTORS, row))
+    if values.get('tune') == 'auto' and (
+            values.get('comm') == 'naive' or values.get('mode') in (
+                'overlap', 'shard_state', 'stage2', 'sign')):
+        # Refused (refused() says why; tests/test_tune.py checks each
+        # refusal on every rank): a case spent on it would test no pair.
+        return False
     if values.get('resume') == 'grow' and values.get('ranks') == 3:
         return False
     if values.get('resume') == 'shrink' and values.get('ranks') == 2:
@@ -71,6 +81,12 @@ def refused(case):
     """Why mnopt refuses this combination (the error must say so on every
     rank), or None."""
     sharded = case['mode'] in ('shard_state', 'stage2')
+    if case['tune'] == 'auto' and (
+            case['comm'] == 'naive' or sharded or
+            case['mode'] in ('overlap', 'sign')):
+        # naive has nothing to tune; compression, overlap and ZeRO
+        # average in ways a tuning cannot time (docs/tuning.md).
+        return "='auto'"
     if sharded and case['comm'] == 'reduction_server':
         return 'reduction_server'
     return None
@@ -94,6 +110,11 @@ def bit_identical_promised(case):
     on timing, and drops and redraws it when saved (plain Chainer, one
     process, shows it: a run writing snapshots trains on other orders
     than one that does not; docs/reliability.md)."""
+    if case['tune'] == 'auto' and final_ranks(case) > 2 and \
+            case['comm'] in ('flat', 'hierarchical'):
+        # The bucket size a tuning picks depends on its timings, and at 3
+        # ranks or more it can move the last bit of a sum (docs/tuning.md).
+        return False
     if case['mode'] == 'sign' and case['sets'] == 'one':
         # Error-feedback residuals are each rank's own: with one replica
         # set only rank 0's are in the snapshot (docs/sign_compression.md).
