@@ -56,7 +56,9 @@ def _overlap(a):
         return None
     return dict(
         advice='try create_multi_node_optimizer(..., overlap=True) (or '
-               'double_buffering=True): average during backward',
+               'double_buffering=True): average during backward' + (
+                   " (overlap with the tuned numbers, not 'auto': "
+                   'comm.tuned_settings)' if a.get('tuned') else ''),
         evidence='exposed communication is %s of the step (%.1f ms) and '
                  'only %.1f ms of communication is hidden behind compute'
                  % (pct(o['exposed_share']), o['exposed_ms'],
@@ -107,12 +109,14 @@ def _bandwidth(a):
     bw, link = a['bandwidth'], a['link_bits']
     if not bw or not link or bw['busbw_bits'] >= LOW_BUSBW * link:
         return None
+    tune = "let the first averagings tune the pipeline " \
+        "(bucket_bytes='auto', segment_bytes='auto'; on the " \
+        "reduction_server communicator chunk_bytes='auto', " \
+        "window='auto'; not with overlap or shard_state: " \
+        "docs/tuning.md); else "
     return dict(
-        advice="let the first averagings tune the pipeline "
-               "(bucket_bytes='auto', segment_bytes='auto'; on the "
-               "reduction_server communicator chunk_bytes='auto', "
-               "window='auto'; not with overlap or shard_state: "
-               "docs/tuning.md); else check the link "
+        # A job that tuned already: only the link is left to look at.
+        advice=('' if a.get('tuned') else tune) + 'check the link '
                '(another job on it, a slower port)',
         evidence='the collectives reach %s of bus bandwidth, %s of the %s '
                  'link' % (rate(bw['busbw_bits']),

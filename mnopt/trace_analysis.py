@@ -404,6 +404,10 @@ def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
         'buckets': bucket_gaps(ranks),
         'link_bits': link_bits,
         'cast': any(r.named(('cast',)) for r in ranks.values()),
+        # The job tuned its pipeline ('auto' settings: its exchanges).
+        'tuned': any(args.get('op') == 'tuning'
+                     for r in ranks.values()
+                     for name, _, _, _, _, args in r.spans if name == 'wait'),
     }
     out['advice'] = report_rules.advise(out)
     return out

@@ -167,6 +167,29 @@ def test_bandwidth_against_the_link_rate(traces):
     assert 'bandwidth' not in {x['rule'] for x in fast['advice']}
 
 
+def test_a_job_that_tuned_is_not_told_to_tune(tmp_path):
+    """A trace with the tuning's exchanges ('wait', op 'tuning': the job
+    passed 'auto') gets the link advice without the 'auto' one."""
+    def job(tuned):
+        paths = []
+        for rank in (0, 1):
+            main, avg = _steps()
+            if tuned and rank == 1:
+                avg.append(('wait', 'comm', 10.0 + 76 * MS,
+                            10.0 + 77 * MS, dict(op='tuning')))
+            paths.append(_write(str(tmp_path / ('%s%d.json' % (
+                tuned, rank))), rank, main, avg))
+        return trace_analysis.analyze(paths, link_bits=100e9)
+
+    plain = job(False)
+    said, = [x for x in plain['advice'] if x['rule'] == 'bandwidth']
+    assert not plain['tuned'] and "bucket_bytes='auto'" in said['advice']
+    tuned = job(True)
+    said, = [x for x in tuned['advice'] if x['rule'] == 'bandwidth']
+    assert tuned['tuned'] and "'auto'" not in said['advice']
+    assert said['advice'].startswith('check the link')
+
+
 def test_overlap_advice_when_communication_is_all_exposed(tmp_path):
     paths = []
     for rank in (0, 1):

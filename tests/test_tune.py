@@ -15,6 +15,7 @@ from mpi4py import MPI
 import mnopt
 from mnopt.communicators import tuning
 from mnopt.transport import agreement
+from mnopt.transport import allreduce
 from conftest import chainer, needs_chainer
 
 # At three ranks the bucket size can change the bits (which rank an
@@ -70,7 +71,7 @@ def tune(comm, steps, record=None):
     ran_with = []
 
     def measure(seconds, name, value):
-        ran_with.append(dict(tuner.values))
+        ran_with.append(dict(tuner.current()))
         return times[name][value]
 
     tuner.measure = measure
@@ -80,8 +81,25 @@ def tune(comm, steps, record=None):
         comm.mean_grads(named)
         if record is not None:
             used = ran_with[-1] if len(ran_with) > before else \
-                dict(tuner.values)
+                dict(tuner.current())
             record.append((used, [a.copy() for _, a in named]))
+
+
+def timed_plan(comm, plan):
+    """The settings of ``plan`` a tuning times: not the ring's segment
+    where MPI's Allreduce sums (one rank, MNOPT_ALLREDUCE=mpi)."""
+    across = comm.inter_size if comm.name == 'hierarchical' else comm.size
+    ring = across > 1 and allreduce.allreduce_algorithm() != 'mpi'
+    return [(n, c) for n, c in plan if n != 'segment_bytes' or ring]
+
+
+def budget_of(comm):
+    """Averagings the tuning takes (one more than those timed where a
+    setting is skipped: the averaging that finds it unused)."""
+    plan = comm.averaging.tuner.plan
+    timed = timed_plan(comm, plan)
+    return tuning.REPEATS * sum(len(c) for _, c in timed) + \
+        (len(plan) - len(timed))
 
 
 def test_the_budget_is_at_most_20_averagings():
@@ -104,7 +122,8 @@ def test_every_rank_makes_the_same_choice(small_candidates, monkeypatch,
     comm = mnopt.create_communicator(kind, **options)
     try:
         plan = comm.averaging.tuner.plan
-        budget = tuning.REPEATS * sum(len(c) for _, c in plan)
+        budget = budget_of(comm)
+        timed = timed_plan(comm, plan)
         assert [n for n, _ in plan] == [n for n in tuning.TUNABLE[kind]
                                         if n in options]
         tune(comm, budget - 1)
@@ -112,13 +131,16 @@ def test_every_rank_makes_the_same_choice(small_candidates, monkeypatch,
         tune(comm, 1)
         chosen = comm.tuned_settings
         assert chosen == {name: expected_choice(candidates, comm.size)
+                          if (name, candidates) in timed
+                          else tuning.DEFAULTS[name]
                           for name, candidates in plan}
-        assert comm.averaging.tuner.steps == budget
+        assert comm.averaging.tuner.steps == tuning.REPEATS * sum(
+            len(c) for _, c in timed)
         # Said once, on rank 0 (logger mnopt.communicators.tuning).
         said = [r.getMessage() for r in caplog.records
                 if r.name == 'mnopt.communicators.tuning']
         assert said == (['mnopt: tuned in %d averagings: %s' % (
-            budget, ', '.join('%s=%r' % kv for kv in sorted(
+            comm.averaging.tuner.steps, ', '.join('%s=%r' % kv for kv in sorted(
                 chosen.items())))] if comm.rank == 0 else [])
         # The same on every rank, though each rank's own times would
         # have picked another (made_up_times).
@@ -129,8 +151,9 @@ def test_every_rank_makes_the_same_choice(small_candidates, monkeypatch,
                       key=lambda kv: kv[1])[0]
             assert own != chosen[plan[0][0]] or comm.rank != 0
         # After it: the choice is in force, nothing more is timed.
+        steps = comm.averaging.tuner.steps
         tune(comm, 3)
-        assert comm.averaging.tuner.steps == budget
+        assert comm.averaging.tuner.steps == steps
         for name, value in chosen.items():
             assert getattr(comm, name) == value
     finally:
@@ -152,9 +175,8 @@ def test_each_averaging_has_the_bits_of_its_fixed_settings(
     comm = mnopt.create_communicator(kind, **options)
     record = []
     try:
-        plan = comm.averaging.tuner.plan
-        tune(comm, tuning.REPEATS * sum(len(c) for _, c in plan) + 2,
-             record)
+        timed = timed_plan(comm, comm.averaging.tuner.plan)
+        tune(comm, budget_of(comm) + 2, record)
     finally:
         comm.finalize()
     fixed = {}
@@ -168,8 +190,8 @@ def test_each_averaging_has_the_bits_of_its_fixed_settings(
             for (_, want), got in zip(named, result):
                 assert numpy.array_equal(want.view(numpy.uint32),
                                          got.view(numpy.uint32)), (step, key)
-        # The tuning tried more than one setting of each tuned name.
-        for name in options:
+        # The tuning tried more than one setting of each name it timed.
+        for name in [n for n, _ in timed]:
             assert len({dict(k)[name] for k in fixed}) > 1, name
     finally:
         for c in fixed.values():
@@ -267,32 +289,104 @@ def test_training_with_tuning_ends_alike_on_every_rank(
         comm.finalize()
 
 
-def test_the_other_group_runs_with_values_every_rank_shares(
-        small_candidates, monkeypatch):
-    """Tuned in the background (the first group to average), averaged in
-    the caller too in between: the caller's averagings run with the first
-    candidates until they have agreed that every rank holds the choice,
-    then with it; never with a candidate being timed elsewhere."""
+@pytest.mark.parametrize('late', ['caller', 'background'])
+def test_each_group_tunes_on_its_own_whoever_comes_first(
+        small_candidates, monkeypatch, late):
+    """A background averaging and one in the caller at once (a
+    double-buffered model beside a plain one): each group tunes on its
+    own averagings and exchanges over its own communicator, so the ranks
+    agree whichever thread comes first on each (a rank's caller or its
+    background late by turns); both finish, with the same choice on every
+    rank, and the communicator reports the caller's."""
+    import time
     monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring')
     comm = mnopt.create_communicator('flat', bucket_bytes='auto',
-                                     segment_bytes='auto')
+                                     segment_bytes='auto', timeout=60)
     try:
         tuner = comm.averaging.tuner
         times = {name: made_up_times(comm.rank, candidates)
                  for name, candidates in tuner.plan}
         tuner.measure = lambda seconds, name, value: times[name][value]
-        first = {n: c[0] for n, c in tuner.plan}
-        budget = tuning.REPEATS * sum(len(c) for _, c in tuner.plan)
-        used = []
-        for step in range(budget + 2):
-            comm.mean_grads_async(grads(step, comm.rank)).wait()
-            comm.mean_grads(grads(step, comm.rank)[:2])   # another set
-            used.append({n: getattr(comm, n) for n in first})
+        budget = budget_of(comm)
+        odd = comm.rank % 2 == 1
+        for step in range(budget):
+            named = grads(step, comm.rank)
+            if (late == 'caller') == odd:
+                handle = comm.mean_grads_async(named)
+                time.sleep(0.01)
+                comm.mean_grads(named[:2])    # another set, in the caller
+            else:
+                named_async = named
+                time.sleep(0.01)
+                handle = comm.mean_grads_async(named_async)
+                comm.mean_grads(named[:2])
+            handle.wait()
+        searches = tuner._searches
+        assert set(searches) == {'sync', 'async'}
+        results = {g: searches[g].result for g in searches}
+        assert all(r is not None for r in results.values()), results
+        assert comm.tuned_settings == results['sync']
+        said = agreement.everyone(WORLD, results, 'test')
+        assert said == [results] * WORLD.size
+    finally:
+        comm.finalize()
+
+
+def test_a_set_that_never_comes_back_gives_way(small_candidates,
+                                               monkeypatch):
+    """The first gradient set averaged (one array short: a parameter
+    without a gradient yet) never comes back: after REKEY_AFTER
+    averagings of the other set, the tuning times that one and ends."""
+    monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring')
+    comm = mnopt.create_communicator('flat', bucket_bytes='auto')
+    try:
+        comm.mean_grads(grads(0, comm.rank)[:-1])
+        budget = budget_of(comm)
+        for step in range(tuning.REKEY_AFTER + budget):
+            assert comm.tuned_settings is None, step
+            comm.mean_grads(grads(step, comm.rank))
+        assert comm.tuned_settings is not None
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size == 1, reason='needs two ranks')
+def test_a_failed_first_averaging_keys_nothing(small_candidates,
+                                               monkeypatch):
+    """A layout mismatch at the first averaging (every rank raises) must
+    not leave a rank keyed on its own set: the tuning then runs alike."""
+    monkeypatch.setenv('MNOPT_ALLREDUCE', 'ring')
+    comm = mnopt.create_communicator('flat', bucket_bytes='auto')
+    try:
+        named = grads(0, comm.rank)
+        with pytest.raises(Exception, match='[Ll]ayout|shape|differ'):
+            comm.mean_grads(named[:-1] if comm.rank == 1 else named)
+        budget = budget_of(comm)
+        for step in range(budget):
+            comm.mean_grads(grads(step, comm.rank))
         chosen = comm.tuned_settings
-        assert chosen is not None and tuner.steps == budget
-        assert used[:budget - 1] == [first] * (budget - 1)
-        assert used[-1] == chosen
-        assert agreement.everyone(WORLD, used, 'test') == \
-            [used] * WORLD.size
+        assert chosen is not None
+        assert agreement.everyone(WORLD, chosen, 'test') == \
+            [chosen] * WORLD.size
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('kind,options', [
+    ('flat', {'bucket_bytes': 'auto', 'segment_bytes': 'auto'}),
+    ('reduction_server', {'chunk_bytes': 'auto', 'window': 'auto'}),
+])
+def test_alone_there_is_nothing_to_time(kind, options):
+    """A communicator of one rank (a split of one) does not average: its
+    tuned_settings are the first candidates at once, not None forever."""
+    comm = mnopt.create_communicator(kind, **options)
+    try:
+        one = comm.split(comm.rank, 0)
+        assert one.size == 1
+        want = {n: tuning.CANDIDATES[n][0] for n in options}
+        assert one.tuned_settings == want
+        one.mean_grads(grads(0, comm.rank))
+        assert one.tuned_settings == want
+        one.finalize()
     finally:
         comm.finalize()

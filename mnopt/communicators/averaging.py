@@ -207,6 +207,24 @@ class AveragingPipeline(object):
         return {'bucket_bytes': self.bucket_bytes,
                 'in_place_min_bytes': grad_buffer.DEFAULT_IN_PLACE_MIN_BYTES}
 
+    def _tunes(self, name, buffer, group):
+        """Whether averaging ``buffer`` on ``group`` uses the setting
+        ``name`` (a tuning skips one that it does not); the same on every
+        rank.  Subclasses say no where a setting goes unused."""
+        return True
+
+    def _tuning_exchange(self, group, seconds):
+        """agreement.quickest of a tuning's times over ``group``, in the
+        timeline a 'wait' (op 'tuning'), the choice an instant."""
+        with self.timeline.span('wait', 'comm', op='tuning',
+                                comm=self.timeline_name):
+            best, slowest = agreement.quickest(
+                group.comm, seconds, "tuning %s (every rank's times)"
+                % self.name, **self._stall_settings)
+        self.timeline.instant('tuning', 'comm', candidate=best,
+                              seconds=slowest)
+        return best, slowest
+
     def _sum(self, buffer, group):
         raise NotImplementedError
 
@@ -355,14 +373,11 @@ class AveragingPipeline(object):
                                         xp, step, self._vote, self.timeline,
                                         self._wire_span)
         alone = self.size == 1 and self.skip_single_rank
-        # 'auto' settings: the first averagings each run with a candidate
-        # (the tuner's current values, which the hooks read) and are timed.
+        # 'auto' settings: while a group tunes, its averagings run with a
+        # candidate (the tuner's current values, which the hooks read) and
+        # are timed (mnopt/communicators/tuning.py).
         tuner = averaging.tuner
-        timed = not alone and bool(tuner.plan) and tuner.begin(
-            named, averaging.label(group), lambda done: all(
-                agreement.everyone(group.comm, done, 'tuning %s (whether '
-                                   'every rank holds the choice)'
-                                   % self.name, **self._stall_settings)))
+        ticket = tuner.begin(named, averaging.label(group))
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,
                                   **self._buffer_options())
         if alone:
@@ -370,9 +385,8 @@ class AveragingPipeline(object):
         buffer.reset_counts()
         start = time.perf_counter()
         self._pack_sum_unpack(buffer, group, [a for _, a in named], step)
-        if timed:
-            tuner.end(time.perf_counter() - start, lambda seconds: (
-                agreement.quickest(group.comm, seconds,
-                                   'tuning %s (every rank\'s times)'
-                                   % self.name, **self._stall_settings)))
+        if ticket is not None:
+            tuner.end(ticket, time.perf_counter() - start,
+                      lambda seconds: self._tuning_exchange(group, seconds),
+                      lambda name: self._tunes(name, buffer, group))
         averaging.overflow.check(buffer, group.comm, step)

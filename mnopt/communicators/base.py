@@ -146,7 +146,9 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         self.averaging.timeline = self.timeline
         #: The tuning of the settings passed as 'auto' (tuning.py); the
         #: values every averaging runs with, tuned or not.
-        self.averaging.tuner = Tuner(self.name, settings, mpi_comm.rank)
+        self.averaging.tuner = Tuner(
+            self.name, settings, mpi_comm.rank,
+            alone=mpi_comm.size == 1 and self.skip_single_rank)
         self._monitor = self._make_monitor(mpi_comm, label,
                                            **self._stall_settings)
         cores.limit_blas_threads(buffers.ranks_on_node(mpi_comm))

@@ -16,6 +16,13 @@ class FlatCommunicator(MpiCommunicatorBase):
 
     name = 'flat'
 
+    def _tunes(self, name, buffer, group):
+        # The ring's segment means nothing where MPI's Allreduce sums.
+        if name != 'segment_bytes':
+            return True
+        return allreduce.uses_ring(group.comm, buffer.layout.wire,
+                                   buffer.nbytes, self.allreduce_algorithm)
+
     def _sum(self, buffer, group):
         parts, divided = buffer.parts_to_divide()
         wire, wires = buffer.layout.wire, self._bucket_wires()

@@ -67,6 +67,16 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
         intra, inter, _, _ = node_split(comm)
         return Group(comm, NodeComms(intra, inter))
 
+    def _tunes(self, name, buffer, group):
+        # The ring's segment means nothing where the leaders' sum is MPI's
+        # Allreduce (one node, or MNOPT_ALLREDUCE=mpi; as allreduce
+        # decides for the leaders' communicator, one leader a node).
+        if name != 'segment_bytes':
+            return True
+        return allreduce.ring_decision(
+            self.inter_size, lambda: self.inter_size, buffer.layout.wire,
+            buffer.nbytes, self.allreduce_algorithm)
+
     def _sum(self, buffer, group):
         wire = buffer.layout.wire
         intra, inter = group.state.intra, group.state.inter

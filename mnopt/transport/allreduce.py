@@ -32,7 +32,18 @@ RING_MIN_BYTES = 1 << 20
 
 def uses_ring(comm, wire, nbytes, algorithm=None):
     """Whether ``allreduce_sum_parts`` sums ``nbytes`` of ``wire`` over
-    ``comm`` on mnopt's pipelined ring rather than with MPI's Allreduce.
+    ``comm`` on mnopt's pipelined ring rather than with MPI's Allreduce
+    (``ring_decision`` says when)."""
+    if comm.size == 1:
+        return False
+    return ring_decision(comm.size, lambda: buffers.nodes_of(comm), wire,
+                         nbytes, algorithm)
+
+
+def ring_decision(size, nodes, wire, nbytes, algorithm=None):
+    """Whether a sum of ``nbytes`` of ``wire`` over ``size`` ranks on
+    ``nodes()`` nodes (a callable: asked only when it matters) runs on
+    mnopt's ring.
 
     The 16-bit wires need a user op, for which MPICH falls back to a
     reduce + broadcast that moves the whole buffer log2(N) times each way
@@ -41,11 +52,11 @@ def uses_ring(comm, wire, nbytes, algorithm=None):
     across nodes, MPI's Allreduce for smaller ones (its latency is lower)
     and inside one shared-memory node (it sums through shared memory)."""
     algorithm = algorithm or allreduce_algorithm()
-    if comm.size == 1 or algorithm == 'mpi':
+    if size == 1 or algorithm == 'mpi':
         return False
     if algorithm == 'ring' or wire in reduce.SUM_FUNCS:
         return True
-    return nbytes >= RING_MIN_BYTES and buffers.nodes_of(comm) > 1
+    return nbytes >= RING_MIN_BYTES and nodes() > 1
 
 
 def allreduce_sum(comm, array, wire, algorithm=None):
