@@ -209,6 +209,8 @@ def test_each_averaging_has_the_bits_of_its_fixed_settings(
      "does not combine with compression='sign'"),
     ('flat', {'bucket_bytes': 'fast'}, "whole number >= 1 or 'auto'"),
     ('flat', {'segment_bytes': 0}, "whole number >= 1, None or 'auto'"),
+    ('reduction_server', {'segment_bytes': 65536},
+     'reduction_server communicator has no ring.*chunk_bytes'),
 ])
 def test_what_cannot_be_tuned_is_refused_on_every_rank(kind, options,
                                                        match):

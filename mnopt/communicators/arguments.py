@@ -86,6 +86,13 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
     if compression is not None:  # None is the default vote, 'ring'
         settings['vote'] = sign.normalize_vote(vote)
     tuning.check(kind, settings)
+    if settings['segment_bytes'] is not None and kind in (
+            'reduction_server', 'pure_nccl'):
+        # Taken and ignored would let a user believe it did something.
+        raise ValueError('segment_bytes: the %s communicator has no ring to '
+                         'cut into segments%s' % (
+                             kind, ' (its pieces: chunk_bytes)'
+                             if kind == 'reduction_server' else ''))
     stall_settings.settings(stall_warning, timeout)
     environment_settings()
     return settings
