@@ -71,6 +71,7 @@ def non_default(name):
                 or k in keywords(communicators.create_communicator)}
     if name == 'reduction_server':
         del settings['vote']   # it votes on its servers
+        del settings['segment_bytes']   # no ring: refused
     return settings
 
 
