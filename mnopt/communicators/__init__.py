@@ -102,7 +102,8 @@ def create_communicator(communicator_name: str = 'auto',
             docs/observability.md.
         segment_bytes: the size of each message of mnopt's ring (None:
             its own rule, 32 to 256 KiB), or ``'auto'`` (``flat``,
-            ``hierarchical``), tuned as ``bucket_bytes``.
+            ``hierarchical``), tuned as ``bucket_bytes``; not on
+            ``reduction_server`` or ``pure_nccl`` (no ring).
         **options: the communicator's own; ``reduction_server`` takes
             ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
             server, 6) (either may be ``'auto'``, tuned as
