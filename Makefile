@@ -158,6 +158,15 @@ experiments: setup
 # adds the no-Chainer case and the kernel compile check, which must not
 # skip there; so does numpy1 (SERIAL_ONLY).  TESTS_ALL=1 runs everything
 # on every stack, every module under -n 2 and -n 3.
+#
+# With PYTHONDONTWRITEBYTECODE set (as CI has it) every process of a run,
+# pytest's and each rank of each spawned job, would compile pytest,
+# mpi4py, matplotlib and parts of NumPy and SciPy from source again: about
+# a third of a spawned job's CPU time.  The tests keep their bytecode under
+# .venv/STACK/pycache instead (PYTHONPYCACHEPREFIX: nothing lands in the
+# checkout), and the conformance run reads it from there.
+BYTECODE = $(if $(PYTHONDONTWRITEBYTECODE),unset PYTHONDONTWRITEBYTECODE; \
+    export PYTHONPYCACHEPREFIX=$(CURDIR)/.venv/$(1)/pycache;)
 ON_EVERY_STACK := not (spawn or long) or every_stack
 # Serial pass only (unless first): numpy1 shares NumPy 1 with lowest, whose
 # -n 2 pass meets NumPy 1's buffers with MPI.
@@ -179,6 +188,7 @@ conformance: $(if $(CONFORMANCE_STACK),.venv/$(CONFORMANCE_STACK)/.installed)
 	@if [ -z "$(CONFORMANCE_STACK)" ]; then \
 	    echo "== conformance: not run: no stack with Chainer in STACKS"; \
 	else \
+	    $(call BYTECODE,$(CONFORMANCE_STACK)) \
 	    .venv/$(CONFORMANCE_STACK)/bin/python tests/conformance.py \
 	        $(CURDIR)/.venv/$(CONFORMANCE_STACK)/bin/python; \
 	fi
@@ -187,7 +197,7 @@ test-%: .venv/%/.installed
 	@.venv/$*/bin/python -c 'import sys, numpy; from mpi4py import MPI; \
 	    print("== stack $*: Python", sys.version.split()[0], "| NumPy", \
 	          numpy.__version__, "|", *MPI.Get_library_version().split()[:3])'
-	start=$$(date +%s); \
+	start=$$(date +%s); $(call BYTECODE,$*) \
 	launch="$(or $(LAUNCH_$*),.venv/$*/bin/mpiexec)"; \
 	py=".venv/$*/bin/python"; \
 	pytest="$$py -m pytest -q --color=no --durations=15 \
