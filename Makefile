@@ -143,18 +143,30 @@ experiments: setup
 # serially (on two pytest-xdist workers: most of the serial pass is
 # spawned jobs waiting on each other, which two workers overlap; then the
 # ``machine_wide`` tests, network namespaces and shaped links, alone), under
-# mpiexec -n 2, and under -n 3 the modules marked ``many_ranks`` (where the
-# number of ranks changes what is computed: ring segments, uneven shards
-# and scatters, votes, a middle rank).  The other stacks run what can
-# differ on them: every test but the end-to-end jobs (``spawn``: restart,
-# examples, faults) and the ``long`` ones serially, plus the jobs marked
+# mpiexec -n 2 every module but those marked ``one_rank`` (the same work at
+# any number of ranks: docs, static checks, one process's buffers, files),
+# and under -n 3 the modules marked ``many_ranks`` (where the number of
+# ranks changes what is computed: ring segments, uneven shards and
+# scatters, votes, a middle rank).  The other stacks run what can differ on
+# them: every test but the end-to-end jobs (``spawn``: restart, examples,
+# faults) and the ``long`` ones serially, plus the jobs marked
 # ``every_stack`` (stack checks), and on a stack with another MPI library
 # (OWN_MPI) those marked ``every_mpi`` (what the library decides: how a
-# job ends, MPMD launches, how many communicators it has); under -n 2 the ``many_ranks`` modules (the collectives, where
-# NumPy's buffers, Python's threads and the MPI library meet).  The core
-# stack runs serially: it adds the no-Chainer case and the kernel compile
-# check, which must not skip there; so does numpy1 (SERIAL_ONLY).  TESTS_ALL=1 runs everything on every
-# stack, and every module under -n 3.
+# job ends, MPMD launches, how many communicators it has); under -n 2 the
+# ``many_ranks`` modules (the collectives, where NumPy's buffers, Python's
+# threads and the MPI library meet).  The core stack runs serially: it
+# adds the no-Chainer case and the kernel compile check, which must not
+# skip there; so does numpy1 (SERIAL_ONLY).  TESTS_ALL=1 runs everything
+# on every stack, every module under -n 2 and -n 3.
+#
+# With PYTHONDONTWRITEBYTECODE set (as CI has it) every process of a run,
+# pytest's and each rank of each spawned job, would compile pytest,
+# mpi4py, matplotlib and parts of NumPy and SciPy from source again: about
+# a third of a spawned job's CPU time.  The tests keep their bytecode under
+# .venv/STACK/pycache instead (PYTHONPYCACHEPREFIX: nothing lands in the
+# checkout), and the conformance run reads it from there.
+BYTECODE = $(if $(PYTHONDONTWRITEBYTECODE),unset PYTHONDONTWRITEBYTECODE; \
+    export PYTHONPYCACHEPREFIX=$(CURDIR)/.venv/$(1)/pycache;)
 ON_EVERY_STACK := not (spawn or long) or every_stack
 # Serial pass only (unless first): numpy1 shares NumPy 1 with lowest, whose
 # -n 2 pass meets NumPy 1's buffers with MPI.
@@ -176,6 +188,7 @@ conformance: $(if $(CONFORMANCE_STACK),.venv/$(CONFORMANCE_STACK)/.installed)
 	@if [ -z "$(CONFORMANCE_STACK)" ]; then \
 	    echo "== conformance: not run: no stack with Chainer in STACKS"; \
 	else \
+	    $(call BYTECODE,$(CONFORMANCE_STACK)) \
 	    .venv/$(CONFORMANCE_STACK)/bin/python tests/conformance.py \
 	        $(CURDIR)/.venv/$(CONFORMANCE_STACK)/bin/python; \
 	fi
@@ -184,15 +197,18 @@ test-%: .venv/%/.installed
 	@.venv/$*/bin/python -c 'import sys, numpy; from mpi4py import MPI; \
 	    print("== stack $*: Python", sys.version.split()[0], "| NumPy", \
 	          numpy.__version__, "|", *MPI.Get_library_version().split()[:3])'
-	start=$$(date +%s); \
+	start=$$(date +%s); $(call BYTECODE,$*) \
 	launch="$(or $(LAUNCH_$*),.venv/$*/bin/mpiexec)"; \
-	pytest=".venv/$*/bin/python -m pytest -q --color=no --durations=15 \
+	py=".venv/$*/bin/python"; \
+	pytest="$$py -m pytest -q --color=no --durations=15 \
 	    -n $(or $(WORKERS_$*),$(WORKERS))"; \
-	under_mpi=".venv/$*/bin/python -m mpi4py -m pytest -q -p no:cacheprovider --color=no"; \
-	if [ "$*" = "$(firstword $(STACKS))" ] || [ "$(TESTS_ALL)" = 1 ]; then \
-	    only=""; \
+	under_mpi="$$py -m mpi4py -m pytest -q -p no:cacheprovider --color=no"; \
+	if [ "$(TESTS_ALL)" = 1 ]; then \
+	    only=""; at_2=""; \
+	elif [ "$*" = "$(firstword $(STACKS))" ]; then \
+	    only=""; at_2="not one_rank"; \
 	else \
-	    only="$(ON_EVERY_STACK) $(OWN_MPI_$*)"; \
+	    only="$(ON_EVERY_STACK) $(OWN_MPI_$*)"; at_2="many_ranks"; \
 	fi; \
 	if [ $* = core ]; then \
 	    MNOPT_REQUIRE_NVRTC=1 $$pytest $${only:+-m "$$only"}; \
@@ -202,9 +218,9 @@ test-%: .venv/%/.installed
 	else \
 	    export MNOPT_TEST_MPIEXEC="$(LAUNCH_$*)" && \
 	    $$pytest -m "$${only:+($$only) and }not machine_wide" && \
-	    { [ -n "$$only" ] || .venv/$*/bin/python -m pytest -q --color=no \
+	    { [ -n "$$only" ] || $$py -m pytest -q --color=no \
 	        -m machine_wide; } && \
-	    $$launch -n 2 $$under_mpi $${only:+-m many_ranks} && \
+	    $$launch -n 2 $$under_mpi $${at_2:+-m "$$at_2"} && \
 	    { [ -n "$$only" ] || $$launch -n 3 $$under_mpi \
 	        $$([ "$(TESTS_ALL)" = 1 ] || echo -m many_ranks); }; \
 	fi && echo "== stack $*: tests took $$(( $$(date +%s) - start )) s"

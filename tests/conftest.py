@@ -93,6 +93,11 @@ def pytest_configure(config):
                    'votes, a middle rank): the first stack runs it under '
                    'mpiexec -n 3 too, the other stacks only it under -n 2 '
                    '(see the Makefile)')
+    config.addinivalue_line(
+        'markers', 'one_rank: does the same work at any number of ranks '
+                   '(no communicator: docs, static checks, one process\'s '
+                   'buffers and files): runs serially only, not under '
+                   'mpiexec -n 2 (see the Makefile)')
     if WORLD.rank > 0:
         # Only rank 0 reports progress; failures on any rank still print.
         config.option.verbose = -1

@@ -14,6 +14,9 @@ import pytest
 
 from conftest import REPO
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 PACKAGE = os.path.join(REPO, 'mnopt')
 ARCHITECTURE = os.path.join(REPO, 'docs', 'architecture.md')
 

@@ -15,6 +15,9 @@ import re
 
 import pytest
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -5,6 +5,9 @@ import pytest
 
 from mnopt import grad_buffer as gb
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 
 def test_bfloat16_rounds_to_nearest_even():
     # 1 + 2^-8 is halfway between bfloat16 neighbours 1 and 1 + 2^-7: ties

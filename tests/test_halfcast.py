@@ -6,6 +6,9 @@ import pytest
 
 from mnopt import grad_buffer as gb
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 halfcast = pytest.importorskip(
     'mnopt._halfcast', reason='the optional C extension was not built')
 

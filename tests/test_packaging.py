@@ -22,6 +22,9 @@ from mnopt.__main__ import COMMANDS, main
 from mnopt.communicators import create_communicator
 from mnopt.communicators.base import CommunicatorBase
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 EXTRAS = {'mpich', 'chainer', 'test', 'examples', 'gpu', 'gpu-cuda12',
           'gpu-cuda13'}
 

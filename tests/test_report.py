@@ -32,6 +32,9 @@ import pytest
 from conftest import python_path, slack
 from mnopt import report, report_rules, timeline, trace_analysis
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 MS = 1e-3
 STEPS = 10
 BUCKET = 4 << 20

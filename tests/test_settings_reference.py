@@ -21,6 +21,9 @@ from mnopt import stall_settings
 from mnopt.communicators import settings as settings_module
 from mnopt.communicators.base import CommunicatorBase
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(REPO, 'docs', 'settings.md')
 

@@ -14,8 +14,10 @@ import pytest
 
 from conftest import REPO, needs_chainer, run_mpi, slack
 
-# NumPy, Chainer and the MPI library are what differ between stacks.
-pytestmark = [pytest.mark.spawn, pytest.mark.every_stack]
+# NumPy, Chainer and the MPI library are what differ between stacks: every
+# test here runs on every stack (every_stack), but the benchmark run.
+pytestmark = pytest.mark.spawn
+every_stack = pytest.mark.every_stack
 
 NUMPY2 = int(numpy.__version__.split('.')[0]) >= 2
 
@@ -61,6 +63,7 @@ print('core OK on rank %d' % r)
 '''
 
 
+@every_stack
 @pytest.mark.parametrize('n', [1, 2, 3])
 def test_the_core_works_without_chainer(n):
     proc = run_mpi(n, CORE, timeout=120)
@@ -68,7 +71,8 @@ def test_the_core_works_without_chainer(n):
     assert proc.stdout.count('core OK') == n
 
 
-@pytest.mark.spawn   # a benchmark run: 20 s, on the first stack only
+# A benchmark run (20 s): on the first stack only; what a stack changes in
+# it, the core's averaging without Chainer, the job above checks.
 def test_the_benchmark_runs_without_chainer(tmp_path):
     out = tmp_path / 'bench.json'
     code = NO_CHAINER + ('import runpy\nrunpy.run_module("mnopt.benchmark", '
@@ -104,6 +108,7 @@ assert s['complex'] == [numpy.complex64, numpy.complex128, numpy.clongdouble]
 '''
 
 
+@every_stack
 @needs_chainer
 @pytest.mark.parametrize('first', ['chainer', 'mnopt'])
 def test_chainer_imports_before_or_after_mnopt(first):
@@ -117,6 +122,7 @@ def test_chainer_imports_before_or_after_mnopt(first):
     assert proc.stdout.strip() == '3.0'
 
 
+@every_stack
 @pytest.mark.skipif(not NUMPY2, reason='NumPy 1 has numpy.sctypes')
 @needs_chainer
 def test_without_the_hook_chainer_fails_under_numpy2():
@@ -130,6 +136,7 @@ def test_without_the_hook_chainer_fails_under_numpy2():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@every_stack
 def test_numpy_is_left_alone_unless_chainer_is_imported():
     proc = python('import numpy, mnopt\n'
                   'print("sctypes" in vars(numpy), "chainer" in sys.modules)'
@@ -139,6 +146,7 @@ def test_numpy_is_left_alone_unless_chainer_is_imported():
     assert proc.stdout.split() == [str(not NUMPY2), 'False']
 
 
+@every_stack
 def test_added_names_are_added_once_and_only_when_missing():
     """sctypes under NumPy 2; numpy.distutils where numpy has none (Python
     3.12+); nothing under NumPy 1 on Python 3.11."""
@@ -159,6 +167,7 @@ def test_added_names_are_added_once_and_only_when_missing():
     assert proc.stdout.strip() == '%s dict' % want
 
 
+@every_stack
 def test_a_wrong_gpu_stack_names_the_fix():
     from mnopt.gpu import diagnosis
     assert diagnosis.stack_conflict({}, '2.1.0') is None
@@ -173,6 +182,7 @@ def test_a_wrong_gpu_stack_names_the_fix():
     assert 'pip uninstall' in msg
 
 
+@every_stack
 def test_what_is_missing_for_a_gpu_names_the_fix():
     """Here (no GPU): without CuPy, the extras to install; with a CuPy that
     cannot load NCCL, the NCCL wheel to install."""

@@ -31,6 +31,9 @@ import pytest
 from conftest import mnopt_records, python_path, slack
 from mnopt import timeline
 
+# The same at any number of ranks: the serial pass only (see the Makefile).
+pytestmark = pytest.mark.one_rank
+
 
 def _validate(events):
     """Assert the trace-event format's rules that Perfetto relies on."""
