@@ -231,7 +231,7 @@ def test_public_api_is_annotated():
 #: decorator that hides the signature, would give Any and no error).
 #: Names: ``comm`` a communicator, ``x`` an array, ``grads`` named arrays.
 WRONG_USES = {
-    'create_communicator': "mnopt.create_communicator(bucket_bytes='1MiB')",
+    'create_communicator': "mnopt.create_communicator(warmup_steps='3')",
     'create_multi_node_optimizer':
         "chainermn.create_multi_node_optimizer(opt, 'flat')",
     'lazy names': 'mnopt.create_comunicator()',
@@ -247,7 +247,7 @@ WRONG_USES = {
     'inter_size': 'comm.inter_size.upper()',
     'set_config': 'comm.set_config(1)',
     'get_config': 'comm.get_config(1)',
-    'check_arguments': "comm.check_arguments(bucket_bytes='1')",
+    'check_arguments': "comm.check_arguments(warmup_steps='1')",
     'shared_settings': 'comm.shared_settings(1)',
     'serialize_compression':
         "comm.serialize_compression(serializer, shared='yes')",
@@ -257,6 +257,8 @@ WRONG_USES = {
     'broadcast_data': "comm.broadcast_data(model, root='0')",
     'finalize': 'comm.finalize().done()',
     'communication_stats': 'comm.communication_stats(True)',
+    'tuned_settings': 'comm.tuned_settings.upper()',
+    'tuning_problem': 'comm.tuning_problem(1)',
     'everyone': 'comm.everyone(1, 2)',
     'raise_together': "comm.raise_together('oops', 'a check')",
     'same': "comm.same([1], 'seeds')",
