@@ -31,20 +31,34 @@ def _wait_for(condition, timeout, what):
                          ids=['SIGTERM', 'SIGINT'])
 def test_launcher_stops_when_signalled_during_its_restart_delay(
         tmp_path, signum):
-    attempts = tmp_path / 'attempts'
-    # A job that fails at once, counting its attempts.
-    job = [sys.executable, '-c', 'import sys; open(%r, "a").write("x"); '
-           'sys.exit(3)' % str(attempts)]
+    attempts, pid = tmp_path / 'attempts', tmp_path / 'pid'
+    # A job that fails at once, counting its attempts (and saying who it
+    # is, so that the test knows when it has gone).
+    job = [sys.executable, '-c', 'import os, sys; open(%r, "a").write("x"); '
+           'open(%r, "w").write(str(os.getpid())); sys.exit(3)'
+           % (str(attempts), str(pid))]
     launcher = subprocess.Popen(
         [sys.executable, '-m', 'mnopt.launch', '--max-restarts', '5',
          '--delay', '60', '--'] + job, stderr=subprocess.PIPE, text=True,
         cwd=REPO)
     try:
 
+        def gone(path):
+            # Reaped by the launcher (a zombie still takes signals): on a
+            # busy machine the job can take a while to exit after writing,
+            # and a signal then goes to it, not to the delay.
+            try:
+                os.kill(int(path.read_text()), 0)
+            except ProcessLookupError:
+                return True
+            except ValueError:
+                return False    # not written out yet
+            return False
+
         def in_delay():
-            # The launcher has said it restarts after a delay.
             return attempts.exists() and launcher.poll() is None and \
-                os.path.getsize(attempts) == 1
+                os.path.getsize(attempts) == 1 and pid.exists() and \
+                gone(pid)
         _wait_for(in_delay, 60, 'the first attempt to fail')
         time.sleep(0.5)   # into the delay (its message may be buffered)
         launcher.send_signal(signum)
