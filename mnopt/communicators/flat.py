@@ -25,26 +25,16 @@ class FlatCommunicator(MpiCommunicatorBase):
 
     def _sum(self, buffer, group):
         parts, divided = buffer.parts_to_divide()
-        wire, wires = buffer.layout.wire, self._bucket_wires()
-        if wires is not None and not allreduce.uses_ring(
-                group.comm, wire, sum(p.nbytes for p in parts),
-                self.allreduce_algorithm):
-            # Timeline on, MPI's Allreduce: one call per bucket, as
-            # allreduce_sum_parts makes them, each a 'wire' of its own.
-            for i, (part, done) in enumerate(zip(parts, divided)):
-                with wires.bucket(i, part.nbytes):
-                    allreduce.allreduce_sum_parts(
-                        group.comm, [part], wire, 'mpi',
-                        divide=buffer.divide, divided=[done])
-        else:
-            # The ring pipelines every bucket in one ring: one 'wire'.
-            if wires is not None:
-                wires.set(buckets=len(parts))
-            allreduce.allreduce_sum_parts(group.comm, parts, wire,
-                                          self.allreduce_algorithm,
-                                          divide=buffer.divide,
-                                          divided=divided,
-                                          segment_bytes=self.segment_bytes)
+        wires = self._bucket_wires()   # the timeline's, when it is on
+        if wires is not None:
+            # The ring pipelines every bucket in one ring: one 'wire'
+            # (MPI's Allreduce, one call a bucket: a 'wire' each).
+            wires.set(buckets=len(parts))
+        allreduce.allreduce_sum_parts(
+            group.comm, parts, buffer.layout.wire, self.allreduce_algorithm,
+            divide=buffer.divide, divided=divided,
+            segment_bytes=self.segment_bytes,
+            around_part=None if wires is None else wires.bucket)
         buffer.from_host()
 
     # The sharded optimizer's transports (mnopt/communicators/sharded.py):

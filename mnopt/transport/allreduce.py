@@ -1,6 +1,8 @@
 """The allreduce of wire buffers: mnopt's ring or MPI's Allreduce, chosen
 by $MNOPT_ALLREDUCE and the buffer's size and span (``uses_ring``)."""
 
+import contextlib
+
 from mnopt import _env
 from mnopt.transport import buffers
 from mnopt.transport import reduce
@@ -9,6 +11,8 @@ from mnopt.transport import ring
 
 #: MNOPT_ALLREDUCE: which allreduce sums float32/float64 buffers.
 ALGORITHMS = ('auto', 'ring', 'mpi')
+#: The context around a part's sum where none is asked for.
+_NOTHING = contextlib.nullcontext()
 
 
 def allreduce_algorithm():
@@ -66,7 +70,7 @@ def allreduce_sum(comm, array, wire, algorithm=None):
 
 
 def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
-                        divided=None, segment_bytes=None):
+                        divided=None, segment_bytes=None, around_part=None):
     """Sum each contiguous numpy wire array of ``parts`` in place across
     ``comm``: on mnopt's pipelined ring (mnopt/transport/ring.py; all
     parts in one ring) or with MPI's Allreduce (one call per part), as
@@ -76,6 +80,10 @@ def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
     ranks both give the same bits (each element is one a + b).
     ``divide(view)``, where given, runs on every piece of the parts whose
     ``divided`` is False just before the sum first uses it.
+    ``around_part(index, nbytes)``, where given, is a context manager
+    around each part's own sum where the parts are summed one at a time
+    (MPI's Allreduce, or nothing to sum at one rank): a timeline's span
+    per part.  The ring sums all parts in one and does not use it.
 
     Sizes are not checked here: the communicators check their gradient
     layouts across ranks before summing."""
@@ -83,9 +91,11 @@ def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
         divided = [True] * len(parts)
     live = [(p, d) for p, d in zip(parts, divided) if p.size]
     if comm.size == 1:
-        for part, done in live:
-            if not done:
-                divide(part)
+        for i, (part, done) in enumerate(live):
+            with _NOTHING if around_part is None else \
+                    around_part(i, part.nbytes):
+                if not done:
+                    divide(part)
         return
     if not live:
         return
@@ -96,5 +106,6 @@ def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
                                  divide=divide, divided=divided,
                                  segment_bytes=segment_bytes)
         return
-    buffers.allreduce_sum_parts(comm, parts, wire, divide, divided)
+    buffers.allreduce_sum_parts(comm, parts, wire, divide, divided,
+                                around_part)
 

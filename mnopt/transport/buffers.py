@@ -1,6 +1,8 @@
 """MPI buffer collectives on wire arrays: MPI's Allreduce, Reduce and
 Bcast, and where the ranks are (ranks per node, nodes)."""
 
+import contextlib
+
 import numpy
 from mpi4py import MPI
 
@@ -16,6 +18,9 @@ def ranks_on_node(comm):
     finally:
         shared.Free()
 
+
+#: The context around a part's sum where none is asked for.
+_NOTHING = contextlib.nullcontext()
 
 _nodes_keyval = None
 
@@ -38,18 +43,22 @@ def nodes_of(comm):
     return nodes
 
 
-def allreduce_sum_parts(comm, parts, wire, divide=None, divided=None):
+def allreduce_sum_parts(comm, parts, wire, divide=None, divided=None,
+                        around_part=None):
     """Sum each contiguous numpy wire array of ``parts`` in place across
     ``comm`` with MPI's Allreduce, one call per part.  ``divide(part)``,
     where given, runs on each part whose ``divided`` is False just before
-    its sum."""
+    its sum; ``around_part(index, nbytes)``, where given, is a context
+    manager around each part's call (a timeline's span)."""
     if divided is None:
         divided = [True] * len(parts)
     mpi_type, op = reduce.wire_sum(wire)
-    for part, done in zip(parts, divided):
-        if not done:
-            divide(part)   # just before: still in cache for the reduction
-        comm.Allreduce(MPI.IN_PLACE, [part, mpi_type], op=op)
+    for i, (part, done) in enumerate(zip(parts, divided)):
+        with _NOTHING if around_part is None else \
+                around_part(i, part.nbytes):
+            if not done:
+                divide(part)   # just before: still in cache for the sum
+            comm.Allreduce(MPI.IN_PLACE, [part, mpi_type], op=op)
 
 
 def reduce_sum(comm, array, wire, root=0):
