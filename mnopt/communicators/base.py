@@ -92,7 +92,6 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     (sharded.py's transports).
     """
 
-
     def __init__(self, mpi_comm: MPI.Comm, **settings: Any) -> None:
         #: The keyword arguments it was made with, checked and normalized
         #: (check_arguments): a split is made from exactly these.
