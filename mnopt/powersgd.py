@@ -249,10 +249,9 @@ def reproject(state, matrices, summed_ps, xp=None):
     return ps, qs
 
 
-def outer_sum(p, q, xp=None):
+def outer_sum(p, q):
     """P Q^T summed rank-one term by term, in order: the same bits on
     every rank and device for the same P and Q (no BLAS)."""
-    xp = xp or array_module([p])
     out = p[:, 0:1] * q[:, 0][None, :]
     for j in range(1, p.shape[1]):
         out = out + p[:, j:j + 1] * q[:, j][None, :]
@@ -262,14 +261,20 @@ def outer_sum(p, q, xp=None):
 def reconstruct(state, grads, matrices, ps, summed_qs, summed_plain,
                 world_size, xp=None):
     """The end of a step: the mean gradients (a list shaped and typed as
-    ``grads``), the residuals and warm Qs kept, the step counted."""
+    ``grads``), the residuals and warm Qs kept, the step counted.
+
+    The residual is M - M_hat, PyTorch's choice, not the paper's
+    M - P P^T M: the two differ by this rank's M minus the ranks' mean M,
+    which sums to zero over the ranks, and the step is linear in the sum
+    of the Ms, so both give the same means (up to rounding); this one
+    reuses M_hat instead of another product."""
     out = [None] * len(grads)
     for index, total in summed_plain.items():
         out[index] = (total / world_size).astype(grads[index].dtype,
                                                  copy=False)
     for index, m in matrices.items():
         q = summed_qs[index]
-        m_hat = outer_sum(ps[index], q, xp) / m.dtype.type(world_size)
+        m_hat = outer_sum(ps[index], q) / m.dtype.type(world_size)
         if state.use_error_feedback:
             state.errors[index] = m - m_hat
         if state.warm_start:
