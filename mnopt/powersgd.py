@@ -309,7 +309,8 @@ def refresh_dead_columns(state, xp=None):
             fresh = random_q(state.seed, i, q.shape[0], q.shape[1], q.dtype,
                              xp, state.iteration)
             q = q.copy()
-            q[:, cols] = fresh[:, cols]
+            for c in cols.tolist():   # plain ints index numpy and CuPy
+                q[:, c] = fresh[:, c]
             state.qs[i] = q
 
 
