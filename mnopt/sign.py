@@ -51,17 +51,7 @@ except ImportError:  # pragma: no cover - built without a C compiler
     _signbits = None
 
 
-COMPRESSIONS = (None, 'sign')
 VOTES = ('ring', 'alltoall')  # how ring communicators vote; see above
-
-
-def normalize_compression(name):
-    if name in (None, 'none'):
-        return None
-    if name not in COMPRESSIONS:
-        raise ValueError('unknown compression %r; choose one of %s'
-                         % (name, ', '.join(repr(c) for c in COMPRESSIONS)))
-    return name
 
 
 def normalize_vote(vote):

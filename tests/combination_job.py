@@ -47,7 +47,6 @@ MODES = {
     'overlap': {'overlap': True},
     'shard_state': {'shard_state': True},
     'stage2': {'shard_state': True, 'overlap': True},
-    'sign': {},
 }
 
 
@@ -64,8 +63,8 @@ def communicator(case, out):
     kwargs = {'allreduce_grad_dtype': case['wire']}
     if case['observe'] == 'timeline':
         kwargs['timeline'] = os.path.join(out, 'trace.json')
-    if case['mode'] == 'sign':
-        kwargs['compression'] = 'sign'
+    if case['compression'] is not None:
+        kwargs['compression'] = case['compression']
     if case['tune'] == 'auto':
         kwargs.update({name: 'auto' for name in TUNED[case['comm']]})
     base = mnopt.create_communicator(case['comm'], **kwargs)

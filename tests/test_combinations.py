@@ -44,7 +44,9 @@ allpairspy = pytest.importorskip('allpairspy')
 
 FACTORS = collections.OrderedDict([
     ('mode', ['sync', 'double_buffering', 'overlap', 'shard_state',
-              'stage2', 'sign']),
+              'stage2']),
+    # Sign votes, PowerSGD, PowerSGD where it pays ('auto').
+    ('compression', [None, 'sign', 'powersgd', 'auto']),
     ('resume', ['none', 'same', 'grow', 'shrink', 'lost', 'stale']),
     ('comm', ['naive', 'flat', 'hierarchical', 'reduction_server']),
     ('wire', [None, 'float16', 'bfloat16']),
@@ -66,7 +68,8 @@ def _allowed(row):
     values = dict(zip(FACTORS, row))
     if values.get('tune') == 'auto' and (
             values.get('comm') == 'naive' or values.get('mode') in (
-                'overlap', 'shard_state', 'stage2', 'sign')):
+                'overlap', 'shard_state', 'stage2') or
+            values.get('compression') is not None):
         # Refused (refused() says why; tests/test_tune.py checks each
         # refusal on every rank): a case spent on it would test no pair.
         return False
@@ -83,10 +86,13 @@ def refused(case):
     sharded = case['mode'] in ('shard_state', 'stage2')
     if case['tune'] == 'auto' and (
             case['comm'] == 'naive' or sharded or
-            case['mode'] in ('overlap', 'sign')):
+            case['mode'] == 'overlap' or case['compression'] is not None):
         # naive has nothing to tune; compression, overlap and ZeRO
         # average in ways a tuning cannot time (docs/tuning.md).
         return "='auto'"
+    if sharded and case['compression'] is not None:
+        # Each rank would need the mean of its share only (docs/limits.md).
+        return 'compression=%r' % (case['compression'],)
     if sharded and case['comm'] == 'reduction_server':
         return 'reduction_server'
     return None
@@ -115,9 +121,14 @@ def bit_identical_promised(case):
         # The bucket size a tuning picks depends on its timings, and at 3
         # ranks or more it can move the last bit of a sum (docs/tuning.md).
         return False
-    if case['mode'] == 'sign' and case['sets'] == 'one':
+    if case['compression'] is not None and case['sets'] == 'one':
         # Error-feedback residuals are each rank's own: with one replica
-        # set only rank 0's are in the snapshot (docs/sign_compression.md).
+        # set only rank 0's are in the snapshot (docs/sign_compression.md,
+        # docs/compression.md).
+        return False
+    if case['compression'] == 'auto':
+        # Which gradient sets are compressed follows the first steps'
+        # timings: a resume before the choice may choose otherwise.
         return False
     return case['data'] != 'shuffled+multiprocess'
 

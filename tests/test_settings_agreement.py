@@ -39,6 +39,10 @@ NON_DEFAULT = {
     'stats': True,
     'timeline': os.path.join(TRACES, 'trace.json'),
 }
+#: PowerSGD's, which sign compression refuses: their own split test.
+LOW_RANK_NON_DEFAULT = {'compression': 'powersgd', 'powersgd_rank': 3,
+                        'min_compression_rate': 4.0, 'warm_start': False,
+                        'warmup_steps': 2, 'error_feedback': False}
 #: create_communicator's keywords that say how to create, not what.
 CREATION_ONLY = ('communicator_name', 'mpi_comm', 'abort_on_exception')
 KINDS = ('naive', 'flat', 'hierarchical', 'reduction_server')
@@ -79,8 +83,32 @@ def non_default(name):
 def test_every_keyword_is_known(name):
     cls = communicators.communicator_class(name)
     unknown = (class_keywords(cls) | set(keywords(
-        communicators.create_communicator))) - set(NON_DEFAULT)
+        communicators.create_communicator))) - set(NON_DEFAULT) - \
+        set(LOW_RANK_NON_DEFAULT)
     assert not unknown, 'add a non-default value to NON_DEFAULT'
+
+
+@pytest.mark.parametrize('name', KINDS)
+def test_a_split_keeps_the_powersgd_settings(name):
+    comm = mnopt.create_communicator(name, **LOW_RANK_NON_DEFAULT)
+    sub = comm.split(comm.rank % 2, comm.rank)
+    try:
+        for key, value in LOW_RANK_NON_DEFAULT.items():
+            assert comm.settings[key] == value, key
+            assert sub.settings[key] == value, key
+        # What they do, on the split one: the state it makes.
+        grads = [('/w', numpy.ones((40, 30), numpy.float32)),
+                 ('/v', numpy.ones((12, 10), numpy.float32))]
+        for _ in range(3):   # the third is compressed (warmup_steps=2)
+            sub.mean_grads(grads)
+        (state,) = sub.averaging.low_rank.states.values()
+        assert (state.rank, state.min_compression_rate, state.warm_start,
+                state.use_error_feedback) == (3, 4.0, False, False)
+        # 12 x 10 at rank 3: 120 elements, 66 in its factors, under 4x
+        assert [e.rank for e in state.plan] == [3, 0]
+    finally:
+        sub.finalize()
+        comm.finalize()
 
 
 @pytest.mark.parametrize('name', KINDS)

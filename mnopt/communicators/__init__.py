@@ -49,6 +49,9 @@ def create_communicator(communicator_name: str = 'auto',
                         on_overflow: str = 'warn',
                         timeline: str | None = None,
                         segment_bytes: int | str | None = None,
+                        powersgd_rank: int | None = None,
+                        min_compression_rate: float | None = None,
+                        warm_start: bool | None = None,
                         **options: Any) -> CommunicatorBase:
     """Create a communicator.
 
@@ -70,16 +73,23 @@ def create_communicator(communicator_name: str = 'auto',
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
             the other ranks hanging).
-        compression: None, or ``'sign'``: signSGD with majority vote (see
+        compression: None; ``'sign'``: signSGD with majority vote (see
             mnopt/sign.py): every rank's gradients become signs and one
             scale per array; the result is the element-wise majority sign
             times the mean scale.  Ring communicators count votes on a ring
             (ceil(log2(i+1)) bits per element), ``reduction_server`` on the
-            servers (1 bit each way).
+            servers (1 bit each way).  ``'powersgd'``: PowerSGD's low-rank
+            mean (mnopt/powersgd.py): each gradient matrix (a conv kernel
+            as (out, in*kh*kw)) is sent as two factors of
+            ``powersgd_rank`` columns; vectors and small matrices whole.
+            ``'auto'``: PowerSGD on each gradient set (bucket) where its
+            first averagings, timed both ways, show that it pays, plain
+            averaging elsewhere.  See docs/compression.md.
         error_feedback: with ``compression``, carry each rank's compression
             error into its next gradient (default True).
         warmup_steps: with ``compression``, the first this many averagings
-            are uncompressed means (in ``allreduce_grad_dtype``).
+            (iterations: see ``mean_grads``) are uncompressed means (in
+            ``allreduce_grad_dtype``); PyTorch's ``start_powerSGD_iter``.
         vote: with ``compression='sign'`` on a ring communicator, how the
             votes are counted: ``'ring'`` (default; the counting ring, each
             rank talks to its neighbours only) or ``'alltoall'`` (1-bit
@@ -104,6 +114,14 @@ def create_communicator(communicator_name: str = 'auto',
             its own rule, 32 to 256 KiB), or ``'auto'`` (``flat``,
             ``hierarchical``), tuned as ``bucket_bytes``; not on
             ``reduction_server`` or ``pure_nccl`` (no ring).
+        powersgd_rank: with ``compression='powersgd'``/``'auto'``, the
+            rank of the approximation (default 1; PyTorch's
+            ``matrix_approximation_rank``).
+        min_compression_rate: with PowerSGD, a matrix is compressed only
+            where its elements exceed this many times those of its
+            factors (default 2.0, PyTorch's); others go whole.
+        warm_start: with PowerSGD, start each step's power iteration from
+            the last step's Q (default True) rather than a fresh draw.
         **options: the communicator's own; ``reduction_server`` takes
             ``chunk_bytes`` (256 KiB), ``window`` (chunks in flight per
             server, 6) (either may be ``'auto'``, tuned as
@@ -134,7 +152,10 @@ def create_communicator(communicator_name: str = 'auto',
                    'warmup_steps': warmup_steps, 'vote': vote,
                    'on_overflow': on_overflow,
                    'batched_copy': batched_copy, 'timeline': timeline,
-                   'segment_bytes': segment_bytes},
+                   'segment_bytes': segment_bytes,
+                   'powersgd_rank': powersgd_rank,
+                   'min_compression_rate': min_compression_rate,
+                   'warm_start': warm_start},
                   **options)
     if stall_warning is not None or timeout is not None:
         kwargs.update(stall_warning=stall_warning, timeout=timeout)

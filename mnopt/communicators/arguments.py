@@ -38,6 +38,61 @@ def tunable_argument(name, value, minimum, allow_none=False):
                                  ', None' if allow_none else '', value))
 
 
+#: ``compression``: sign votes (mnopt/sign.py), PowerSGD
+#: (mnopt/powersgd.py), or PowerSGD where it pays ('auto':
+#: mnopt/communicators/compression_guard.py).
+COMPRESSIONS = (None, 'sign', 'powersgd', 'auto')
+LOW_RANK = ('powersgd', 'auto')
+#: The PowerSGD settings, with their defaults (PyTorch's, but for the
+#: start: ``warmup_steps``).
+LOW_RANK_DEFAULTS = {'powersgd_rank': 1, 'min_compression_rate': 2.0,
+                     'warm_start': True}
+
+
+def compression_argument(name):
+    """``compression`` normalized ('none' is None), else a ValueError."""
+    if name is None or (isinstance(name, str) and name == 'none'):
+        return None
+    if not isinstance(name, str) or name not in COMPRESSIONS:
+        raise ValueError('unknown compression %r; choose one of %s'
+                         % (name, ', '.join(repr(c) for c in COMPRESSIONS)))
+    return name
+
+
+def low_rank_arguments(compression, powersgd_rank, min_compression_rate,
+                       warm_start):
+    """The PowerSGD settings, checked: their defaults with
+    ``compression='powersgd'`` or ``'auto'``, None without (where setting
+    one is a ValueError: taken and ignored, it would look like it did
+    something)."""
+    given = {'powersgd_rank': powersgd_rank,
+             'min_compression_rate': min_compression_rate,
+             'warm_start': warm_start}
+    if compression not in LOW_RANK:
+        for name, value in sorted(given.items()):
+            if value is not None:
+                raise ValueError(
+                    "%s=%r only applies with compression='powersgd' or "
+                    "'auto'" % (name, value))
+        return dict.fromkeys(given)
+    out = {name: LOW_RANK_DEFAULTS[name] if value is None else value
+           for name, value in given.items()}
+    out['powersgd_rank'] = whole_argument('powersgd_rank',
+                                          out['powersgd_rank'], 1)
+    rate = out['min_compression_rate']
+    if isinstance(rate, (bool, numpy.bool_)) or not isinstance(
+            rate, (int, float, numpy.integer, numpy.floating)) or \
+            not rate >= 0 or rate == float('inf'):
+        raise ValueError('min_compression_rate must be a finite number >= '
+                         '0, not %r' % (rate,))
+    out['min_compression_rate'] = float(rate)
+    if not isinstance(out['warm_start'], (bool, numpy.bool_)):
+        raise ValueError('warm_start must be True or False, not %r'
+                         % (out['warm_start'],))
+    out['warm_start'] = bool(out['warm_start'])
+    return out
+
+
 def timeline_argument(value):
     """``timeline``: a path (str or os.PathLike, as a str) or None
     (then $MNOPT_TIMELINE), else a ValueError."""
@@ -54,7 +109,8 @@ def timeline_argument(value):
 def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
                     compression, error_feedback, warmup_steps, vote,
                     stall_warning, timeout, on_overflow, batched_copy,
-                    timeline=None, segment_bytes=None):
+                    timeline=None, segment_bytes=None, powersgd_rank=None,
+                    min_compression_rate=None, warm_start=None):
     """The settings of a ``kind`` communicator (its name) made with these
     keyword arguments and ``options`` (those left over: none is known),
     checked and normalized; ValueError/TypeError for what it would refuse
@@ -62,7 +118,7 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
     if options:
         raise TypeError('%s communicator: unknown option(s) %s'
                         % (kind, ', '.join(sorted(options))))
-    compression = sign.normalize_compression(compression)
+    compression = compression_argument(compression)
     settings = {
         'allreduce_grad_dtype': grad_buffer.normalize_wire_dtype(
             allreduce_grad_dtype),
@@ -76,14 +132,16 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
         'timeout': timeout, 'on_overflow': overflow.normalize(on_overflow),
         'batched_copy': bool(batched_copy),
         'timeline': timeline_argument(timeline)}
+    settings.update(low_rank_arguments(compression, powersgd_rank,
+                                       min_compression_rate, warm_start))
     if settings['warmup_steps'] and compression is None:
-        raise ValueError("warmup_steps=%r only applies with "
-                         "compression='sign' (it counts the averagings "
-                         "before compression starts)" % (warmup_steps,))
-    if vote is not None and compression is None:
+        raise ValueError("warmup_steps=%r only applies with a compression "
+                         "(it counts the averagings before compression "
+                         "starts)" % (warmup_steps,))
+    if vote is not None and compression != 'sign':
         raise ValueError("vote=%r only applies with compression='sign'"
                          % (vote,))
-    if compression is not None:  # None is the default vote, 'ring'
+    if compression == 'sign':  # None is the default vote, 'ring'
         settings['vote'] = sign.normalize_vote(vote)
     tuning.check(kind, settings)
     if settings['segment_bytes'] is not None and kind in (

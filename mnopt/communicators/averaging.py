@@ -35,6 +35,7 @@ from mnopt.communicators.devices import device_of
 from mnopt.communicators.group import Group
 from mnopt.communicators.janitor import release_collected
 from mnopt.communicators.mean_handle import MeanHandle
+from mnopt.communicators.wires import Wires, current_wires
 from mnopt.stall import watched
 
 
@@ -42,13 +43,13 @@ class Averaging(object):
     """What every averaging of one communicator shares: its groups and
     background thread (``resources``, a Resources), the averaging in
     flight, the averaging counter, the time spent (in all, and per step:
-    ``stats``, a StepStats), the overflow reporter and the sign
-    compression state.  Holds no reference to the
+    ``stats``, a StepStats), the overflow reporter and the compression
+    state (sign or low-rank).  Holds no reference to the
     communicator, so a dropped one is freed at once: ``make_group`` (its
     hook, which makes the background thread's group) is held weakly."""
 
     def __init__(self, mpi_comm, name, make_group, resources, reporter,
-                 signs):
+                 signs, low_rank=None):
         self._mpi_comm = mpi_comm
         self._name = name
         self._make_group = weakref.WeakMethod(make_group)
@@ -57,6 +58,9 @@ class Averaging(object):
         self.overflow = reporter
         #: The SignCompression (compression='sign').
         self.signs = signs
+        #: The PowerSGDCompression (compression='powersgd' or 'auto'),
+        #: else None.
+        self.low_rank = low_rank
         #: The MeanHandle of the last background operation started.
         self.in_flight = MeanHandle()
         #: Averagings so far (warm-up, and the votes' coin).
@@ -130,58 +134,6 @@ class Averaging(object):
                 1, thread_name_prefix='mnopt-%s' % self._name,
                 initializer=_setup_averaging_thread, initargs=(self.timeline,))
         return resources.executor
-
-
-#: The timeline's Wires of the collective each thread is in.
-_current = threading.local()
-
-
-class Wires(object):
-    """The timeline's 'wire' spans of one collective, the span a
-    ``StepStats.wire_timer`` enters (made only when the timeline is on).
-    Inside it a transport that sums bucket by bucket records each bucket
-    as a 'wire' (``bucket(i, nbytes)``: args ``bucket`` = its index in the
-    collective, and its ``bytes``); where none did, the whole collective
-    is one 'wire'.  Every span carries ``args`` (``seq`` or ``gather``,
-    ``op``, ``comm``) and ``arrived``: when this thread arrived at the
-    collective (``StepStats.arrive``, before the layout check where a
-    late rank is waited for), in us on the trace's axis."""
-
-    __slots__ = ('_tl', 'args', '_start', '_split', '_outer')
-
-    def __init__(self, tl, stats, **args):
-        self._tl, self.args, self._split = tl, args, False
-        arrived = stats.arrived.get(threading.get_ident())
-        if arrived is not None:
-            args['arrived'] = round((arrived - tl.origin) * 1e6, 3)
-
-    def __enter__(self):
-        self._outer = getattr(_current, 'wires', None)
-        _current.wires = self
-        self._start = timelines.clock()
-        return self
-
-    def set(self, **args):
-        self.args.update(args)
-
-    @contextlib.contextmanager
-    def bucket(self, index, nbytes):
-        """One bucket's 'wire', inside this collective."""
-        self._split = True
-        start = timelines.clock()
-        try:
-            yield
-        finally:
-            args = dict(self.args, bucket=index, bytes=nbytes)
-            args.pop('buckets', None)
-            self._tl.record('wire', 'comm', start, timelines.clock(), **args)
-
-    def __exit__(self, *exc):
-        _current.wires = self._outer
-        if not self._split:
-            self._tl.record('wire', 'comm', self._start, timelines.clock(),
-                            **self.args)
-        return False
 
 
 def _setup_averaging_thread(timeline):
@@ -269,7 +221,7 @@ class AveragingPipeline(object):
         (a transport that sums bucket by bucket records one 'wire' per
         bucket with it: ``with wires.bucket(i, nbytes)``); None when the
         timeline is off: the transport then runs as it always does."""
-        return getattr(_current, 'wires', None) if self.timeline else None
+        return current_wires() if self.timeline else None
 
     def _traffic(self, nbytes, op):
         """(bytes sent, bytes received) by this rank for a collective of
@@ -372,6 +324,18 @@ class AveragingPipeline(object):
             return averaging.signs.mean(group, averaging.label(group), named,
                                         xp, step, self._vote, self.timeline,
                                         self._wire_span)
+        if averaging.low_rank is not None and warm >= self.warmup_steps:
+            # PowerSGD: its Ps and Qs are averaged as any gradient set.
+            return averaging.low_rank.mean(
+                averaging.label(group), named, xp,
+                lambda pairs: self._plain_mean(group, pairs, xp, step),
+                lambda seconds: self._tuning_exchange(group, seconds))
+        self._plain_mean(group, named, xp, step)
+
+    def _plain_mean(self, group, named, xp, step):
+        """The mean of ``named`` in place over ``group``: packed in the
+        wire dtype, summed by the algorithm, unpacked."""
+        averaging = self.averaging
         alone = self.size == 1 and self.skip_single_rank
         # 'auto' settings: while a group tunes, its averagings run with a
         # candidate (the tuner's current values, which the hooks read) and

@@ -41,6 +41,7 @@ from mnopt.communicators.chainer_glue import ChainerGlue
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
 from mnopt.communicators.communicator_base import CommunicatorBase
 from mnopt.communicators.compression import SignCompression
+from mnopt.communicators.low_rank import PowerSGDCompression
 from mnopt.communicators.janitor import release_after_collection
 from mnopt.communicators.janitor import release_collected, start_janitor
 from mnopt.communicators.mean_handle import MeanHandle
@@ -136,7 +137,11 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         self.averaging = Averaging(
             mpi_comm, self.name, self._make_group, resources,
             overflow.Reporter(settings['on_overflow']),
-            SignCompression(self.error_feedback))
+            SignCompression(self.error_feedback), PowerSGDCompression(
+                settings['powersgd_rank'], settings['min_compression_rate'],
+                self.error_feedback, settings['warm_start'],
+                guarded=self.compression == 'auto')
+            if self.compression in ('powersgd', 'auto') else None)
         label = _label(self.name, mpi_comm)
         #: This communicator in the timeline (the 'comm' of its 'wire'
         #: spans), in stall reports and in the per-step figures' matching

@@ -76,14 +76,16 @@ class ChainerGlue(object):
                               local: bool = True) -> None:
         """Save (a Chainer Serializer) or load (a Deserializer) the state
         of gradient compression, so that a run resumed from a snapshot
-        continues bit for bit.  Nothing without ``compression='sign'``.
+        continues bit for bit.  Nothing without ``compression``.
         Waits for a background averaging first.
 
         ``shared``: the averaging counter ``steps`` (warm-up, and the
-        votes' coin), the same on every rank.  ``local``: with
+        votes' coin) and, with ``compression='auto'``, the choice made
+        for each gradient set, the same on every rank.  ``local``: with
         ``error_feedback``, this rank's residuals, one per gradient layout
         averaged (per bucket with overlap; those averaged in the
-        background apart).  The multi-node optimizer's snapshot holds both;
+        background apart); with PowerSGD also its warm Qs (the same on
+        every rank, so they are taken from any rank's snapshot).  The multi-node optimizer's snapshot holds both;
         the state its replicas agree on after a load, the shared part only.
 
         Residuals are rank-local: a rank takes them only from a snapshot
@@ -95,14 +97,16 @@ class ChainerGlue(object):
         ChainerMN) loads and changes nothing.  Loaded residuals wait until
         the first averaging of their layout builds its codec.
         """
-        if self.compression != 'sign':
+        if self.compression is None:
             return
         import chainer   # the Chainer layer's call
         averaging = self.averaging
         averaging.in_flight.wait()
+        state = averaging.signs if self.compression == 'sign' \
+            else averaging.low_rank
         if isinstance(serializer, chainer.serializer.Deserializer):
-            averaging.signs.load(serializer, averaging, self.rank,
-                                 self.size, shared, local)
+            state.load(serializer, averaging, self.rank, self.size, shared,
+                       local)
         else:
-            averaging.signs.save(serializer, averaging, self.rank,
-                                 self.size, shared, local)
+            state.save(serializer, averaging, self.rank, self.size, shared,
+                       local)

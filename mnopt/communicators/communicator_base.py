@@ -72,6 +72,9 @@ class CommunicatorBase(object):
                         on_overflow: str = 'warn', batched_copy: bool = True,
                         timeline: str | None = None,
                         segment_bytes: int | str | None = None,
+                        powersgd_rank: int | None = None,
+                        min_compression_rate: float | None = None,
+                        warm_start: bool | None = None,
                         **options: Any) -> dict[str, Any]:
         """Raise ValueError/TypeError for arguments (and MNOPT_* settings)
         this communicator would refuse, without communicating: the
@@ -89,7 +92,10 @@ class CommunicatorBase(object):
             error_feedback=error_feedback, warmup_steps=warmup_steps,
             vote=vote, stall_warning=stall_warning, timeout=timeout,
             on_overflow=on_overflow, batched_copy=batched_copy,
-            timeline=timeline, segment_bytes=segment_bytes)
+            timeline=timeline, segment_bytes=segment_bytes,
+            powersgd_rank=powersgd_rank,
+            min_compression_rate=min_compression_rate,
+            warm_start=warm_start)
 
     @classmethod
     def shared_settings(cls, settings: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,13 @@ SHARED_SETTINGS = {
     'bucket_bytes': 'the bytes of each reduction call: different sizes '
                     'truncate messages (MPI aborts the job)',
     'compression': 'a vote of signs on some ranks against a sum on others '
-                   'hangs',
+                   'hangs; PowerSGD makes two averagings of other sizes',
+    'powersgd_rank': "PowerSGD's factors have this many columns: other "
+                     'ranks sum messages of other sizes',
+    'min_compression_rate': 'which arrays PowerSGD compresses: a rank '
+                            'that compresses others sums other layouts',
+    'warm_start': "PowerSGD's Q: the last step's on some ranks against a "
+                  'fresh draw on others sums unrelated factors',
     'error_feedback': 'the vote is one vote only if every rank carries (or '
                       'drops) its compression error alike',
     'warmup_steps': 'the averaging at which the votes begin: ranks that '

@@ -54,7 +54,7 @@ import numpy
 
 from mnopt import grad_buffer
 from mnopt.arrays import array_module
-from mnopt.communicators.averaging import Wires
+from mnopt.communicators.wires import Wires
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.devices import on_device
 from mnopt.communicators.mean_handle import MeanHandle
@@ -101,6 +101,12 @@ class ShardedCollectives(object):
                     'and every rank decodes the whole vote; a sharded '
                     'optimizer needs each rank to receive the mean of its '
                     'share only (see docs/limits.md)')
+        if self.compression in ('powersgd', 'auto'):
+            return ('compression=%r sends low-rank factors of whole '
+                    'gradient matrices, from which every rank rebuilds the '
+                    'whole mean; a sharded optimizer reduce-scatters, so '
+                    'that each rank receives the mean of its share only '
+                    '(see docs/limits.md)' % (self.compression,))
         cls = type(self)
         if cls._shard_reduce_scatter is \
                 ShardedCollectives._shard_reduce_scatter and \

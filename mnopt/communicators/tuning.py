@@ -99,8 +99,9 @@ def check(kind, settings):
     if settings.get('compression') is not None:
         raise ValueError(
             "%s='auto' does not combine with compression=%r: tuning times "
-            'plain averagings, and a compressed one is a vote; pass '
-            'numbers' % (names[0], settings['compression']))
+            'plain averagings of one gradient set, and a compressed one '
+            'is a vote or averages other sets (the low-rank factors); '
+            'pass numbers' % (names[0], settings['compression']))
 
 
 class Tuner(object):

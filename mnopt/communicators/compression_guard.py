@@ -1,0 +1,56 @@
+"""The guard of ``compression='auto'``: compress a gradient set only where
+the job's own averagings show that it pays.
+
+A compressor that makes training slower is worse than none (Agarwal et
+al., MLSys 2022, found compression ahead of a well-tuned synchronous
+baseline in few setups).  So each gradient set (a bucket, with overlap)
+is timed both ways in its first averagings once compression has started:
+plain and compressed in turn, ``ROUNDS`` times each.  Its time each way
+on one rank is the least of its rounds, its time overall that of its
+slowest rank; after the last round the ranks exchange their times once
+(``quickest``: agreement.quickest over the group), and every rank keeps
+the same way for that set from then on: compressed only where it was
+strictly quicker.  The averagings of a group run in the same order on
+every rank, so each set's exchange comes at the same averaging
+everywhere.
+"""
+
+#: The two ways a gradient set is averaged.
+PLAIN, COMPRESSED = 'plain', 'compressed'
+#: Averagings of each way per gradient set before the choice.
+ROUNDS = 2
+
+
+class CompressionGuard(object):
+    """The trials and choices of one communicator's gradient sets
+    (``key``: (group label, names)).  ``choices``: {key: PLAIN or
+    COMPRESSED}, the same on every rank (kept in snapshots)."""
+
+    def __init__(self):
+        self.choices = {}
+        self._times = {}   # key -> ([plain seconds], [compressed seconds])
+
+    def next(self, key):
+        """The way the next averaging of ``key`` goes."""
+        choice = self.choices.get(key)
+        if choice is not None:
+            return choice
+        plain, compressed = self._times.get(key, ((), ()))
+        return PLAIN if len(plain) <= len(compressed) else COMPRESSED
+
+    def record(self, key, way, seconds, quickest):
+        """After an averaging of ``key`` that went ``way`` in ``seconds``
+        here (and ended without an error on every rank)."""
+        if key in self.choices:
+            return
+        plain, compressed = self._times.setdefault(key, ([], []))
+        (plain if way == PLAIN else compressed).append(seconds)
+        if len(compressed) == ROUNDS and len(plain) == ROUNDS:
+            best, _ = quickest([min(plain), min(compressed)])
+            self.choices[key] = (PLAIN, COMPRESSED)[best]
+            del self._times[key]
+
+    def forget_trials(self):
+        """Drop the trials under way (a snapshot was loaded: they start
+        again where no choice came with it)."""
+        self._times = {}
