@@ -249,38 +249,77 @@ def reproject(state, matrices, summed_ps, xp=None):
     return ps, qs
 
 
-def outer_sum(p, q):
+def outer_sum(p, q, q_rows=None):
     """P Q^T summed rank-one term by term, in order: the same bits on
-    every rank and device for the same P and Q (no BLAS)."""
-    out = p[:, 0:1] * q[:, 0][None, :]
+    every rank and device for the same P and Q (no BLAS).  ``q_rows``:
+    Q^T made contiguous (its columns are strided), if the caller has it."""
+    q_rows = q.T if q_rows is None else q_rows
+    xp = array_module([p])
+    out = xp.multiply(p[:, 0:1], q_rows[0][None, :])
+    term = xp.empty_like(out) if p.shape[1] > 1 else None
     for j in range(1, p.shape[1]):
-        out = out + p[:, j:j + 1] * q[:, j][None, :]
+        out += xp.multiply(p[:, j:j + 1], q_rows[j][None, :], out=term)
     return out
 
 
+#: Elements of M_hat rebuilt at a time on the host: a block of rows that
+#: stays in the CPU's cache while it is cast out and taken from M (three
+#: passes over memory become one).  Each element's arithmetic is the same
+#: whatever the block, so its bits are too.
+BLOCK_ELEMENTS = 1 << 14
+
+
+def rebuild(p, q, m, out, world_size=1, error_feedback=True):
+    """``out[...] = P Q^T / world_size`` (cast to ``out``'s dtype; ``out``
+    shaped as M), and with ``error_feedback`` ``m -= `` that same M_hat,
+    in place (``m`` then holds the residual).  Row block by row block
+    on the host, all at once on a GPU."""
+    xp = array_module([m])
+    n, cols = m.shape
+    rows = n if xp is not numpy else max(1, BLOCK_ELEMENTS // max(cols, 1))
+    scale = m.dtype.type(world_size)
+    q_rows = xp.ascontiguousarray(q.T)
+    for start in range(0, n, rows):
+        block = slice(start, start + rows)
+        m_hat = outer_sum(p[block], q, q_rows)
+        if world_size != 1:   # x / 1 is x: skipped, the same bits
+            m_hat /= scale
+        out[block] = m_hat
+        if error_feedback:
+            m[block] -= m_hat
+
+
 def reconstruct(state, grads, matrices, ps, summed_qs, summed_plain,
-                world_size, xp=None):
+                world_size, xp=None, out=None):
     """The end of a step: the mean gradients (a list shaped and typed as
-    ``grads``), the residuals and warm Qs kept, the step counted.
+    ``grads``; with ``out``, a list of arrays to write them into, where
+    it is not None, and that list), the residuals and warm Qs kept, the
+    step counted.  The matrices of ``matrices`` become the residuals.
 
     The residual is M - M_hat, PyTorch's choice, not the paper's
     M - P P^T M: the two differ by this rank's M minus the ranks' mean M,
     which sums to zero over the ranks, and the step is linear in the sum
     of the Ms, so both give the same means (up to rounding); this one
     reuses M_hat instead of another product."""
-    out = [None] * len(grads)
+    out = [None] * len(grads) if out is None else out
     for index, total in summed_plain.items():
         out[index] = (total / world_size).astype(grads[index].dtype,
                                                  copy=False)
     for index, m in matrices.items():
-        q = summed_qs[index]
-        m_hat = outer_sum(ps[index], q) / m.dtype.type(world_size)
+        target = out[index]
+        if target is None:
+            target = out[index] = (xp or array_module([m])).empty(
+                grads[index].shape, grads[index].dtype)
+        elif not target.flags.c_contiguous:
+            # Its reshape to M's shape would be a copy, not a view.
+            raise ValueError('reconstruct writes into C-contiguous arrays '
+                             'only (out[%d] is not)' % index)
+        rebuild(ps[index], summed_qs[index], m, target.reshape(m.shape),
+                world_size, state.use_error_feedback)
         if state.use_error_feedback:
-            state.errors[index] = m - m_hat
+            state.errors[index] = m
         if state.warm_start:
-            state.qs[index] = q.copy()   # not the caller's buffer
-        out[index] = m_hat.reshape(grads[index].shape).astype(
-            grads[index].dtype, copy=False)
+            state.qs[index] = summed_qs[index].copy()   # not the caller's
     if state.warm_start:
         refresh_dead_columns(state, xp)
     state.iteration += 1

@@ -104,7 +104,7 @@ class PowerSGDCompression(object):
                 'mnopt: warning: rank %d loaded the snapshot of rank %d of '
                 '%d: its PowerSGD residuals restart at zero, so the resumed '
                 'run is not the uninterrupted one bit for bit (give each '
-                'rank a snapshot file of its own for an exact resume)',
+                'rank a replica set of its own for an exact resume)',
                 *self.foreign)
             self.foreign = None
 
@@ -118,10 +118,14 @@ class PowerSGDCompression(object):
         ps, qs = powersgd.reproject(state, matrices, ps, xp)
         if qs:
             mean_of([(names[i] + Q_SUFFIX, qs[i]) for i in sorted(qs)])
+        # Written into the gradients where they are contiguous (all of a
+        # Chainer model's are), else copied back.
+        into = [g if g.flags.c_contiguous else None for g in grads]
         means = powersgd.reconstruct(state, grads, matrices, ps, qs, {}, 1,
-                                     xp)
+                                     xp, out=into)
         for i in matrices:
-            grads[i][...] = means[i]
+            if means[i] is not grads[i]:
+                grads[i][...] = means[i]
 
     @staticmethod
     def _flush_errors(state, named):
