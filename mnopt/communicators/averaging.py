@@ -325,10 +325,19 @@ class AveragingPipeline(object):
                                         xp, step, self._vote, self.timeline,
                                         self._wire_span)
         if averaging.low_rank is not None and warm >= self.warmup_steps:
-            # PowerSGD: its Ps and Qs are averaged as any gradient set.
+            # PowerSGD: its Ps and Qs are averaged as any gradient set,
+            # each averaging a number of its own (the timeline's 'seq').
+            numbers = iter([step])
+
+            def mean_of(pairs):
+                number = next(numbers, None)
+                if number is None:   # the Qs: arrives at another collective
+                    averaging.stats.arrive()
+                    number = averaging.next_step()
+                self._plain_mean(group, pairs, xp, number)
+
             return averaging.low_rank.mean(
-                averaging.label(group), named, xp,
-                lambda pairs: self._plain_mean(group, pairs, xp, step),
+                averaging.label(group), named, xp, mean_of,
                 lambda seconds: self._tuning_exchange(group, seconds))
         self._plain_mean(group, named, xp, step)
 
