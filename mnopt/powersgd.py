@@ -108,8 +108,11 @@ def orthogonalize(a, epsilon=0.0, xp=None):
     docstring."""
     xp = xp or array_module([a])
     q = a.copy()
-    _gram_schmidt_pass(q, epsilon, xp)
-    _gram_schmidt_pass(q, epsilon, xp)
+    # A non-finite P (an inf in some gradient) gives NaN, which the step
+    # then reports by its mean (``reconstruct``): no warning per column.
+    with numpy.errstate(invalid='ignore', over='ignore'):
+        _gram_schmidt_pass(q, epsilon, xp)
+        _gram_schmidt_pass(q, epsilon, xp)
     return q
 
 
@@ -147,11 +150,8 @@ class PowerSGDState(object):
     ``use_error_feedback``, ``warm_start`` (else a fresh seeded Q every
     step) and ``epsilon`` (orthogonalization_epsilon).  The state is
     ``iteration`` (steps taken), ``errors`` and ``qs`` ({plan index:
-    array}, the arrays on the gradients' device); ``to_arrays`` and
-    ``from_arrays`` carry all of it, settings included, bit for bit."""
-
-    SETTINGS = ('rank', 'start_iter', 'min_compression_rate',
-                'use_error_feedback', 'warm_start', 'epsilon', 'seed')
+    array}, the arrays on the gradients' device; a communicator keeps the
+    residuals per parameter: mnopt/communicators/low_rank.py)."""
 
     def __init__(self, shapes, rank=1, start_iter=1000,
                  min_compression_rate=2.0, use_error_feedback=True,
@@ -184,43 +184,6 @@ class PowerSGDState(object):
                          dtype, xp, step)
         return q
 
-    def to_arrays(self):
-        """{name: numpy array}: everything, for a snapshot (npz-ready)."""
-        flat = [len(s) for s in self.shapes] + [d for s in self.shapes
-                                                for d in s]
-        out = {'iteration': numpy.array(self.iteration, numpy.int64),
-               'shapes': numpy.array([len(self.shapes)] + flat, numpy.int64)}
-        for name in self.SETTINGS:
-            value = getattr(self, name)
-            out[name] = numpy.array(value, numpy.float64
-                                    if isinstance(value, float)
-                                    else numpy.int64)
-        for kind, arrays in (('error', self.errors), ('q', self.qs)):
-            for index, a in sorted(arrays.items()):
-                out['%s_%d' % (kind, index)] = to_host(a).copy()
-        return out
-
-    @classmethod
-    def from_arrays(cls, arrays, xp=numpy):
-        """The state ``to_arrays`` wrote, its arrays put on ``xp``."""
-        flat = [int(v) for v in numpy.asarray(arrays['shapes'])]
-        count, ndims = flat[0], flat[1:1 + flat[0]]
-        dims, shapes = flat[1 + count:], []
-        for ndim in ndims:
-            shapes.append(tuple(dims[:ndim]))
-            dims = dims[ndim:]
-        settings = {name: numpy.asarray(arrays[name]).item()
-                    for name in cls.SETTINGS}
-        state = cls(shapes, **settings)
-        state.iteration = int(numpy.asarray(arrays['iteration']))
-        for key, a in arrays.items():
-            kind, _, index = key.partition('_')
-            if kind in ('error', 'q') and index.isdigit():
-                target = state.errors if kind == 'error' else state.qs
-                target[int(index)] = (numpy.array(a) if xp is numpy
-                                      else xp.asarray(a))
-        return state
-
 
 def project(state, grads, xp=None):
     """First half, local: (matrices, ps, plain).  ``matrices`` and ``ps``
@@ -242,8 +205,20 @@ def project(state, grads, xp=None):
         if state.use_error_feedback and e.index in state.errors:
             m += state.errors[e.index]
         matrices[e.index] = m
-        ps[e.index] = xp.matmul(m, state.q_for(e, dtype, xp))
+        ps[e.index] = xp.matmul(m, unit_columns(state.q_for(e, dtype, xp),
+                                                xp))
     return matrices, ps, plain
+
+
+def unit_columns(q, xp):
+    """``q`` with each column scaled to norm 1 (a zero column stays zero).
+    The warm Q is a mean of M^T P, as large as the gradients' singular
+    values, so M Q would be as large as their square: beyond float16 for
+    gradients of 100, below its resolution for 1e-3.  Scaled, P is no
+    larger than a row of M; Gram-Schmidt gives the same P either way
+    (it takes each column's scale out), up to rounding."""
+    norms = xp.sqrt(xp.sum(q * q, axis=0))
+    return q / xp.where(norms == 0, q.dtype.type(1), norms)[None, :]
 
 
 def reproject(state, matrices, summed_ps, xp=None):
@@ -305,6 +280,14 @@ def reconstruct(state, grads, matrices, ps, summed_qs, summed_plain,
     it is not None, and that list), the residuals and warm Qs kept, the
     step counted.  The matrices of ``matrices`` become the residuals.
 
+    A step whose factors are not finite (an inf or NaN in some rank's
+    gradient, or a 16-bit wire that overflowed) gives its non-finite mean
+    (the optimizer or the loss scaler skips it) and changes no state:
+    the residuals and Qs stay as they were, so that the next finite step
+    goes on from them.  Kept, a NaN would poison every later step.  The
+    summed factors are the same bits on every rank, so every rank decides
+    alike.
+
     The residual is M - M_hat, PyTorch's choice, not the paper's
     M - P P^T M: the two differ by this rank's M minus the ranks' mean M,
     which sums to zero over the ranks, and the step is linear in the sum
@@ -314,7 +297,11 @@ def reconstruct(state, grads, matrices, ps, summed_qs, summed_plain,
     for index, total in summed_plain.items():
         out[index] = (total / world_size).astype(grads[index].dtype,
                                                  copy=False)
-    for index, m in matrices.items():
+    order = sorted(matrices)
+    finite, dead = inspect_factors([ps[i] for i in order],
+                                   [summed_qs[i] for i in order], xp)
+    for index in order:
+        m = matrices[index]
         target = out[index]
         if target is None:
             target = out[index] = (xp or array_module([m])).empty(
@@ -324,28 +311,41 @@ def reconstruct(state, grads, matrices, ps, summed_qs, summed_plain,
             raise ValueError('reconstruct writes into C-contiguous arrays '
                              'only (out[%d] is not)' % index)
         rebuild(ps[index], summed_qs[index], m, target.reshape(m.shape),
-                world_size, state.use_error_feedback)
+                world_size, state.use_error_feedback and finite)
+        if not finite:
+            continue
         if state.use_error_feedback:
             state.errors[index] = m
         if state.warm_start:
             state.qs[index] = summed_qs[index].copy()   # not the caller's
+    if not finite:
+        return out
     if state.warm_start:
-        refresh_dead_columns(state, xp)
+        refresh_dead_columns(state, order, dead, xp)
     state.iteration += 1
     return out
 
 
-def refresh_dead_columns(state, xp=None):
-    """Redraw the all-zero columns of the warm Qs (a zero gradient, or a
-    sum of rank below ``rank``): a zero column of Q would stay zero ever
+def inspect_factors(ps, qs, xp=None):
+    """(whether every P and Q is finite, the all-zero columns of the Qs:
+    a boolean numpy array, the Qs' columns in order): one transfer from
+    the device for both."""
+    if not qs:
+        return True, numpy.zeros(0, bool)
+    xp = xp or array_module(qs)
+    flags = to_host(xp.concatenate(
+        [xp.stack([xp.isfinite(p).all() for p in ps] +
+                  [xp.isfinite(q).all() for q in qs])] +
+        [xp.all(q == 0, axis=0) for q in qs]))
+    return bool(flags[:2 * len(qs)].all()), flags[2 * len(qs):]
+
+
+def refresh_dead_columns(state, order, dead, xp=None):
+    """Redraw the all-zero columns of the warm Qs of plan indices
+    ``order`` (``dead``: inspect_factors' flags; a zero gradient, or a sum
+    of rank below ``rank``): a zero column of Q would stay zero ever
     after.  The Qs are all-reduced, so every rank redraws the same ones,
-    from (seed, index, iteration); one host transfer for all the arrays."""
-    if not state.qs:
-        return
-    order = sorted(state.qs)
-    xp = xp or array_module([state.qs[i] for i in order])
-    dead = to_host(xp.concatenate(
-        [xp.all(state.qs[i] == 0, axis=0) for i in order]))
+    from (seed, index, iteration)."""
     if not dead.any():
         return
     at = 0
@@ -355,7 +355,7 @@ def refresh_dead_columns(state, xp=None):
         at += q.shape[1]
         if cols.size:
             fresh = random_q(state.seed, i, q.shape[0], q.shape[1], q.dtype,
-                             xp, state.iteration)
+                             xp or array_module([q]), state.iteration)
             q = q.copy()
             for c in cols.tolist():   # plain ints index numpy and CuPy
                 q[:, c] = fresh[:, c]

@@ -159,8 +159,8 @@ def test_error_feedback_loses_nothing():
                               for n in every) / WORLD.size
             comm.mean_grads(named)
             sent = sent + named[0][1]
-        (state,) = comm.averaging.low_rank.states.values()
-        residual = sum(WORLD.allgather(state.errors[0])) / WORLD.size
+        mine = comm.averaging.low_rank.residuals[('sync', 'g0')]
+        residual = sum(WORLD.allgather(mine)) / WORLD.size
         numpy.testing.assert_allclose(sent + residual, true, rtol=1e-4,
                                       atol=1e-4)
         # And the compression did leave something out.
@@ -196,21 +196,22 @@ def test_auto_keeps_the_quicker_way_on_every_rank(quicker, monkeypatch):
         choices = comm.averaging.low_rank.guard.choices
         assert list(choices.values()) == [quicker]
         assert all(c == choices for c in WORLD.allgather(choices))
-        (state,) = comm.averaging.low_rank.states.values()
+        residuals = comm.averaging.low_rank.residuals
         named = grads_of(9)
         if quicker == compression_guard.PLAIN:
-            # The residual of the last compressed averaging goes in.
-            expected = [(n, a + state.errors.get(i, 0).reshape(a.shape)
-                         if i in state.errors else a.copy())
-                        for i, (n, a) in enumerate(named)]
+            # The residuals of the last compressed averaging go in.
+            expected = [(n, a + residuals[('sync', n)].reshape(a.shape)
+                         if ('sync', n) in residuals else a.copy())
+                        for n, a in named]
+            assert len(expected) > len(residuals) > 0
             reference.mean_grads(expected)
             comm.mean_grads(named)
-            assert state.errors == {}
+            assert residuals == {}
             for (name, got), (_, want) in zip(named, expected):
                 assert got.tobytes() == want.tobytes(), name
         else:
             comm.mean_grads(named)
-            assert state.errors
+            assert residuals
         assert everyone_same(named)
     finally:
         comm.finalize()
@@ -304,5 +305,156 @@ def test_shard_state_is_refused_on_every_rank():
                                              'gradient matrices'):
             mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(), comm,
                                               shard_state=True)
+    finally:
+        comm.finalize()
+
+
+# -- where PowerSGD meets the rest ------------------------------------------
+
+@pytest.mark.parametrize('wire', [None, 'float16'])
+def test_a_non_finite_step_leaves_the_state_as_it_was(wire):
+    """An inf in one rank's gradient (a loss scaler's overflow), or a
+    float16 wire that overflows: that step's mean is not finite (the
+    optimizer skips it); the Qs and residuals stay those of the step
+    before, and the next steps are finite again."""
+    comm = mnopt.create_communicator('flat', compression='powersgd',
+                                     allreduce_grad_dtype=wire)
+    comm.skip_single_rank = False   # one rank too packs into the wire
+    try:
+        finite = []
+        for step in range(4):
+            named = grads_of(step)
+            if step == 1 and WORLD.rank == 0:
+                named[1][1][0, 0] = numpy.inf if wire is None else 1e6
+            if step == 1:
+                (state,) = comm.averaging.low_rank.states.values()
+                before = ({i: q.copy() for i, q in state.qs.items()},
+                          {k: r.copy() for k, r in
+                           comm.averaging.low_rank.residuals.items()})
+            with mnopt_records():   # the overflow's warning
+                comm.mean_grads(named)
+            finite.append(all(numpy.isfinite(a).all() for _, a in named))
+            if step == 1:
+                qs, residuals = before
+                assert state.iteration == 1
+                assert all(state.qs[i].tobytes() == q.tobytes()
+                           for i, q in qs.items())
+                assert all(comm.averaging.low_rank.residuals[k].tobytes()
+                           == r.tobytes() for k, r in residuals.items())
+        assert finite == [True, False, True, True]
+        assert state.iteration == 3
+    finally:
+        comm.finalize()
+
+
+def test_every_gradient_set_keeps_its_state_however_many():
+    comm = mnopt.create_communicator('flat', compression='powersgd')
+    try:
+        for _ in range(2):
+            for b in range(300):   # overlap's buckets of a large model
+                comm.mean_grads([('b%d' % b, numpy.ones((6, 5),
+                                                        numpy.float32))])
+        states = comm.averaging.low_rank.states
+        assert len(states) == 300
+        assert {s.iteration for s in states.values()} == {2}
+    finally:
+        comm.finalize()
+
+
+def test_a_residual_follows_its_parameter_into_another_set():
+    """Overlap's first updates average the whole model, its later ones
+    bucket by bucket: each parameter's residual goes with it."""
+    comm = mnopt.create_communicator('flat', compression='powersgd')
+    try:
+        whole = grads_of(0)
+        comm.mean_grads(whole)
+        residuals = comm.averaging.low_rank.residuals
+        held = {k: r.copy() for k, r in residuals.items()}
+        assert sorted(n for _, n in held) == ['g0', 'g1', 'g2']
+        bucket = grads_of(1)[1:3]
+        comm.mean_grads(bucket)
+        # g1, g2 took theirs in (and left new ones); g0's waits for it.
+        assert residuals[('sync', 'g0')].tobytes() == \
+            held[('sync', 'g0')].tobytes()
+        assert all(residuals[('sync', n)].tobytes() !=
+                   held[('sync', n)].tobytes() for n in ('g1', 'g2'))
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+@pytest.mark.parametrize('what', ['dtype', 'shape'])
+def test_gradients_that_differ_across_ranks_are_refused(what):
+    """Their factors would look alike (float32, the same matrix): the
+    layout check still sees the gradients' dtypes and shapes."""
+    comm = mnopt.create_communicator('flat', compression='powersgd')
+    try:
+        g = numpy.ones((8, 3, 3, 3), numpy.float32)
+        if WORLD.rank == 1:
+            g = g.astype(numpy.float16) if what == 'dtype' \
+                else g.reshape(8, 27)
+        with pytest.raises(mnopt.LayoutMismatchError, match='powersgd.P'):
+            comm.mean_grads([('w', g)])
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('saved, loaded', [('sign', 'powersgd'),
+                                           ('powersgd', 'sign'),
+                                           ('sign', 'auto')])
+def test_a_snapshot_of_another_compression_loads(saved, loaded):
+    chainer = pytest.importorskip('chainer')
+    comm = mnopt.create_communicator('flat', compression=saved)
+    other = mnopt.create_communicator('flat', compression=loaded)
+    try:
+        comm.mean_grads(grads_of(0))
+        state = {}
+        comm.serialize_compression(
+            chainer.serializers.DictionarySerializer(state))
+        with mnopt_records() as records:
+            other.serialize_compression(
+                chainer.serializers.NpzDeserializer(state))
+        assert any('another compression' in r.getMessage()
+                   for r in records)
+        assert other.averaging.steps == comm.averaging.steps
+        named = grads_of(1)
+        other.mean_grads(named)
+        assert everyone_same(named)
+    finally:
+        comm.finalize()
+        other.finalize()
+
+
+def test_a_snapshot_of_other_settings_runs_with_the_communicators():
+    chainer = pytest.importorskip('chainer')
+    comm = mnopt.create_communicator('flat', compression='powersgd')
+    other = mnopt.create_communicator('flat', compression='powersgd',
+                                      powersgd_rank=2, error_feedback=False)
+    try:
+        comm.mean_grads(grads_of(0))
+        state = {}
+        comm.serialize_compression(
+            chainer.serializers.DictionarySerializer(state))
+        other.serialize_compression(
+            chainer.serializers.NpzDeserializer(state))
+        with mnopt_records() as records:
+            other.mean_grads(grads_of(1))
+        said = [r.getMessage() for r in records
+                if 'powersgd_rank=1' in r.getMessage()]
+        assert len(said) == (WORLD.rank == 0), said
+        (state,) = other.averaging.low_rank.states.values()
+        assert (state.rank, state.use_error_feedback) == (2, False)
+        assert state.iteration == 2   # the count comes along
+        assert other.averaging.low_rank.residuals == {}
+    finally:
+        comm.finalize()
+        other.finalize()
+
+
+def test_auto_is_not_a_tuned_setting():
+    comm = mnopt.create_communicator('flat', compression='auto')
+    try:
+        assert 'tuned' not in comm.shared_settings(comm.settings)
+        assert comm.tuned_settings == {}
     finally:
         comm.finalize()
