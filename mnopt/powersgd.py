@@ -97,13 +97,26 @@ def work_dtype(dtype):
 
 
 def orthogonalize(a, epsilon=0.0, xp=None):
-    """A copy of the 2-D ``a`` with orthonormal columns (modified
-    Gram-Schmidt, column by column, left to right).  ``epsilon`` is added
-    to each norm before dividing; a column of norm 0 (a zero gradient,
-    or a rank beyond that of ``a``) stays zero, where a plain division
-    would give NaN.  Deterministic: see the module's docstring."""
+    """A copy of the 2-D ``a`` with orthonormal columns: modified
+    Gram-Schmidt, column by column, left to right, twice ("twice is
+    enough": one pass in float32 leaves columns of an ill-conditioned
+    ``a`` off orthogonal by its condition number times the rounding; at
+    full rank that was 1e-3 of the mean).  ``epsilon`` is added to each
+    norm before dividing (PyTorch's orthogonalization epsilon); a column of norm 0 (a zero
+    gradient, or a rank beyond that of ``a``) stays zero, where a plain
+    division would give NaN.  Deterministic: see the module's
+    docstring."""
     xp = xp or array_module([a])
     q = a.copy()
+    # A non-finite P (an inf in some gradient) gives NaN, which the step
+    # then reports by its mean (``reconstruct``): no warning per column.
+    with numpy.errstate(invalid='ignore', over='ignore'):
+        _gram_schmidt_pass(q, epsilon, xp)
+        _gram_schmidt_pass(q, epsilon, xp)
+    return q
+
+
+def _gram_schmidt_pass(q, epsilon, xp):
     for i in range(q.shape[1]):
         col = q[:, i]
         norm = xp.sqrt(xp.sum(col * col))
@@ -116,7 +129,6 @@ def orthogonalize(a, epsilon=0.0, xp=None):
             # Fixed order: an element-wise product, then a sum along axis 0.
             coef = xp.sum(col[:, None] * rest, axis=0)
             q[:, i + 1:] = rest - col[:, None] * coef[None, :]
-    return q
 
 
 def random_q(seed, index, m, rank, dtype, xp=numpy, step=None):
@@ -138,11 +150,8 @@ class PowerSGDState(object):
     ``use_error_feedback``, ``warm_start`` (else a fresh seeded Q every
     step) and ``epsilon`` (orthogonalization_epsilon).  The state is
     ``iteration`` (steps taken), ``errors`` and ``qs`` ({plan index:
-    array}, the arrays on the gradients' device); ``to_arrays`` and
-    ``from_arrays`` carry all of it, settings included, bit for bit."""
-
-    SETTINGS = ('rank', 'start_iter', 'min_compression_rate',
-                'use_error_feedback', 'warm_start', 'epsilon', 'seed')
+    array}, the arrays on the gradients' device; a communicator keeps the
+    residuals per parameter: mnopt/communicators/low_rank.py)."""
 
     def __init__(self, shapes, rank=1, start_iter=1000,
                  min_compression_rate=2.0, use_error_feedback=True,
@@ -175,43 +184,6 @@ class PowerSGDState(object):
                          dtype, xp, step)
         return q
 
-    def to_arrays(self):
-        """{name: numpy array}: everything, for a snapshot (npz-ready)."""
-        flat = [len(s) for s in self.shapes] + [d for s in self.shapes
-                                                for d in s]
-        out = {'iteration': numpy.array(self.iteration, numpy.int64),
-               'shapes': numpy.array([len(self.shapes)] + flat, numpy.int64)}
-        for name in self.SETTINGS:
-            value = getattr(self, name)
-            out[name] = numpy.array(value, numpy.float64
-                                    if isinstance(value, float)
-                                    else numpy.int64)
-        for kind, arrays in (('error', self.errors), ('q', self.qs)):
-            for index, a in sorted(arrays.items()):
-                out['%s_%d' % (kind, index)] = to_host(a).copy()
-        return out
-
-    @classmethod
-    def from_arrays(cls, arrays, xp=numpy):
-        """The state ``to_arrays`` wrote, its arrays put on ``xp``."""
-        flat = [int(v) for v in numpy.asarray(arrays['shapes'])]
-        count, ndims = flat[0], flat[1:1 + flat[0]]
-        dims, shapes = flat[1 + count:], []
-        for ndim in ndims:
-            shapes.append(tuple(dims[:ndim]))
-            dims = dims[ndim:]
-        settings = {name: numpy.asarray(arrays[name]).item()
-                    for name in cls.SETTINGS}
-        state = cls(shapes, **settings)
-        state.iteration = int(numpy.asarray(arrays['iteration']))
-        for key, a in arrays.items():
-            kind, _, index = key.partition('_')
-            if kind in ('error', 'q') and index.isdigit():
-                target = state.errors if kind == 'error' else state.qs
-                target[int(index)] = (numpy.array(a) if xp is numpy
-                                      else xp.asarray(a))
-        return state
-
 
 def project(state, grads, xp=None):
     """First half, local: (matrices, ps, plain).  ``matrices`` and ``ps``
@@ -233,8 +205,20 @@ def project(state, grads, xp=None):
         if state.use_error_feedback and e.index in state.errors:
             m += state.errors[e.index]
         matrices[e.index] = m
-        ps[e.index] = xp.matmul(m, state.q_for(e, dtype, xp))
+        ps[e.index] = xp.matmul(m, unit_columns(state.q_for(e, dtype, xp),
+                                                xp))
     return matrices, ps, plain
+
+
+def unit_columns(q, xp):
+    """``q`` with each column scaled to norm 1 (a zero column stays zero).
+    The warm Q is a mean of M^T P, as large as the gradients' singular
+    values, so M Q would be as large as their square: beyond float16 for
+    gradients of 100, below its resolution for 1e-3.  Scaled, P is no
+    larger than a row of M; Gram-Schmidt gives the same P either way
+    (it takes each column's scale out), up to rounding."""
+    norms = xp.sqrt(xp.sum(q * q, axis=0))
+    return q / xp.where(norms == 0, q.dtype.type(1), norms)[None, :]
 
 
 def reproject(state, matrices, summed_ps, xp=None):
@@ -249,55 +233,119 @@ def reproject(state, matrices, summed_ps, xp=None):
     return ps, qs
 
 
-def outer_sum(p, q):
+def outer_sum(p, q, q_rows=None):
     """P Q^T summed rank-one term by term, in order: the same bits on
-    every rank and device for the same P and Q (no BLAS)."""
-    out = p[:, 0:1] * q[:, 0][None, :]
+    every rank and device for the same P and Q (no BLAS).  ``q_rows``:
+    Q^T made contiguous (its columns are strided), if the caller has it."""
+    q_rows = q.T if q_rows is None else q_rows
+    xp = array_module([p])
+    out = xp.multiply(p[:, 0:1], q_rows[0][None, :])
+    term = xp.empty_like(out) if p.shape[1] > 1 else None
     for j in range(1, p.shape[1]):
-        out = out + p[:, j:j + 1] * q[:, j][None, :]
+        out += xp.multiply(p[:, j:j + 1], q_rows[j][None, :], out=term)
     return out
 
 
+#: Elements of M_hat rebuilt at a time on the host: a block of rows that
+#: stays in the CPU's cache while it is cast out and taken from M (three
+#: passes over memory become one).  Each element's arithmetic is the same
+#: whatever the block, so its bits are too.
+BLOCK_ELEMENTS = 1 << 14
+
+
+def rebuild(p, q, m, out, world_size=1, error_feedback=True):
+    """``out[...] = P Q^T / world_size`` (cast to ``out``'s dtype; ``out``
+    shaped as M), and with ``error_feedback`` ``m -= `` that same M_hat,
+    in place (``m`` then holds the residual).  Row block by row block
+    on the host, all at once on a GPU."""
+    xp = array_module([m])
+    n, cols = m.shape
+    rows = n if xp is not numpy else max(1, BLOCK_ELEMENTS // max(cols, 1))
+    scale = m.dtype.type(world_size)
+    q_rows = xp.ascontiguousarray(q.T)
+    for start in range(0, n, rows):
+        block = slice(start, start + rows)
+        m_hat = outer_sum(p[block], q, q_rows)
+        if world_size != 1:   # x / 1 is x: skipped, the same bits
+            m_hat /= scale
+        out[block] = m_hat
+        if error_feedback:
+            m[block] -= m_hat
+
+
 def reconstruct(state, grads, matrices, ps, summed_qs, summed_plain,
-                world_size, xp=None):
+                world_size, xp=None, out=None):
     """The end of a step: the mean gradients (a list shaped and typed as
-    ``grads``), the residuals and warm Qs kept, the step counted.
+    ``grads``; with ``out``, a list of arrays to write them into, where
+    it is not None, and that list), the residuals and warm Qs kept, the
+    step counted.  The matrices of ``matrices`` become the residuals.
+
+    A step whose factors are not finite (an inf or NaN in some rank's
+    gradient, or a 16-bit wire that overflowed) gives its non-finite mean
+    (the optimizer or the loss scaler skips it) and changes no state:
+    the residuals and Qs stay as they were, so that the next finite step
+    goes on from them.  Kept, a NaN would poison every later step.  The
+    summed factors are the same bits on every rank, so every rank decides
+    alike.
 
     The residual is M - M_hat, PyTorch's choice, not the paper's
     M - P P^T M: the two differ by this rank's M minus the ranks' mean M,
     which sums to zero over the ranks, and the step is linear in the sum
     of the Ms, so both give the same means (up to rounding); this one
     reuses M_hat instead of another product."""
-    out = [None] * len(grads)
+    out = [None] * len(grads) if out is None else out
     for index, total in summed_plain.items():
         out[index] = (total / world_size).astype(grads[index].dtype,
                                                  copy=False)
-    for index, m in matrices.items():
-        q = summed_qs[index]
-        m_hat = outer_sum(ps[index], q) / m.dtype.type(world_size)
+    order = sorted(matrices)
+    finite, dead = inspect_factors([ps[i] for i in order],
+                                   [summed_qs[i] for i in order], xp)
+    for index in order:
+        m = matrices[index]
+        target = out[index]
+        if target is None:
+            target = out[index] = (xp or array_module([m])).empty(
+                grads[index].shape, grads[index].dtype)
+        elif not target.flags.c_contiguous:
+            # Its reshape to M's shape would be a copy, not a view.
+            raise ValueError('reconstruct writes into C-contiguous arrays '
+                             'only (out[%d] is not)' % index)
+        rebuild(ps[index], summed_qs[index], m, target.reshape(m.shape),
+                world_size, state.use_error_feedback and finite)
+        if not finite:
+            continue
         if state.use_error_feedback:
-            state.errors[index] = m - m_hat
+            state.errors[index] = m
         if state.warm_start:
-            state.qs[index] = q.copy()   # not the caller's buffer
-        out[index] = m_hat.reshape(grads[index].shape).astype(
-            grads[index].dtype, copy=False)
+            state.qs[index] = summed_qs[index].copy()   # not the caller's
+    if not finite:
+        return out
     if state.warm_start:
-        refresh_dead_columns(state, xp)
+        refresh_dead_columns(state, order, dead, xp)
     state.iteration += 1
     return out
 
 
-def refresh_dead_columns(state, xp=None):
-    """Redraw the all-zero columns of the warm Qs (a zero gradient, or a
-    sum of rank below ``rank``): a zero column of Q would stay zero ever
+def inspect_factors(ps, qs, xp=None):
+    """(whether every P and Q is finite, the all-zero columns of the Qs:
+    a boolean numpy array, the Qs' columns in order): one transfer from
+    the device for both."""
+    if not qs:
+        return True, numpy.zeros(0, bool)
+    xp = xp or array_module(qs)
+    flags = to_host(xp.concatenate(
+        [xp.stack([xp.isfinite(p).all() for p in ps] +
+                  [xp.isfinite(q).all() for q in qs])] +
+        [xp.all(q == 0, axis=0) for q in qs]))
+    return bool(flags[:2 * len(qs)].all()), flags[2 * len(qs):]
+
+
+def refresh_dead_columns(state, order, dead, xp=None):
+    """Redraw the all-zero columns of the warm Qs of plan indices
+    ``order`` (``dead``: inspect_factors' flags; a zero gradient, or a sum
+    of rank below ``rank``): a zero column of Q would stay zero ever
     after.  The Qs are all-reduced, so every rank redraws the same ones,
-    from (seed, index, iteration); one host transfer for all the arrays."""
-    if not state.qs:
-        return
-    order = sorted(state.qs)
-    xp = xp or array_module([state.qs[i] for i in order])
-    dead = to_host(xp.concatenate(
-        [xp.all(state.qs[i] == 0, axis=0) for i in order]))
+    from (seed, index, iteration)."""
     if not dead.any():
         return
     at = 0
@@ -307,7 +355,7 @@ def refresh_dead_columns(state, xp=None):
         at += q.shape[1]
         if cols.size:
             fresh = random_q(state.seed, i, q.shape[0], q.shape[1], q.dtype,
-                             xp, state.iteration)
+                             xp or array_module([q]), state.iteration)
             q = q.copy()
             for c in cols.tolist():   # plain ints index numpy and CuPy
                 q[:, c] = fresh[:, c]

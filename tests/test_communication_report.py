@@ -239,6 +239,7 @@ MODES = {
     'double_buffering': ({}, {'double_buffering': True}),
     'overlap': ({}, {'overlap': True}),
     'sign': ({'compression': 'sign'}, {}),
+    'powersgd': ({'compression': 'powersgd'}, {}),
     'zero': ({}, {'shard_state': True}),
     'zero_stage2': ({}, {'shard_state': True, 'overlap': True}),
 }
@@ -314,7 +315,7 @@ def test_the_keys_are_in_the_log_report(mode, tmp_path):
                 assert 'comm/busbw' not in entry
             assert entry['comm/exposed'] > 0
             assert entry['comm/hidden'] >= 0
-            if mode in ('sync', 'sign', 'zero'):
+            if mode in ('sync', 'sign', 'powersgd', 'zero'):
                 assert entry['comm/hidden'] == 0, 'nothing in the background'
             assert (entry['comm/bytes_sent'] > 0) == (N > 1)
         assert report.last['steps'] == 2

@@ -255,6 +255,31 @@ def test_sign_compression_votes_the_same_on_the_gpu(cupy, gpu_comm_name):
         c.finalize()
 
 
+def test_powersgd_on_the_gpu_matches_the_host(cupy, gpu_comm_name):
+    """PowerSGD with CuPy gradients (pure_nccl's NCCL sums included): the
+    same bits on every rank, and the host's means up to the order of the
+    local products (cuBLAS against the host BLAS)."""
+    comms = [mnopt.create_communicator(gpu_comm_name, compression='powersgd',
+                                       powersgd_rank=2) for _ in range(2)]
+    shapes = [(16, 3, 3, 3), (40, 30), (30,)]
+    rng = numpy.random.RandomState(comms[0].rank)
+    for step in range(3):   # the warm Qs and residuals carry over
+        grads = [rng.standard_normal(s).astype(numpy.float32)
+                 for s in shapes]
+        on_host = [('/p%d' % i, g.copy()) for i, g in enumerate(grads)]
+        on_gpu = [('/p%d' % i, cupy.asarray(g)) for i, g in enumerate(grads)]
+        comms[0].mean_grads(on_host)
+        comms[1].mean_grads(on_gpu)
+        mine = b''.join(g.get().tobytes() for _, g in on_gpu)
+        assert all(o == mine for o in comms[1].allgather_obj(mine))
+        for (name, h), (_, g) in zip(on_host, on_gpu):
+            assert isinstance(g, cupy.ndarray)
+            numpy.testing.assert_allclose(g.get(), h, rtol=1e-3, atol=1e-4,
+                                          err_msg=(step, name))
+    for c in comms:
+        c.finalize()
+
+
 GPU_WORKER = '''
 import sys, numpy, cupy, mnopt
 sys.path.insert(0, 'tests')

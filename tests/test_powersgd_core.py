@@ -5,7 +5,6 @@ trip and the bytes on the wire.
 Runs serially (N=1) and under mpiexec -n 2 / -n 3: the all-reduction is a
 real mpi4py Allreduce over the ranks of the job."""
 
-import io
 
 import numpy
 import pytest
@@ -227,32 +226,6 @@ def test_float16_gradients_are_computed_in_float32():
 
 # -- the state --------------------------------------------------------------
 
-@pytest.mark.parametrize('warm_start', [True, False])
-def test_the_state_round_trips_bit_exactly(warm_start):
-    settings = dict(rank=2, start_iter=1, min_compression_rate=0.5,
-                    warm_start=warm_start, epsilon=1e-8, seed=5)
-    state = powersgd.PowerSGDState(SHAPES, **settings)
-    for t in range(3):
-        powersgd.step(state, grads_of(t, numpy.float32), mpi_sum, WORLD.size)
-    saved = io.BytesIO()
-    numpy.savez(saved, **state.to_arrays())
-    saved.seek(0)
-    resumed = powersgd.PowerSGDState.from_arrays(dict(numpy.load(saved)))
-    assert resumed.shapes == state.shapes and resumed.plan == state.plan
-    assert all(getattr(resumed, k) == getattr(state, k)
-               for k in powersgd.PowerSGDState.SETTINGS)
-    assert bool(resumed.qs) == warm_start
-    for t in range(3, 6):
-        grads = grads_of(t, numpy.float32)
-        a = powersgd.step(state, grads, mpi_sum, WORLD.size)
-        b = powersgd.step(resumed, grads, mpi_sum, WORLD.size)
-        assert [x.tobytes() for x in a] == [x.tobytes() for x in b]
-    one, two = state.to_arrays(), resumed.to_arrays()
-    assert sorted(one) == sorted(two)
-    assert all(one[k].dtype == two[k].dtype and
-               one[k].tobytes() == two[k].tobytes() for k in one)
-
-
 def test_a_fresh_state_draws_the_same_q_everywhere():
     entry = powersgd.plan([(4, 6)], rank=2, min_compression_rate=0)[0]
     state = powersgd.PowerSGDState([(4, 6)], rank=2)
@@ -267,8 +240,8 @@ def test_a_fresh_state_draws_the_same_q_everywhere():
 # -- on the GPU ---------------------------------------------------------------
 
 def test_on_the_gpu(cupy):
-    """The same functions on CuPy arrays: the exact mean at full rank, the
-    state's round trip through host arrays, means close to the CPU's."""
+    """The same functions on CuPy arrays: the exact mean at full rank,
+    means close to the CPU's."""
     def gpu_sum(arrays):
         return [cupy.asarray(s) for s in mpi_sum([a.get() for a in arrays])]
 
@@ -287,12 +260,6 @@ def test_on_the_gpu(cupy):
             numpy.testing.assert_allclose(got.get(), other, rtol=1e-9,
                                           atol=1e-12)
         assert same_on_every_rank([m.get() for m in mean])
-    resumed = powersgd.PowerSGDState.from_arrays(gpu.to_arrays(), cupy)
-    assert all(isinstance(q, cupy.ndarray) for q in resumed.qs.values())
-    grads = [cupy.asarray(g) for g in grads_of(2)]
-    a = powersgd.step(gpu, grads, gpu_sum, WORLD.size)
-    b = powersgd.step(resumed, grads, gpu_sum, WORLD.size)
-    assert [x.get().tobytes() for x in a] == [x.get().tobytes() for x in b]
     q = powersgd.orthogonalize(cupy.asarray(numpy.random.RandomState(
         3).standard_normal((50, 4))))
     numpy.testing.assert_allclose((q.T @ q).get(), numpy.eye(4), atol=1e-12)

@@ -228,3 +228,33 @@ def test_several_communicators_share_the_servers():
                    worker_args=[])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('OK two communicators') == 2
+
+
+POWERSGD_WORKER = r'''
+import numpy, mnopt
+from mpi4py import MPI
+comm = mnopt.create_communicator('reduction_server', compression='powersgd',
+                                 powersgd_rank=2, chunk_bytes=64)
+world = comm.mpi_comm
+for step in range(3):
+    rng = numpy.random.RandomState(10 * step + comm.rank)
+    named = [('w', rng.standard_normal((20, 30)).astype(numpy.float32)),
+             ('b', rng.standard_normal(30).astype(numpy.float32))]
+    before = [a.copy() for _, a in named]
+    comm.mean_grads(named)
+    mine = b''.join(a.tobytes() for _, a in named)
+    assert all(o == mine for o in world.allgather(mine)), step
+    # The bias is averaged whole; the matrix is a rank-2 approximation.
+    exact = sum(world.allgather(before[1])) / comm.size
+    numpy.testing.assert_allclose(named[1][1], exact, rtol=1e-5, atol=1e-6)
+    assert numpy.linalg.matrix_rank(named[0][1].astype(numpy.float64),
+                                    tol=1e-4) <= 2
+print('OK powersgd worker %d, %d servers' % (comm.rank, comm.n_servers))
+'''
+
+
+def test_powersgd_factors_go_through_the_servers():
+    proc = run_job(3, 2, worker_code=POWERSGD_WORKER, worker_args=[])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('OK powersgd worker') == 3
+    assert '2 servers' in proc.stdout

@@ -35,6 +35,9 @@ MODES = {
                          AVERAGING_PHASES),
     'overlap': ({}, {'overlap': True}, AVERAGING_PHASES),
     'sign': ({'compression': 'sign'}, {}, AVERAGING_PHASES | {'wait'}),
+    # Two averagings per step (the Ps, then the Qs), each packed and sent.
+    'powersgd': ({'compression': 'powersgd'}, {},
+                 AVERAGING_PHASES | {'wait'}),
     'zero': ({}, {'shard_state': True}, {'wire'}),
     'stage2': ({}, {'shard_state': True, 'overlap': True}, {'wire'}),
 }
@@ -249,7 +252,8 @@ def test_every_mode_of_every_communicator_records_its_phases(mode, name,
         if 'seq' in w['args'] and 'bucket' in w['args']:
             buckets.setdefault(w['args']['seq'], set()).add(
                 w['args']['bucket'])
-    if name in ('naive', 'flat') and not mode == 'sign' and not sharded:
+    if name in ('naive', 'flat') and mode not in ('sign', 'powersgd') \
+            and not sharded:
         # Per array (naive), per 256-byte bucket (flat's Allreduce): the
         # first layer's weights alone are 512 bytes.
         assert buckets and max(len(b) for b in buckets.values()) >= 2, \

@@ -165,16 +165,16 @@ class AveragingPipeline(object):
         rank.  Subclasses say no where a setting goes unused."""
         return True
 
-    def _tuning_exchange(self, group, seconds):
+    def _tuning_exchange(self, group, seconds, op='tuning'):
         """agreement.quickest of a tuning's times over ``group``, in the
-        timeline a 'wait' (op 'tuning'), the choice an instant."""
-        with self.timeline.span('wait', 'comm', op='tuning',
+        timeline a 'wait' (``op``: 'tuning', or 'compression_guard' for
+        compression='auto''s choices), the choice an instant."""
+        with self.timeline.span('wait', 'comm', op=op,
                                 comm=self.timeline_name):
             best, slowest = agreement.quickest(
-                group.comm, seconds, "tuning %s (every rank's times)"
-                % self.name, **self._stall_settings)
-        self.timeline.instant('tuning', 'comm', candidate=best,
-                              seconds=slowest)
+                group.comm, seconds, "%s %s (every rank's times)"
+                % (op.replace('_', ' '), self.name), **self._stall_settings)
+        self.timeline.instant(op, 'comm', candidate=best, seconds=slowest)
         return best, slowest
 
     def _sum(self, buffer, group):
@@ -325,11 +325,21 @@ class AveragingPipeline(object):
                                         xp, step, self._vote, self.timeline,
                                         self._wire_span)
         if averaging.low_rank is not None and warm >= self.warmup_steps:
-            # PowerSGD: its Ps and Qs are averaged as any gradient set.
+            # PowerSGD: its Ps and Qs are averaged as any gradient set,
+            # each averaging a number of its own (the timeline's 'seq').
+            numbers = iter([step])
+
+            def mean_of(pairs):
+                number = next(numbers, None)
+                if number is None:   # the Qs: arrives at another collective
+                    averaging.stats.arrive()
+                    number = averaging.next_step()
+                self._plain_mean(group, pairs, xp, number)
+
             return averaging.low_rank.mean(
-                averaging.label(group), named, xp,
-                lambda pairs: self._plain_mean(group, pairs, xp, step),
-                lambda seconds: self._tuning_exchange(group, seconds))
+                averaging.label(group), named, xp, mean_of,
+                lambda seconds: self._tuning_exchange(
+                    group, seconds, 'compression_guard'))
         self._plain_mean(group, named, xp, step)
 
     def _plain_mean(self, group, named, xp, step):

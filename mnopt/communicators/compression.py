@@ -90,6 +90,12 @@ class SignCompression(object):
         if saved_rank is None or saved_size is None:
             return   # a snapshot without it: nothing changes
         loaded = {}
+        if read('n_residuals') is None:   # another compression's state
+            logger.warning('mnopt: warning: the snapshot holds no sign '
+                           'compression state (another compression): its '
+                           'residuals start at zero')
+            self.loaded_residuals = {}
+            return
         if (int(saved_rank), int(saved_size)) != (rank, size):
             if self.error_feedback and int(serializer('n_residuals', None)):
                 logger.warning(

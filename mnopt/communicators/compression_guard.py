@@ -28,14 +28,16 @@ class CompressionGuard(object):
 
     def __init__(self):
         self.choices = {}
-        self._times = {}   # key -> ([plain seconds], [compressed seconds])
+        #: The sets being timed: {key: ([plain seconds], [compressed
+        #: seconds])}, this rank's times.
+        self.trials = {}
 
     def next(self, key):
         """The way the next averaging of ``key`` goes."""
         choice = self.choices.get(key)
         if choice is not None:
             return choice
-        plain, compressed = self._times.get(key, ((), ()))
+        plain, compressed = self.trials.get(key, ((), ()))
         return PLAIN if len(plain) <= len(compressed) else COMPRESSED
 
     def record(self, key, way, seconds, quickest):
@@ -43,14 +45,14 @@ class CompressionGuard(object):
         here (and ended without an error on every rank)."""
         if key in self.choices:
             return
-        plain, compressed = self._times.setdefault(key, ([], []))
+        plain, compressed = self.trials.setdefault(key, ([], []))
         (plain if way == PLAIN else compressed).append(seconds)
         if len(compressed) == ROUNDS and len(plain) == ROUNDS:
             best, _ = quickest([min(plain), min(compressed)])
             self.choices[key] = (PLAIN, COMPRESSED)[best]
-            del self._times[key]
+            del self.trials[key]
 
     def forget_trials(self):
         """Drop the trials under way (a snapshot was loaded: they start
         again where no choice came with it)."""
-        self._times = {}
+        self.trials = {}

@@ -22,8 +22,9 @@ class Group(object):
     """A private MPI communicator and the gradient buffer used over it."""
 
     #: Buffers (and sign codecs) kept per gradient set: the overlapped
-    #: optimizer averages its buckets in turn, each with its own.
-    MAX_KEPT = 256
+    #: optimizer averages its buckets in turn, each with its own (and
+    #: with PowerSGD two: its Ps', its Qs').
+    MAX_KEPT = 512
 
     def __init__(self, comm, state=None):
         #: The private MPI communicator (a duplicate of the user's).

@@ -82,8 +82,11 @@ def shared_settings(kind, settings):
     everything = dict(settings, communicator=kind, **environment_settings())
     shared = {name: everything[name] for name in SHARED_SETTINGS
               if everything.get(name) is not None}
+    # compression='auto' is a choice made per gradient set, not a tuned
+    # setting (its agreement is the compression setting's own).
     tuned = sorted(name for name, value in settings.items()
-                   if isinstance(value, str) and value == 'auto')
+                   if isinstance(value, str) and value == 'auto'
+                   and name != 'compression')
     if tuned:
         shared['tuned'] = tuned
     return shared

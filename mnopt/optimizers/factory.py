@@ -79,7 +79,7 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
             sharded too, each bucket reduce-scattered to its owners
             during backward and the other ranks' gradients freed then.
             Not with double_buffering, the reduction_server
-            communicator or compression='sign'.
+            communicator or any compression.
 
     A communicator with 'auto' settings (``bucket_bytes='auto'``, ...:
     docs/tuning.md) tunes them in its first averagings, with the plain

@@ -34,18 +34,18 @@ class OverlapOptimizer(MultiNodeOptimizer):
         return dict(self._overlap.stats)
 
     def serialize(self, serializer):
-        """With ``compression='sign'`` also the buckets (the plan): a vote
-        depends on them (each bucket is a layout of its own, with its own
-        residuals and its own turn of the counter), so a resumed run keeps
-        them to continue bit for bit.  Every rank must then load the same
+        """With a ``compression`` also the buckets (the plan): a vote or a
+        low-rank mean depends on them (each bucket is a gradient set of
+        its own, with its own residuals, PowerSGD factors, turn of the
+        counter), so a resumed run keeps them to continue bit for bit.  Every rank must then load the same
         snapshot (a rank that loaded none would average other buckets:
         an error on every rank).  Without compression, or from a snapshot
         without them, the plan is made again, as after a broadcast."""
         super(OverlapOptimizer, self).serialize(serializer)
-        sign = self.communicator.compression == 'sign'
+        compressed = self.communicator.compression is not None
         loading = isinstance(serializer, chainer.serializer.Deserializer)
         if not loading:
-            if sign:
+            if compressed:
                 plan = self._overlap.plan or []
                 serializer('mnopt_plan_names', numpy.array(
                     [n for names in plan for n in names], dtype=str))
@@ -54,8 +54,8 @@ class OverlapOptimizer(MultiNodeOptimizer):
             return
         self._overlap.forget_plan()
         try:
-            names = serializer('mnopt_plan_names', None) if sign else None
-            sizes = serializer('mnopt_plan_sizes', None) if sign else None
+            names = serializer('mnopt_plan_names', None) if compressed else None
+            sizes = serializer('mnopt_plan_sizes', None) if compressed else None
         except KeyError:
             names = sizes = None
         if names is None or sizes is None or not len(sizes):

@@ -145,8 +145,8 @@ class MultiNodeOptimizer(object):
         rank 0 alone (model, optimizer or both) is given to every rank.
 
         Also this rank's part of the communicator's compression state
-        (``serialize_compression``; with ``compression='sign'``, its
-        error-feedback residuals), apart from ``_serialize_state``: it
+        (``serialize_compression``; with a ``compression``, its
+        error-feedback residuals, PowerSGD's factors), apart from ``_serialize_state``: it
         differs from rank to rank, so it is not part of the state the
         replicas agree on."""
         self._serialize_state(serializer)   # waits for double buffering
@@ -165,8 +165,9 @@ class MultiNodeOptimizer(object):
     def _serialize_state(self, serializer):
         """What a snapshot of this optimizer holds, the same on every
         rank: the wrapped optimizer's state and the communicator's shared
-        compression state (with ``compression='sign'``, its averaging
-        counter, which drives warm-up and the votes' coin)."""
+        compression state (with a ``compression``, its averaging
+        counter, which drives warm-up and the votes' coin, and 'auto''s
+        choices)."""
         self.actual_optimizer.serialize(serializer)
         self.communicator.serialize_compression(
             serializer['mnopt_compression'], local=False)

@@ -1,8 +1,10 @@
-"""Sign compression's state in a snapshot: a run stopped and resumed from
-the multi-node optimizer's snapshot (each rank its own file) continues bit
-for bit like the uninterrupted run: each rank's error-feedback residuals
-and the communicator's averaging counter (warm-up, the votes' coin) travel
-with it.  Plain, double-buffered and overlapped optimizers.
+"""Compression's state in a snapshot: a run stopped and resumed from the
+multi-node optimizer's snapshot (each rank its own file) continues bit for
+bit like the uninterrupted run: each rank's error-feedback residuals, the
+communicator's averaging counter (warm-up, the votes' coin), PowerSGD's
+warm Qs and the choices of compression='auto' travel with it.  Sign
+votes, PowerSGD and 'auto'; plain, double-buffered and overlapped
+optimizers.
 
 Runs serially and under mpiexec -n 2 / -n 3."""
 
@@ -18,6 +20,13 @@ pytestmark = needs_chainer
 MODES = {'plain': {}, 'double_buffering': {'double_buffering': True},
          'overlap': {'overlap': True}}
 STOP, MORE = 4, 4   # updates before the snapshot, and after it
+#: Updates before the snapshot of 'auto': after its choices (each
+#: gradient set's four timed averagings; double buffering's lag one
+#: update behind), which a resume before them would make anew.
+AUTO_STOP = STOP + 2
+COMPRESSIONS = ['sign', 'powersgd', 'auto']
+#: How each names the residuals it restarts at zero.
+RESIDUALS = {'sign': 'sign compression', 'powersgd': 'PowerSGD'}
 
 
 class _Holder(object):
@@ -31,9 +40,9 @@ class _Holder(object):
         self.optimizer.serialize(serializer['optimizer'])
 
 
-def _setup(mode, **comm_options):
+def _setup(mode, compression, **comm_options):
     import chainer.links as L
-    comm = mnopt.create_communicator('flat', compression='sign',
+    comm = mnopt.create_communicator('flat', compression=compression,
                                      bucket_bytes=64, **comm_options)
     numpy.random.seed(7 + WORLD.rank)   # replicas differ until broadcast
     model = chainer.Sequential(L.Linear(5, 9), chainer.functions.relu,
@@ -64,13 +73,16 @@ def _snapshot_path(tmp_path, name):
     return '%s/%s-rank%d.npz' % (base, name, WORLD.rank)
 
 
-def _run(mode, tmp_path, edit=None, **comm_options):
+def _run(mode, tmp_path, edit=None, compression='sign', **comm_options):
     """(uninterrupted run's parameters, resumed run's)."""
-    comm, model, optimizer = _setup(mode, **comm_options)
-    _train(model, optimizer, 0, STOP)
+    stop = AUTO_STOP if compression == 'auto' else STOP
+    comm, model, optimizer = _setup(mode, compression, **comm_options)
+    _train(model, optimizer, 0, stop)
     path = _snapshot_path(tmp_path, mode)
     chainer.serializers.save_npz(path, _Holder(model, optimizer))
-    _train(model, optimizer, STOP, MORE)
+    if compression == 'auto':   # the choices this test is about
+        assert comm.averaging.low_rank.guard.choices
+    _train(model, optimizer, stop, MORE)
     if hasattr(optimizer, 'wait'):
         optimizer.wait()
     straight = _params(model)
@@ -78,9 +90,9 @@ def _run(mode, tmp_path, edit=None, **comm_options):
 
     if edit is not None:
         edit(path)
-    comm, model, optimizer = _setup(mode, **comm_options)
+    comm, model, optimizer = _setup(mode, compression, **comm_options)
     chainer.serializers.load_npz(path, _Holder(model, optimizer))
-    _train(model, optimizer, STOP, MORE)
+    _train(model, optimizer, stop, MORE)
     if hasattr(optimizer, 'wait'):
         optimizer.wait()
     resumed = _params(model)
@@ -94,17 +106,20 @@ def _differing(straight, resumed):
             if a.tobytes() != b.tobytes()]
 
 
+@pytest.mark.parametrize('compression', COMPRESSIONS)
 @pytest.mark.parametrize('mode', sorted(MODES))
-def test_resume_is_bit_identical(mode, tmp_path):
-    straight, resumed = _run(mode, tmp_path)
+def test_resume_is_bit_identical(mode, compression, tmp_path):
+    straight, resumed = _run(mode, tmp_path, compression=compression)
     assert _differing(straight, resumed) == []
 
 
+@pytest.mark.parametrize('compression', ['sign', 'powersgd'])
 @pytest.mark.parametrize('mode', ['plain'])
-def test_resume_with_warmup_is_bit_identical(mode, tmp_path):
+def test_resume_with_warmup_is_bit_identical(mode, compression, tmp_path):
     # The snapshot falls inside the warm-up: the counter decides when
     # compression starts.
-    straight, resumed = _run(mode, tmp_path, warmup_steps=STOP + 1)
+    straight, resumed = _run(mode, tmp_path, compression=compression,
+                             warmup_steps=STOP + 1)
     assert _differing(straight, resumed) == []
 
 
@@ -123,8 +138,10 @@ def test_old_snapshot_without_compression_state_loads(tmp_path):
         assert numpy.isfinite(a).all()
 
 
+@pytest.mark.parametrize('compression', sorted(RESIDUALS))
 @pytest.mark.parametrize('mode', sorted(MODES))
-def test_one_replica_set_resumes_with_rank_0s_file(mode, tmp_path):
+def test_one_replica_set_resumes_with_rank_0s_file(mode, compression,
+                                                   tmp_path):
     """Every rank loads rank 0's file (one replica set): residuals are
     rank-local, so only rank 0 takes its own; the others start theirs at
     zero.  The run goes on, the replicas agreeing."""
@@ -137,16 +154,17 @@ def test_one_replica_set_resumes_with_rank_0s_file(mode, tmp_path):
         WORLD.Barrier()
 
     with mnopt_records() as records:
-        straight, resumed = _run(mode, tmp_path, edit=rank_0s)
+        straight, resumed = _run(mode, tmp_path, edit=rank_0s,
+                                 compression=compression)
     said = [r.getMessage() for r in records
             if 'residuals restart at zero' in r.getMessage()]
     # Every rank but 0 is told its residuals were not in the file it read.
     assert said == ([] if WORLD.rank == 0 else [
         'mnopt: warning: rank %d loaded the snapshot of rank 0 of %d: its '
-        'sign compression '
-        'residuals restart at zero, so the resumed run is not the '
+        '%s residuals restart at zero, so the resumed run is not the '
         'uninterrupted one bit for bit (give each rank a replica set of its '
-        'own for an exact resume)' % (WORLD.rank, WORLD.size)]), said
+        'own for an exact resume)' % (WORLD.rank, WORLD.size,
+                                      RESIDUALS[compression])]), said
     everyone = WORLD.allgather([a.tobytes() for _, a in resumed])
     assert all(r == everyone[0] for r in everyone)
     if WORLD.size == 1:
