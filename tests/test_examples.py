@@ -96,6 +96,36 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
                           part / 'snapshot_iter_6.npz')
 
 
+@pytest.mark.parametrize('compression', [
+    ['--compression', 'powersgd', '--powersgd-rank', '2'],
+    ['--compression', 'sign']], ids=['powersgd', 'sign'])
+def test_resume_with_compression_reproduces_an_uninterrupted_run(
+        tmp_path, data_cache, compression):
+    # The residuals differ from rank to rank: the shared file (rank 0's)
+    # holds rank 0's alone, so the other ranks' come from their own rank
+    # files.  Compressed from the second iteration, so the resume at 3
+    # starts with residuals on every rank.
+    flags = ['--lr-schedule', 'constant', '--warmup-steps', '1'] + \
+        compression
+    whole, part = tmp_path / 'whole', tmp_path / 'part'
+    assert train(2, whole, data_cache, '--iteration', '6',
+                 '--snapshot-interval', '3', '--keep-snapshots', '5',
+                 *flags).returncode == 0
+    assert train(2, part, data_cache, '--iteration', '3',
+                 '--snapshot-interval', '3', *flags).returncode == 0
+    proc = train(2, part, data_cache, '--iteration', '6',
+                 '--snapshot-interval', '3', '--resume',
+                 str(part / 'snapshot_iter_3.npz'), *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'resumed from' in proc.stdout
+    snapshot_models_equal(whole / 'snapshot_iter_6.npz',
+                          part / 'snapshot_iter_6.npz')
+    # The shared file (rank 0's residuals) loads before the rank's own
+    # file replaces them: no warning that they were dropped (it waits for
+    # the first averaging).
+    assert 'residuals restart at zero' not in proc.stderr
+
+
 def optimizer_shares(out, iteration):
     """{rank: {key: array}}: each rank file's share of a sharded optimizer
     (its ``optimizer/`` entries), and the names of every parameter."""

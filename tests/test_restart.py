@@ -4,7 +4,7 @@ resumes from the newest complete snapshot (--resume auto) and ends with
 parameters bit-identical to an uninterrupted run, across an epoch
 boundary, for the plain, the double-buffered and the sharded optimizer
 (each rank's share of the optimizer state comes back from its own
-file)."""
+file) and with PowerSGD (each rank's residuals too)."""
 
 import importlib.util
 import os
@@ -46,7 +46,9 @@ def data_cache(tmp_path_factory):
 
 
 MODES = {'plain': [], 'double-buffering': ['--double-buffering'],
-         'sharded': ['--shard-state']}
+         'sharded': ['--shard-state'],
+         # Residuals and warm Qs come back from each rank's own file.
+         'powersgd': ['--compression', 'powersgd', '--powersgd-rank', '2']}
 
 
 def flags(out, cache, mode):

@@ -53,8 +53,12 @@ def parse_args(argv=None):
     p.add_argument('--allreduce-grad-dtype', default=None,
                    choices=['float32', 'float16', 'bfloat16'])
     p.add_argument('--double-buffering', action='store_true')
-    p.add_argument('--compression', default=None, choices=['sign'],
-                   help='sign: majority vote of the gradients\' signs')
+    p.add_argument('--compression', default=None,
+                   choices=['sign', 'powersgd'],
+                   help='sign: majority vote of the gradients\' signs; '
+                   'powersgd: low-rank factors of each weight matrix')
+    p.add_argument('--powersgd-rank', type=int, default=1,
+                   help='rank of the factors with --compression powersgd')
     p.add_argument('--no-error-feedback', action='store_true')
     p.add_argument('--warmup-steps', type=int, default=0,
                    help='uncompressed steps before --compression starts')
@@ -74,7 +78,10 @@ def main(argv=None):
         args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype,
         compression=args.compression,
         error_feedback=not args.no_error_feedback,
-        warmup_steps=args.warmup_steps)
+        warmup_steps=args.warmup_steps,
+        # Only with PowerSGD: other compressions refuse a rank.
+        powersgd_rank=args.powersgd_rank
+        if args.compression == 'powersgd' else None)
     if args.total_batch % comm.size:
         raise ValueError('--total-batch %d does not split over %d ranks'
                          % (args.total_batch, comm.size))
@@ -109,6 +116,9 @@ def main(argv=None):
               'allreduce_grad_dtype': args.allreduce_grad_dtype or 'float32',
               'double_buffering': args.double_buffering, 'seed': args.seed,
               'compression': args.compression,
+              'powersgd_rank': args.powersgd_rank
+              if args.compression == 'powersgd' else None,
+              'warmup_steps': args.warmup_steps, 'lr': args.lr,
               'error_feedback': not args.no_error_feedback,
               'optimizer': args.optimizer,
               'total_batch': args.total_batch, 'epochs': args.epoch,

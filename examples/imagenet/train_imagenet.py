@@ -101,6 +101,17 @@ def parse_args(argv=None):
                         'updates its share of the parameters; with '
                         '--overlap the gradients too (stage 2); snapshots '
                         'hold each rank\'s share in its rank file')
+    p.add_argument('--compression', choices=['sign', 'powersgd', 'auto'],
+                   help='gradient compression (docs/compression.md): sign, '
+                   'majority vote of signs; powersgd, low-rank factors of '
+                   'each weight matrix (a conv kernel as out x in*kh*kw); '
+                   'auto, PowerSGD where it is quicker than plain')
+    p.add_argument('--powersgd-rank', type=int, default=None,
+                   help='rank of the factors with powersgd or auto '
+                   '(default 1)')
+    p.add_argument('--warmup-steps', type=int, default=0,
+                   help='with --compression, iterations averaged plain '
+                   'first')
     p.add_argument('--mnbn', action='store_true',
                    help='batch normalization over every rank\'s batch '
                         '(MultiNodeBatchNormalization; for the models with '
@@ -350,7 +361,7 @@ class Snapshot(training.Extension):
         _atomic_save(rank_file(path, self.comm.rank),
                      _RankState(trainer.updater.get_iterator('main'),
                                 self.comm.size, self.optimizer,
-                                self.write_id()))
+                                self.write_id(), self.comm))
         # Rank 0's listing, taken before anyone removes anything, says
         # what to prune; gathering it also waits until every rank's file
         # is complete.
@@ -451,14 +462,17 @@ SHARE_KEY = 'optimizer/'
 
 class _RankState(object):
     """What differs between ranks: the iterator and its order's generator,
-    the global generator the augmentation draws from, and with
-    ``optimizer`` (a sharded one) its share of the optimizer state; when
-    saved, the snapshot's ``write_id``."""
+    the global generator the augmentation draws from, with ``optimizer``
+    (a sharded one) its share of the optimizer state, and with ``comm``
+    this rank's compression state (error-feedback residuals; PowerSGD's
+    Qs); when saved, the snapshot's ``write_id``."""
 
-    def __init__(self, iterator, size, optimizer=None, write_id=None):
+    def __init__(self, iterator, size, optimizer=None, write_id=None,
+                 comm=None):
         self.iterator, self.size = iterator, size
         self.optimizer = optimizer
         self.write_id = write_id
+        self.comm = comm
 
     def serialize(self, serializer):
         self.iterator.serialize(serializer['iterator'])
@@ -472,6 +486,12 @@ class _RankState(object):
         serializer('n_ranks', self.size)
         if self.optimizer is not None:
             self.optimizer.serialize(serializer[SHARE_KEY.rstrip('/')])
+        if self.comm is not None:
+            # The shared file, rank 0's alone, holds rank 0's residuals:
+            # each rank's own make the resume exact (nothing without
+            # compression; a file without them loads and changes nothing).
+            self.comm.serialize_compression(serializer['compression'],
+                                            shared=False)
         if self.write_id is not None:
             serializer('write_id', self.write_id)
         if isinstance(serializer, chainer.serializer.Deserializer):
@@ -597,7 +617,8 @@ def resume(path, trainer, comm, optimizer):
             # A sharded snapshot's rank files hold the ranks' shares.
             chainer.serializers.load_npz(
                 own, _RankState(trainer.updater.get_iterator('main'),
-                                comm.size, optimizer if shards else None))
+                                comm.size, optimizer if shards else None,
+                                comm=comm))
         else:
             _start_epoch(trainer.updater.get_iterator('main'), epoch)
         if shards is not None and (not same_layout or shards != comm.size):
@@ -701,7 +722,9 @@ def check_identical_parameters(model, comm):
 def main(argv=None):
     args = parse_args(argv)
     comm = mnopt.create_communicator(
-        args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype)
+        args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype,
+        compression=args.compression, warmup_steps=args.warmup_steps,
+        powersgd_rank=args.powersgd_rank)
     # Before anything slow: options the optimizer refuses (--shard-state
     # with --overlap, or on a communicator without a sharded path) are
     # the same error on every rank.
@@ -798,8 +821,14 @@ def main(argv=None):
 
     if comm.rank == 0:
         print('mnopt ImageNet example: %d ranks, communicator %s, wire '
-              '%s%s%s%s, %s, %s, batch %d per rank, %d training images'
+              '%s%s%s%s%s, %s, %s, batch %d per rank, %d training images'
               % (comm.size, comm.name, comm.allreduce_grad_dtype or 'float32',
+                 (', %s compression' % args.compression +
+                  (' rank %d' % (args.powersgd_rank or 1)
+                   if args.compression != 'sign' else '') +
+                  (' after %d plain steps' % args.warmup_steps
+                   if args.warmup_steps else ''))
+                 if args.compression else '',
                  ', double buffering' if args.double_buffering else
                  ', overlap' if args.overlap else '',
                  ', sharded optimizer state' if args.shard_state else '',

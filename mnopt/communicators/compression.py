@@ -23,6 +23,11 @@ class SignCompression(object):
         #: Residuals from a loaded snapshot ({('sync' or 'async', parameter
         #: names): numpy array}) kept until their codec is built.
         self.loaded_residuals = {}
+        #: What to say at the next averaging about the snapshot loaded
+        #: (another rank's: its residuals dropped), or None.  Not said at
+        #: the load: a snapshot in two parts (a shared file, then this
+        #: rank's) loads this rank's own residuals second.
+        self.loaded_note = None
 
     def mean(self, group, label, named, xp, step, vote,
              timeline=timelines.NULL, wire_span=None):
@@ -32,6 +37,9 @@ class SignCompression(object):
         encoded), 'wire' (``wire_span(step, bytes, op)``: the scales'
         mean and the vote, also timed for the communicator's per-step
         figures) and 'unpack' (the majority decoded)."""
+        if self.loaded_note is not None:
+            logger.warning(self.loaded_note)
+            self.loaded_note = None
         codec = group.sign_codec_for(named, xp, self.error_feedback)
         if self.loaded_residuals:
             residual = self.loaded_residuals.pop(
@@ -90,6 +98,7 @@ class SignCompression(object):
         if saved_rank is None or saved_size is None:
             return   # a snapshot without it: nothing changes
         loaded = {}
+        self.loaded_note = None
         if read('n_residuals') is None:   # another compression's state
             logger.warning('mnopt: warning: the snapshot holds no sign '
                            'compression state (another compression): its '
@@ -98,12 +107,13 @@ class SignCompression(object):
             return
         if (int(saved_rank), int(saved_size)) != (rank, size):
             if self.error_feedback and int(serializer('n_residuals', None)):
-                logger.warning(
+                self.loaded_note = (
                     'mnopt: warning: rank %d loaded the snapshot of rank %d '
                     'of %d: its sign compression residuals restart at zero, '
                     'so the resumed run is not the uninterrupted one bit for '
                     'bit (give each rank a replica set of its own for an '
-                    'exact resume)', rank, int(saved_rank), int(saved_size))
+                    'exact resume)' % (rank, int(saved_rank),
+                                       int(saved_size)))
         else:
             for i in range(int(serializer('n_residuals', None))):
                 key = (str(serializer('group%d' % i, None)),
