@@ -23,19 +23,30 @@ Smoke test (2 nodes, the first 10 MB of the gradients, about a minute):
         .venv/gloo/bin/python -m mpi4py benchmarks/powersgd_bench.py \\
         --rate-mbit 100 --max-mb 10 --reps 2
 
-The full grid (run it alone on the machine; about 30 minutes on 2 cores,
-most of it the uncompressed cases at 100 Mbit/s):
+The full grid (run it alone on the machine; about 40 minutes on 2 cores,
+most of it the uncompressed cases at 100 Mbit/s; 4 nodes take 2, 2 and
+9 minutes at 10, 1 and 0.1 Gbit/s).  Every case at once needs 3.3 GB per
+rank (each holds its own optimizer state and buffers), so 8 ranks do not
+fit in 24 GiB: at 8 nodes the mnopt cases run in one job (1.4 GB per
+rank) and torch's beside mnopt float32 and PowerSGD in another (1.8 GB):
 
-    for n in 4 8; do for r in 100mbit:100 1gbit:1000 10gbit:10000; do
-      MNOPT_TIMEOUT=900 \\
-      .venv/gloo/bin/python -m mnopt.netsim run --nodes $n --rate ${r%:*} \\
-        -- .venv/gloo/bin/python -m mpi4py benchmarks/powersgd_bench.py \\
-        --rate-mbit ${r#*:} --reps 3 \\
-        --json docs/results/netsim/powersgd_${n}_${r%:*}.json
-    done; done
+    for r in 10gbit:10000 1gbit:1000 100mbit:100; do
+      run="--timeout 1500 -- .venv/gloo/bin/python -m mpi4py \\
+        benchmarks/powersgd_bench.py --rate-mbit ${r#*:} --reps 3"
+      out=docs/results/netsim/powersgd
+      cases="mnopt flat float32,mnopt powersgd r4,"
+      cases+="torch DDP float32,buckets serialized"
+      .venv/gloo/bin/python -m mnopt.netsim run --nodes 4 --rate ${r%:*} \\
+        $run --json ${out}_4_${r%:*}.json
+      .venv/gloo/bin/python -m mnopt.netsim run --nodes 8 --rate ${r%:*} \\
+        $run --no-torch --no-local --no-rank1 --json ${out}_8_${r%:*}.json
+      .venv/gloo/bin/python -m mnopt.netsim run --nodes 8 --rate ${r%:*} \\
+        $run --no-local --json ${out}_8_${r%:*}_torch.json "--cases=$cases"
+    done
     .venv/gloo/bin/python benchmarks/powersgd_report.py \\
-        docs/results/netsim/powersgd_{4,8}_*.json \\
-        > docs/results/netsim/powersgd.md
+        docs/results/netsim/powersgd_[48]_*.json
+
+(docs/results/netsim/powersgd.md: the tables with the text around them.)
 
 Each case is one training step as a user writes it, timed whole (forward,
 backward, averaging, update; the slowest rank's time, ring_bench.run_cases:
@@ -204,7 +215,10 @@ class MnoptCase(object):
         # The next update clears them anyway; cleared now, seven other
         # cases' gradients are not held while one case runs.
         self.model.cleargrads()
-        self.sent.append(self.comm.communication_stats()['bytes_sent'])
+        stats = self.comm.communication_stats()
+        # (bytes sent, seconds blocked on averaging, seconds in the wire)
+        self.sent.append((stats['bytes_sent'], stats['exposed'],
+                          stats['wire']))
 
     def warmup_steps(self):
         """Updates until the steady state: the first broadcasts, then
@@ -232,7 +246,8 @@ class MnoptCase(object):
             out['auto_choices'] = sorted(
                 '%s: %s' % (label, way) for (label, _), way in
                 low_rank.guard.choices.items())
-            out['auto_trials_open'] = len(low_rank.guard._times)
+            out['auto_trials_open'] = len(getattr(low_rank.guard, 'trials',
+                                                  {}))
         return out
 
 
@@ -492,7 +507,7 @@ def main():
     for case in cases:
         if isinstance(case, MnoptCase) and case.comm is not None:
             mine = numpy.array(case.sent[-args.reps:], numpy.float64)
-            sent[case.label] = world.allgather(mine.tolist())
+            sent[case.label] = numpy.array(world.allgather(mine.tolist()))
     # Every rank must apply the same mean: the shared weights set to zero,
     # one more step of a case, their digest compared across the ranks
     # (a rank whose means or momentum differ ends with other weights).
@@ -575,9 +590,18 @@ def main():
                'state': states[case.label],
                'replicas_agree': agree[case.label]}
         if case.label in sent:
-            per_rank = numpy.array(sent[case.label])
+            # (ranks, reps, [bytes, exposed s, wire s])
+            per_rank = sent[case.label]
             row['mnopt_bytes_sent_per_rank'] = float(
-                numpy.median(per_rank.mean(0)))
+                numpy.median(per_rank[:, :, 0].mean(0)))
+            # The communicator's own split of its averaging (mean over
+            # the ranks, median over the reps): all of it, and the part
+            # inside collectives; the rest is packing, PowerSGD's
+            # arithmetic, unpacking.
+            row['mnopt_averaging_s'] = float(
+                numpy.median(per_rank[:, :, 1].mean(0)))
+            row['mnopt_wire_s'] = float(
+                numpy.median(per_rank[:, :, 2].mean(0)))
         if case.label == 'mnopt flat float32':
             base = float(numpy.median(t))
         result['cases'].append(row)
