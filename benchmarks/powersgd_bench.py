@@ -33,15 +33,15 @@ rank) and torch's beside mnopt float32 and PowerSGD in another (1.8 GB):
     for r in 10gbit:10000 1gbit:1000 100mbit:100; do
       run="--timeout 1500 -- .venv/gloo/bin/python -m mpi4py \\
         benchmarks/powersgd_bench.py --rate-mbit ${r#*:} --reps 3"
-      out=docs/results/netsim/powersgd
+      out=docs/results/netsim
       cases="mnopt flat float32,mnopt powersgd r4,"
       cases+="torch DDP float32,buckets serialized"
       .venv/gloo/bin/python -m mnopt.netsim run --nodes 4 --rate ${r%:*} \\
-        $run --json ${out}_4_${r%:*}.json
+        $run --json $out/powersgd_4_${r%:*}.json
       .venv/gloo/bin/python -m mnopt.netsim run --nodes 8 --rate ${r%:*} \\
-        $run --no-torch --no-local --no-rank1 --json ${out}_8_${r%:*}.json
+        $run --no-torch --no-local --no-rank1 --json $out/powersgd_8_${r%:*}.json
       .venv/gloo/bin/python -m mnopt.netsim run --nodes 8 --rate ${r%:*} \\
-        $run --no-local --json ${out}_8_${r%:*}_torch.json "--cases=$cases"
+        $run --no-local --json $out/powersgd_8_${r%:*}_torch.json "--cases=$cases"
     done
     .venv/gloo/bin/python benchmarks/powersgd_report.py \\
         docs/results/netsim/powersgd_[48]_*.json
@@ -134,7 +134,7 @@ from ring_bench import run_cases, spread  # NOQA
 
 LR = 1e-4              # small: the parameters drift, nothing diverges
 MOMENTUM = 0.9
-MNOPT_WARMUP_STEPS = 1     # averagings plain before PowerSGD starts
+PLAIN_STEPS_FIRST = 1     # averagings plain before PowerSGD starts
 TORCH_START_ITER = 2       # torch's least with error feedback
 RANK = 4
 
@@ -422,7 +422,7 @@ def main():
         return wanted is None or any(w in label for w in wanted)
 
     cases = []
-    ps = dict(compression='powersgd', warmup_steps=MNOPT_WARMUP_STEPS)
+    ps = dict(compression='powersgd', warmup_steps=PLAIN_STEPS_FIRST)
     for label, comm_args in (
             ('mnopt flat float32', {}),
             ('mnopt flat float16 wire',
@@ -541,7 +541,7 @@ def main():
               'warmup': args.warmup, 'bytes': 4 * total,
               'n_params': len(shapes), 'argv': sys.argv,
               'max_mb': args.max_mb, 'lr': LR, 'momentum': MOMENTUM,
-              'mnopt_warmup_steps': MNOPT_WARMUP_STEPS,
+              'mnopt_warmup_steps': PLAIN_STEPS_FIRST,
               'torch_start_powerSGD_iter': TORCH_START_ITER,
               'torch_note': torch_note, 'numpy': numpy.__version__,
               'peak_rss_bytes': peak_rss,

@@ -458,3 +458,19 @@ def test_auto_is_not_a_tuned_setting():
         assert comm.tuned_settings == {}
     finally:
         comm.finalize()
+
+
+@pytest.mark.parametrize('share, way', [(0.97, 'plain'), (0.9, 'compressed')])
+def test_auto_compresses_only_by_a_margin(share, way):
+    """A compressed time within MARGIN of the plain one keeps the set
+    plain: two rounds cannot tell them apart, and plain approximates
+    nothing."""
+    guard = compression_guard.CompressionGuard()
+
+    def quickest(times):   # one rank's agreement.quickest
+        return times.index(min(times)), times
+
+    for _ in range(compression_guard.ROUNDS):
+        guard.record('k', compression_guard.PLAIN, 1.0, quickest)
+        guard.record('k', compression_guard.COMPRESSED, share, quickest)
+    assert guard.choices == {'k': way}

@@ -9,8 +9,10 @@ plain and compressed in turn, ``ROUNDS`` times each.  Its time each way
 on one rank is the least of its rounds, its time overall that of its
 slowest rank; after the last round the ranks exchange their times once
 (``quickest``: agreement.quickest over the group), and every rank keeps
-the same way for that set from then on: compressed only where it was
-strictly quicker.  The averagings of a group run in the same order on
+the same way for that set from then on: compressed only where it took
+less than ``MARGIN`` of the plain time.  Two rounds of each cannot tell
+ways a few percent apart (on a busy machine), and a tie goes to the
+plain mean, which approximates nothing.  The averagings of a group run in the same order on
 every rank, so each set's exchange comes at the same averaging
 everywhere.
 """
@@ -19,6 +21,8 @@ everywhere.
 PLAIN, COMPRESSED = 'plain', 'compressed'
 #: Averagings of each way per gradient set before the choice.
 ROUNDS = 2
+#: The share of the plain time a compressed averaging must stay under.
+MARGIN = 0.95
 
 
 class CompressionGuard(object):
@@ -48,7 +52,7 @@ class CompressionGuard(object):
         plain, compressed = self.trials.setdefault(key, ([], []))
         (plain if way == PLAIN else compressed).append(seconds)
         if len(compressed) == ROUNDS and len(plain) == ROUNDS:
-            best, _ = quickest([min(plain), min(compressed)])
+            best, _ = quickest([min(plain), min(compressed) / MARGIN])
             self.choices[key] = (PLAIN, COMPRESSED)[best]
             del self.trials[key]
 
