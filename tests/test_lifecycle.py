@@ -89,8 +89,8 @@ BAD_ARGUMENTS = [
     ('flat', {'timeout': True}, ValueError, 'timeout=True'),
     ('flat', {'stall_warning': '5s'}, ValueError, "stall_warning='5s'"),
     ('flat', {'bucket_bytes': '1M'}, ValueError, 'bucket_bytes'),
-    ('flat', {'warmup_steps': 3}, ValueError, "only applies with "
-                                              "compression='sign'"),
+    ('flat', {'warmup_steps': 3}, ValueError, "only applies with a "
+                                              "compression"),
     ('flat', {'warmup_steps': -1, 'compression': 'sign'}, ValueError,
      'warmup_steps must be'),
     ('reduction_server', {'server_memory': '64M'}, ValueError,
