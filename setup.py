@@ -53,7 +53,9 @@ setup(
     # falls back to numpy (bit-identical, about 10x slower: 100 MB to
     # float16, docs/results/halfcast.md).
     # The sign codec's one-pass loops likewise (numpy fallback, bit-exact).
+    # MPI waits that hold neither the GIL nor a core (mnopt/_mpiwait.c;
+    # fallback: polling from Python).
     ext_modules=[Extension('mnopt.' + name, ['mnopt/%s.c' % name],
                            extra_compile_args=['-O3'], optional=True)
-                 for name in ('_halfcast', '_signbits')],
+                 for name in ('_halfcast', '_signbits', '_mpiwait')],
 )

@@ -15,7 +15,7 @@ import time
 import numpy
 from mpi4py import MPI
 
-from mnopt.transport import polling
+from mnopt.transport import waiting
 from mnopt import _sched
 from mnopt import grad_buffer
 from mnopt import sign
@@ -106,14 +106,14 @@ def _receive_headers(chan, workers, headers, byes, monitor, name,
     ``headers`` (zeros for those gone), adding goodbyes to ``byes``.
     Returns the watched operation, entered at the first reduction header
     (None if there was none, or no ``monitor``).  ``idle``: see serve."""
-    waiting = {}
+    awaited = {}
     for i, w in enumerate(workers):
         if w in byes:
             headers[i] = 0
         else:
-            waiting[i] = chan.Irecv([headers[i], MPI.INT64_T], source=w,
+            awaited[i] = chan.Irecv([headers[i], MPI.INT64_T], source=w,
                                     tag=TAG_HEADER)
-    index, requests = list(waiting), list(waiting.values())
+    index, requests = list(awaited), list(awaited.values())
     if idle is not None:
         # Get_status looks without completing (Testsome does that below).
         while not any(r.Get_status() for r in requests):
@@ -121,19 +121,19 @@ def _receive_headers(chan, workers, headers, byes, monitor, name,
                 break
     watch = None
     while True:
-        done = polling.wait_some(requests)
+        done = waiting.next_completed(requests)
         if done is None:
             return watch
         for k in done:
             i = index[k]
-            del waiting[i]
+            del awaited[i]
             if headers[i, 0] == KIND_BYE:
                 byes.add(workers[i])
             elif watch is None and monitor is not None:
                 watch = monitor.op(name).__enter__()
-        if watch is not None and waiting:
+        if watch is not None and awaited:
             watch.detail = "(waiting for the header of %s)" % ', '.join(
-                'worker %d' % i for i in sorted(waiting))
+                'worker %d' % i for i in sorted(awaited))
 
 
 def _serve_request(chan, workers, headers, my_index, n_servers, memory,
@@ -225,7 +225,7 @@ def _reduce(chan, workers, header, memory, stats, timeline=None):
 
     def post(c):
         k = c % n_slots
-        polling.wait_all(sends[k])  # its last result has left
+        waiting.wait_all(sends[k])  # its last result has left
         size = pieces[c].stop - pieces[c].start
         stage = slots[k][0]
         recvs[c] = [chan.Irecv([stage[i, :size], MPI.BYTE], source=w,
@@ -240,7 +240,7 @@ def _reduce(chan, workers, header, memory, stats, timeline=None):
         k = c % n_slots
         size = piece.stop - piece.start
         t0 = time.perf_counter()
-        polling.wait_all(recvs[c])
+        waiting.wait_all(recvs[c])
         t1 = time.perf_counter()
         stage, result = slots[k]
         combine(stage, result, size, shard_start + piece.start)
@@ -258,7 +258,7 @@ def _reduce(chan, workers, header, memory, stats, timeline=None):
             record('sum', 'comm', t1, t2, bytes=nbytes)
     t3 = time.perf_counter()
     for s in sends:
-        polling.wait_all(s)
+        waiting.wait_all(s)
     if record is not None:
         record('wire', 'comm', t3, time.perf_counter(), op='send',
                bytes=n * shard_len * dtype.itemsize)

@@ -3,7 +3,7 @@ the node leaders, broadcast inside the node."""
 
 from mpi4py import MPI
 
-from mnopt.transport import allreduce, buffers, polling, reduce
+from mnopt.transport import allreduce, buffers, reduce, waiting
 from mnopt.transport import ring
 from mnopt import step_stats
 from mnopt.communicators.base import MpiCommunicatorBase
@@ -184,7 +184,7 @@ def _scatter_in_node(group, first, stop, parts, starts, counts, mpi_type):
         requests = [intra.Irecv([view, mpi_type], 0, _SHARD_TAG)
                     for view in views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
-    polling.wait_all(requests)
+    waiting.wait_all(requests)
 
 
 def _gather_in_node(group, first, stop, parts, starts, counts):
@@ -200,4 +200,4 @@ def _gather_in_node(group, first, stop, parts, starts, counts):
         requests = [intra.Isend([view, MPI.BYTE], 0, _SHARD_TAG)
                     for view in views(parts, starts[rank],
                                        starts[rank] + counts[rank])]
-    polling.wait_all(requests)
+    waiting.wait_all(requests)

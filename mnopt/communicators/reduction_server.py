@@ -9,7 +9,7 @@ import weakref
 import numpy
 from mpi4py import MPI
 
-from mnopt.transport import polling
+from mnopt.transport import waiting
 from mnopt import server_job
 from mnopt import server_loop
 from mnopt import server_protocol as protocol
@@ -287,7 +287,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                     push(j)
         problems = []
         for status, request in statuses:
-            polling.wait_all([request])
+            waiting.wait_all([request])
             text = status.tobytes().rstrip(b'\0').decode()
             if text:
                 problems.append(text)
@@ -295,15 +295,15 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
             for j in order:  # the servers drain everything
                 while pending[j]:
                     push(j)
-            polling.wait_all(sends)
+            waiting.wait_all(sends)
             for r in recvs:
                 r.Cancel()
-            polling.wait_all(recvs)
+            waiting.wait_all(recvs)
             raise LayoutMismatchError('the reduction servers refused: %s'
                                       % '; '.join(sorted(set(problems))))
         t_sent = None
         while True:
-            done = polling.wait_some(recvs)
+            done = waiting.next_completed(recvs)
             if done is None:
                 break
             for i in done:
@@ -314,7 +314,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                     on_result(part, result[part])
             if t_sent is None and not any(pending.values()):
                 t_sent = time.perf_counter()
-        polling.wait_all(sends)
+        waiting.wait_all(sends)
         t1 = t_sent or time.perf_counter()
         if self.stats is not None:
             self.stats.add('send', t1 - t0)

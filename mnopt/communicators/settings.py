@@ -11,6 +11,7 @@ report, its BLAS threads, a colocated server's memory, ...).
 
 from mnopt import _env
 from mnopt.transport import allreduce
+from mnopt.transport import waiting
 from mnopt import _sched
 from mnopt import cores
 
@@ -21,7 +22,8 @@ from mnopt import cores
 #: window (flow control of one worker's pushes), server_memory (a
 #: colocated server's staging) and stats, timeline and MNOPT_TIMELINE
 #: (each rank writes its own file), MNOPT_BLAS_THREADS,
-#: MNOPT_THREAD_SLICE_US and MNOPT_SINGLE_RANK_AVERAGING (one rank only).
+#: MNOPT_THREAD_SLICE_US, MNOPT_WAIT (how a rank waits: the same bits)
+#: and MNOPT_SINGLE_RANK_AVERAGING (one rank only).
 #: Which settings are tuned ('auto') is compared as well (``tuned`` in
 #: shared_settings): the window is each rank's own, but a tuning's
 #: exchanges hang unless every rank tunes the same settings.
@@ -71,6 +73,7 @@ def environment_settings():
             'MNOPT_SINGLE_RANK_AVERAGING', False),
         'MNOPT_BLAS_THREADS': cores.blas_threads_setting(),
         'MNOPT_THREAD_SLICE_US': _sched.slice_us(),
+        'MNOPT_WAIT': waiting.kind(),
     }
 
 

@@ -17,10 +17,13 @@ on to the next step as soon as it has arrived and been summed, while later
 segments are still on the wire; up to ``WINDOW`` receives are posted
 ahead.  Sending, receiving and summing therefore overlap, and the
 all-gather of the first segments starts while the reduce-scatter of the
-last ones is still running.  Waits poll with short naps (MPICH busy-polls
-inside its blocking calls, taking the cores that the summing, the other
-ranks and the kernel's TCP stack need), so a rank stays responsive to
-mnopt's stall detection (mnopt/stall.py) when a peer never sends.
+last ones is still running.  While nothing can move, the ring waits for
+whatever is in flight in mnopt's C wait (mnopt/transport/waiting.py): the
+GIL released and the core left free (MPICH busy-polls inside its blocking
+calls, taking the cores that the summing, the other ranks, the kernel's
+TCP stack and, beside an overlapped backward, the training need), coming
+back at least every 50 ms, so a rank stays responsive to mnopt's stall
+detection (mnopt/stall.py) when a peer never sends.
 
 Every element of chunk c is summed exactly once, in one fixed order
 (x[c+1] + x[c+2] + ... + x[c], rank numbers mod N), by the rank it
@@ -38,13 +41,13 @@ on every rank.
 
 import os
 import threading
-import time
 
 import numpy
 from mpi4py import MPI
 
 from mnopt.transport import reduce
 from mnopt.transport import ring_checks
+from mnopt.transport import waiting
 
 #: Largest segment (bytes): one message of the ring.
 SEGMENT_BYTES = 256 << 10
@@ -233,17 +236,16 @@ def _chunk_each_part(parts, n, seg_elems, with_part=False):
 
 
 def yield_while_waiting(on=True):
-    """Make the calling thread's ring waits yield the core between polls
-    (``sched_yield``) instead of napping.
+    """Make the calling thread's ring waits, where they poll from Python
+    (``MNOPT_WAIT=python``, mnopt/transport/waiting.py), yield the core
+    between polls (``sched_yield``) instead of napping.
 
     For mnopt's background thread once it has a short scheduler slice
     (mnopt/_sched.py): there it shares a core with the rank's compute,
     and each nap's wake-up waits for that core, while a yield keeps the
-    thread runnable and costs it one short slice.  Measured on 2 simulated
-    nodes at 1 Gbit/s (docs/overlap.md), overlap hid about 0.1 more of the
-    averaging, as much as MPI's Allreduce (which yields the same way)
-    did.  Elsewhere the naps stay: a waiting rank leaves the cores to the
-    other ranks and the kernel's TCP stack."""
+    thread runnable and costs it one short slice.  The C wait (the
+    default) naps without the GIL instead, and polls again at once while
+    data is moving."""
     _waits.by_yield = bool(on) and hasattr(os, 'sched_yield')
 
 
@@ -303,13 +305,14 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     bytes_sent += sum(v.nbytes for v in sends)
     send_req = [None] * n_sends
     recv_req = [None] * n_recvs
+    recv_status = [None] * n_recvs
+    sent = MPI.Status()   # where waits put the sends' statuses
     # Sums arrive in scratch buffers (at most WINDOW are posted ahead).
     scratch = [numpy.empty(max([v.size for v in recvs], default=0),
                            parts[0].dtype)
                for _ in range(min(WINDOW, sum(recv_sum)))]
     scratch_of = {}
     posted_sends = posted_recvs = recvs_done = sends_done = 0
-    nap = _FIRST_NAP_S
     by_yield = waits_by_yielding()
     try:
         while recvs_done < n_recvs or sends_done < n_sends:
@@ -319,7 +322,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                 i = posted_recvs
                 dep = recv_dep[i]
                 if dep >= 0 and not (dep < posted_sends
-                                     and send_req[dep].Test()):
+                                     and waiting.completed(send_req[dep])):
                     break
                 if recv_sum[i]:
                     scratch_of[i] = scratch.pop()
@@ -327,6 +330,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                 else:
                     buf = recvs[i]
                 recv_req[i] = comm.Irecv([buf, mpi_type], left, TAG)
+                recv_status[i] = MPI.Status()
                 posted_recvs += 1
                 moved = True
             while posted_sends < n_sends and send_dep[posted_sends] < \
@@ -340,8 +344,8 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                 moved = True
             while recvs_done < posted_recvs:
                 i = recvs_done
-                status = MPI.Status()
-                if not recv_req[i].Test(status):
+                status = recv_status[i]
+                if not waiting.completed(recv_req[i], status):
                     break
                 if status.Get_count(mpi_type) != recvs[i].size:
                     raise RuntimeError(_size_error(comm, left, recvs[i].size,
@@ -355,16 +359,24 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                     scratch.append(got)
                 recvs_done += 1
                 moved = True
-            while sends_done < posted_sends and send_req[sends_done].Test():
+            while sends_done < posted_sends and waiting.completed(
+                    send_req[sends_done]):
                 sends_done += 1
                 moved = True
-            if moved:
-                nap = _FIRST_NAP_S
-            elif by_yield:
-                os.sched_yield()
-            else:
-                time.sleep(nap)
-                nap = min(2 * nap, MAX_NAP_S)
+            if not moved:
+                # Everything still in flight, GIL and core left free until
+                # one of them completes (mnopt/transport/waiting.py).
+                pending = [(r, recv_status[k]) for k, r in enumerate(
+                    recv_req[recvs_done:posted_recvs], recvs_done)
+                    if r != MPI.REQUEST_NULL]
+                pending += [(r, sent) for r in
+                            send_req[sends_done:posted_sends]
+                            if r != MPI.REQUEST_NULL]
+                if pending:
+                    waiting.wait_some([r for r, _ in pending],
+                                      [s for _, s in pending],
+                                      first_nap=_FIRST_NAP_S,
+                                      max_nap=MAX_NAP_S, by_yield=by_yield)
     except MPI.Exception as e:
         if e.Get_error_class() == MPI.ERR_TRUNCATE:
             raise RuntimeError(

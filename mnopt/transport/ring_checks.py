@@ -8,7 +8,7 @@ import numpy
 
 from mnopt import wire_dtypes
 from mnopt.transport import agreement
-from mnopt.transport import polling
+from mnopt.transport import waiting
 
 #: The wires the ring sums (their order numbers them in ``agree``).
 WIRES = ('float32', 'float64', 'float16', 'bfloat16')
@@ -105,7 +105,7 @@ _PROBLEM_BYTES = 256
 def agree(comm, size, wire, counts, problem):
     """Raise ValueError on every rank unless every rank has no problem and
     the same size, wire and counts: one all-gather of 4 numbers and a line
-    of text per rank (``agreement.numbers``), waited for by polling (like
+    of text per rank (``agreement.numbers``), waited for like
     the ring's own waits), then ``agreement.settle``."""
     if comm.size == 1:
         if problem:
@@ -118,7 +118,7 @@ def agree(comm, size, wire, counts, problem):
         -1 if wire is None else WIRES.index(wire) if wire in WIRES else -2,
         zlib.crc32(numpy.asarray(counts, dtype=numpy.int64).tobytes())],
         dtype=numpy.int64), numpy.frombuffer(text, numpy.int64)])
-    everyone = agreement.numbers(comm, mine, wait=polling.wait_all)
+    everyone = agreement.numbers(comm, mine, wait=waiting.wait_all)
     agreement.settle(
         ValueError(problem) if problem else None,
         [everyone[r, 4:].tobytes().rstrip(b'\0').decode(errors='replace')
