@@ -28,11 +28,51 @@ try:
     from mnopt.benchmarking.harness import spread
 except ImportError:  # a tree from before the library (rerun.py --code)
     from mnopt.benchmark import spread
+try:
+    from mnopt.transport import waiting
+except ImportError:  # a tree from before the C waits (rerun.py --code)
+    waiting = None
 import chainer  # NOQA
 import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
 
 MODES = ('sync', 'overlap', 'double buffering')
+
+
+def averaging_threads():
+    """{native id: (CPU seconds so far, its waiting.Tally)} of mnopt's
+    averaging threads in this process (CPU from /proc's schedstat, in
+    nanoseconds; a tree without mnopt/transport/waiting.py: {})."""
+    if waiting is None:
+        return {}
+    found = {}
+    for tid, tally in waiting.tallies().items():
+        if not tally.name.startswith('mnopt-'):
+            continue
+        try:
+            with open('/proc/self/task/%d/schedstat' % tid) as f:
+                found[tid] = (int(f.read().split()[0]) * 1e-9, tally)
+        except OSError:
+            continue
+    return found
+
+
+def thread_costs(before, after, steps):
+    """Per step, the averaging threads' CPU seconds, seconds inside
+    mnopt's waits (the GIL released), the CPU of those waits, the time
+    spent getting the GIL back after them (C waits only), and the CPU
+    outside them: time the thread ran Python, numpy and MPI calls (an
+    estimate of its GIL-held time; for Python waits their polling too)."""
+    cpu = wait = wait_cpu = gil = 0.0
+    for tid, (c1, t1) in after.items():
+        c0, t0 = before.get(tid, (0.0, None))
+        cpu += c1 - c0
+        wait += t1.wall_s - (t0.wall_s if t0 else 0.0)
+        wait_cpu += t1.cpu_s - (t0.cpu_s if t0 else 0.0)
+        gil += t1.gil_s - (t0.gil_s if t0 else 0.0)
+    return {'cpu': cpu / steps, 'wait': wait / steps,
+            'wait_cpu': wait_cpu / steps, 'gil_wait': gil / steps,
+            'outside_waits_cpu': (cpu - wait_cpu) / steps}
 
 
 def cpu_times():
@@ -78,7 +118,9 @@ def plot(paths, out):
                    label='forward + backward alone')
         ax.axhline(compute + parts['average']['median'], ls=':', c='r',
                    lw=1, label='... + averaging alone')
-        for i, n in enumerate(names[1:], 1):
+        for i, n in enumerate(names):
+            if n not in res['hidden']:
+                continue
             ax.text(i, med[i] / 2, 'hides %.2f' % res['hidden'][n]['median'],
                     ha='center', color='w')
         ax.set_ylabel('seconds per step (median, min-max)')
@@ -102,6 +144,9 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--communicator', default='flat')
     p.add_argument('--bucket-bytes', type=int, default=4 << 20)
+    p.add_argument('--ddp', action='store_true',
+                   help="PyTorch DDP on gloo in the same rounds "
+                   "(benchmarks/ddp_peer.py; needs torch)")
     p.add_argument('--json')
     args = p.parse_args(argv)
     if args.plot:
@@ -127,19 +172,38 @@ def main(argv=None):
         runs[mode] = (model, opt)
     model = runs['sync'][0]
     n_params = sum(p.size for p in model.params())
+    modes = MODES
+    peer = None
+    if args.ddp:
+        import ddp_peer
+        peer = ddp_peer.DDPPeer(comm.mpi_comm, args.width, args.layers,
+                                args.batch, args.bucket_bytes, comm.rank)
+        modes = MODES + ddp_peer.MODES
 
-    times = {m: [] for m in MODES}
+    times = {m: [] for m in modes}
     blocked = {m: [] for m in MODES}   # waiting for averagings, per step
-    idle = {m: [] for m in MODES}      # the machine's CPU idle share
+    idle = {m: [] for m in modes}      # the machine's CPU idle share
+    costs = {m: [] for m in MODES}     # the averaging thread's, per step
     parts = {'forward': [], 'backward': [], 'average': []}
+    peer_parts = {'forward': [], 'backward': [], 'average': []}
     for r in range(args.rounds):
-        order = MODES[r % 3:] + MODES[:r % 3]
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
-            model, opt = runs[mode]
             comm.mpi_comm.Barrier()
             i0, j0 = cpu_times()
             start = time.perf_counter()
+            if mode not in MODES:
+                for _ in range(args.steps):
+                    peer.step(mode)
+                comm.mpi_comm.Barrier()
+                times[mode].append((time.perf_counter() - start)
+                                   / args.steps)
+                i1, j1 = cpu_times()
+                idle[mode].append((i1 - i0) / max(1, j1 - j0))
+                continue
+            model, opt = runs[mode]
             waited = opt.communication_time
+            threads = averaging_threads()
             for _ in range(args.steps):
                 opt.update(model, x, t)
             if hasattr(opt, 'wait'):
@@ -148,8 +212,14 @@ def main(argv=None):
             times[mode].append((time.perf_counter() - start) / args.steps)
             i1, j1 = cpu_times()
             idle[mode].append((i1 - i0) / max(1, j1 - j0))
+            costs[mode].append(thread_costs(threads, averaging_threads(),
+                                            args.steps))
             blocked[mode].append((opt.communication_time - waited)
                                  / args.steps)
+        if peer is not None:
+            for k, v in zip(('forward', 'backward', 'average'), peer.parts(
+                    time.perf_counter, comm.mpi_comm.Barrier)):
+                peer_parts[k].append(v)
         # The parts, on their own (no averaging in flight).
         comm.mpi_comm.Barrier()
         t0 = time.perf_counter()
@@ -178,12 +248,22 @@ def main(argv=None):
               'step_s': {m: spread(v) for m, v in times.items()},
               'blocked_s': {m: spread(v) for m, v in blocked.items()},
               'parts_s': {k: spread(v) for k, v in parts.items()},
-              'cpu_idle': {m: spread(v) for m, v in idle.items()}}
+              'cpu_idle': {m: spread(v) for m, v in idle.items()},
+              # MNOPT_WAIT: how the averaging thread waits
+              'wait': waiting.kind() if waiting else 'python',
+              'averaging_thread_s': {
+                  m: {k: spread([c[k] for c in v]) for k in v[0]}
+                  for m, v in costs.items() if v and v[0]}}
     hidden = {}
     for mode in MODES[1:]:
         per_round = [(s - o) / min(b, a) for s, o, b, a in zip(
             times['sync'], times[mode], parts['backward'], parts['average'])]
         hidden[mode] = spread(per_round)
+    if peer is not None:
+        result['ddp_parts_s'] = {k: spread(v) for k, v in peer_parts.items()}
+        hidden['ddp'] = spread([(s - o) / min(b, a) for s, o, b, a in zip(
+            times['ddp sync'], times['ddp'], peer_parts['backward'],
+            peer_parts['average'])])
     result['hidden'] = hidden
     comm.finalize()
     if comm.rank == 0:

@@ -207,6 +207,76 @@ figure('overlap_500mbit', 'overlap.md: 2 nodes, 500 Mbit/s, batch 2048',
         'averaging s': 0.425}, **_overlap('500mbit', 2048))
 
 
+def _thread(r, mode, key):
+    """The averaging thread's per-step ``key`` (overlap.py) in ``mode``."""
+    return r['averaging_thread_s'][mode][key]['median']
+
+
+def _overlap_ddp(rate, batch):
+    return dict(
+        cmd=lambda out: netsim(2, rate) + OVERLAP + [
+            '--rounds', '5', '--steps', '3', '--batch', str(batch),
+            '--ddp', '--json', out],
+        idle=lambda r: r.get('cpu_idle', {}).get('overlap', {}).get('median'),
+        values=lambda r: {
+            'overlap hidden (median of rounds)': r['hidden']['overlap'][
+                'median'],
+            'PyTorch DDP hidden': r['hidden']['ddp']['median'],
+            'overlap step / DDP step': r['step_s']['overlap']['median']
+            / r['step_s']['ddp']['median'],
+            'averaging thread CPU s/step': _thread(r, 'overlap', 'cpu'),
+            '... outside its waits s/step': _thread(r, 'overlap',
+                                                    'outside_waits_cpu'),
+            '... waiting for the GIL s/step': _thread(r, 'overlap',
+                                                      'gil_wait')})
+
+
+# The issue's "before" (mnopt before the C waits, and DDP) on the same
+# MLP: 2 nodes x 1 Gbit/s, three cycles, medians of runs.
+figure('overlap_1gbit_ddp', 'overlap.md, benchmarks.md: overlap beside '
+       'PyTorch DDP (gloo, the same bucket size and MLP), 2 nodes, '
+       '1 Gbit/s, batch 1024; needs torch (.venv/gloo)',
+       {'overlap hidden (median of rounds)': 0.29,
+        'PyTorch DDP hidden': 0.68},
+       needs='torch', **_overlap_ddp('1gbit', 1024))
+figure('overlap_1gbit_ddp_pywait', 'the same with the Python fallback '
+       'waits (MNOPT_WAIT=python)',
+       {'overlap hidden (median of rounds)': 0.29,
+        'PyTorch DDP hidden': 0.68},
+       env={'MNOPT_WAIT': 'python'}, needs='torch',
+       **_overlap_ddp('1gbit', 1024))
+figure('overlap_500mbit_ddp', 'the same at 500 Mbit/s, batch 2048',
+       {}, needs='torch', **_overlap_ddp('500mbit', 2048))
+
+
+def _rs_model(servers, reps=5):
+    flat, rs = 'mnopt flat float32', 'mnopt reduction_server float32'
+    return dict(
+        cmd=lambda out: netsim(4, '1gbit', servers=servers) + IDLE_BENCH + [
+            '--communicators', 'flat', 'reduction_server', '--dtypes',
+            'float32', '--only-mnopt', '--through-model', '--reps',
+            str(reps), '--json', out],
+        idle=lambda r: idle_of(r, rs),
+        values=lambda r: {
+            'reduction_server float32 s': med(r, rs),
+            'flat float32 s': med(r, flat),
+            'flat / reduction_server': med(r, flat) / med(r, rs)})
+
+
+figure('rs_model_1gbit', 'benchmarks.md, choosing.md: reduction server '
+       'through a Chainer model (multi_node_mean_grad), 4 workers + 4 '
+       'servers, 1 Gbit/s, flat over the workers in the same job',
+       {'reduction_server float32 s': 1.115, 'flat float32 s': 1.316,
+        'flat / reduction_server': 1.18}, **_rs_model(4))
+figure('rs_colocated_1gbit', 'benchmarks.md, choosing.md: colocated '
+       'reduction server through a Chainer model, 4 nodes, 1 Gbit/s',
+       {'reduction_server float32 s': 3.735,
+        'flat / reduction_server': 0.36}, **_rs_model(0))
+figure('rs_colocated_1gbit_pywait', 'the same with the Python fallback '
+       'waits (MNOPT_WAIT=python)', {'flat / reduction_server': 0.36},
+       env={'MNOPT_WAIT': 'python'}, **_rs_model(0))
+
+
 def _flat(nodes, rate, reps=3):
     case = 'mnopt flat float32'
     return dict(
@@ -346,6 +416,13 @@ def run_one(name, k, out_dir, timeout, quiet=(0.0, 0), max_outside=1.0,
     fig = FIGURES[name]
     path = os.path.join(out_dir, '%s_%d.json' % (name, k))
     cmd = fig['cmd'](path)
+    if fig.get('needs') and subprocess.call(
+            [PY, '-c', 'import %s' % fig['needs']],
+            stderr=subprocess.DEVNULL) != 0:
+        raise RuntimeError('%s needs %s in %s (for torch: run rerun.py with '
+                           'the .venv/gloo environment of '
+                           'benchmarks/gloo_bench.py)'
+                           % (name, fig['needs'], PY))
     print('$ ' + ''.join('%s=%s ' % kv for kv in fig.get('env', {}).items())
           + ' '.join(os.path.relpath(a, REPO) if a.startswith(REPO)
                      else a for a in cmd), flush=True)

@@ -86,6 +86,11 @@ def parser():
     p.add_argument('--bucket-bytes', type=cli.positive_int, default=None,
                    help='bucket size of the mnopt communicators, in bytes '
                         '(default: theirs)')
+    p.add_argument('--through-model', action='store_true',
+                   help='average through a Chainer model, as a ChainerMN '
+                        'user does (multi_node_mean_grad on a Link '
+                        'holding the gradients), not mean_grads on the '
+                        'arrays')
     p.add_argument('--quick', action='store_true',
                    help='fewer cases and repetitions (a smoke run)')
     p.add_argument('--compare-checks', action='store_true',
@@ -128,11 +133,13 @@ def main(argv=None):
     from mnopt import server_job
     if server_job.job().servers:
         # Servers take no part in the timing: time over the workers, with
-        # the reduction_server communicator (the only one such a job runs).
+        # the reduction_server communicator and, where asked for, the
+        # others over the workers alone (the same run's ring beside it).
         import mnopt
         first = mnopt.create_communicator('reduction_server')
         world = first.mpi_comm
-        args.communicators = ['reduction_server']
+        args.communicators = ['reduction_server'] + [
+            n for n in args.communicators or () if n != 'reduction_server']
     if args.steps:
         training.STEPS_PER_BLOCK = args.steps
     if args.scaling:

@@ -40,14 +40,16 @@ def build_cases(args, world):
         for wire, options, label in _variants(name, args):
             if name == 'reduction_server':
                 options['stats'] = True
+            if name != 'reduction_server' and world != MPI.COMM_WORLD:
+                options['mpi_comm'] = world   # the workers of a server job
             comm = mnopt.create_communicator(
                 name, bucket_bytes=args.bucket_bytes, **options)
             if name == 'reduction_server' and world.rank == 0:
                 atexit.register(lambda c=comm: print(c.stats.format(
                     'worker 0 %s' % c.allreduce_grad_dtype)))
-            grads = grad_list(shapes, world.rank)
-            cases.append(('mnopt %s %s' % (name, label), name,
-                          lambda c=comm, g=grads: c.mean_grads(g)))
+            average = _averaging(comm, shapes, world.rank,
+                                 getattr(args, 'through_model', False))
+            cases.append(('mnopt %s %s' % (name, label), name, average))
             if wire == 'sign':
                 SIGN_COMMS[cases[-1][0]] = comm
             if args.compare_checks and name != 'reduction_server':
@@ -58,8 +60,21 @@ def build_cases(args, world):
                     timeout=0, on_overflow='ignore', **options)
                 cases.append(('mnopt %s %s, checks off' % (name, label),
                               name + ' checks off',
-                              lambda c=off, g=grads: c.mean_grads(g)))
+                              _averaging(off, shapes, world.rank,
+                                         getattr(args, 'through_model',
+                                                 False))))
     return cases, total
+
+
+def _averaging(comm, shapes, rank, through_model):
+    """One averaging of ResNet-50's gradients on ``comm``: ``mean_grads``
+    on the arrays, or (``through_model``) ``multi_node_mean_grad`` on a
+    Chainer Link holding them, the path a ChainerMN user takes."""
+    if through_model:
+        model = grad_model(shapes, rank)
+        return lambda: comm.multi_node_mean_grad(model)
+    grads = grad_list(shapes, rank)
+    return lambda: comm.mean_grads(grads)
 
 
 def _chainermn_cases(shapes, world):
@@ -133,4 +148,6 @@ def report(cases, times, total, world, args, link_bytes=None):
             json.dump({'n_ranks': world.size, 'n_elements': total,
                        'reps': args.reps, 'allreduce': os.environ.get(
                            'MNOPT_ALLREDUCE') or 'auto',
+                       'through_model': getattr(args, 'through_model',
+                                                False),
                        'rows': rows}, f, indent=1)
