@@ -29,9 +29,9 @@ try:
 except ImportError:  # a tree from before the library (rerun.py --code)
     from mnopt.benchmark import spread
 try:
-    from mnopt.transport import waiting
+    from mnopt.transport import wait_tallies, waiting
 except ImportError:  # a tree from before the C waits (rerun.py --code)
-    waiting = None
+    wait_tallies = waiting = None
 import chainer  # NOQA
 import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
@@ -43,11 +43,14 @@ def averaging_threads():
     """{native id: (CPU seconds so far, its waiting.Tally)} of mnopt's
     averaging threads in this process (CPU from /proc's schedstat, in
     nanoseconds; a tree without mnopt/transport/waiting.py: {})."""
-    if waiting is None:
+    if wait_tallies is None:
         return {}
     found = {}
-    for tid, tally in waiting.tallies().items():
-        if not tally.name.startswith('mnopt-'):
+    for tid, tally in wait_tallies.everyone().items():
+        # The communicator's background executor ('mnopt-NAME_...'), not
+        # a colocated reduction server's threads.
+        if not tally.name.startswith('mnopt-') or \
+                tally.name.startswith('mnopt-colocated'):
             continue
         try:
             with open('/proc/self/task/%d/schedstat' % tid) as f:

@@ -37,13 +37,6 @@ static int64_t thread_cpu_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* A poll that took longer than this, and twice the fastest of the
- * wait (a poll that found nothing), did work (copied data), not just
- * look: the next one follows at once.  Measured on 4 simulated nodes
- * (docs/results/netsim/waits.md), colocated reduction servers: napping
- * after such polls too made an averaging 2.7x slower. */
-#define BUSY_POLL_NS 3000
-
 static void nap(int64_t ns)
 {
     struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
@@ -51,7 +44,7 @@ static void nap(int64_t ns)
 }
 
 /* wait_some(testsome, handle_bytes, status_bytes, undefined, requests,
- *           statuses, first_nap_ns, max_nap_ns, max_wait_ns)
+ *           statuses, first_nap_ns, max_nap_ns, max_wait_ns, busy_poll_ns)
  *     -> (error, done, waited_ns, cpu_ns, end_ns)
  *
  * requests, statuses: buffers of n uintptr_t addresses each (of each
@@ -59,9 +52,11 @@ static void nap(int64_t ns)
  * long).  The handles are copied into one array and polled with a single
  * MPI_Testsome per pass (one turn of the MPI library's progress engine,
  * not one per request), napping (first_nap_ns, doubling up to
- * max_nap_ns) while none has completed, except after a poll that took
- * long (BUSY_POLL_NS): the library was moving data, and the next poll
- * follows at once.  Returns after the first pass in
+ * max_nap_ns) while none has completed; a poll that took busy_poll_ns
+ * (0: never) and twice the wait's fastest poll moved data (a TCP netmod
+ * copies from its sockets only inside progress calls), and the next nap
+ * is the shortest again, or the kernel's buffers fill while the thread
+ * naps long.  Returns after the first pass in
  * which some completed (their handles, now MPI_REQUEST_NULL, and their
  * statuses copied back where they came from), after max_wait_ns (done
  * then empty), or at an error code (error nonzero; done then holds the
@@ -82,10 +77,10 @@ static PyObject *py_wait_some(PyObject *self, PyObject *args)
     Py_ssize_t hbytes, sbytes;
     int undefined;
     Py_buffer reqs, stats;
-    long long first_nap, max_nap, max_wait;
-    if (!PyArg_ParseTuple(args, "Knniy*y*LLL", &testsome_address, &hbytes,
+    long long first_nap, max_nap, max_wait, busy_poll;
+    if (!PyArg_ParseTuple(args, "Knniy*y*LLLL", &testsome_address, &hbytes,
                           &sbytes, &undefined, &reqs, &stats, &first_nap,
-                          &max_nap, &max_wait))
+                          &max_nap, &max_wait, &busy_poll))
         return NULL;
     Py_ssize_t n = reqs.len / (Py_ssize_t)sizeof(uintptr_t);
     if (stats.len != reqs.len || n == 0 || n > INT32_MAX
@@ -98,7 +93,9 @@ static PyObject *py_wait_some(PyObject *self, PyObject *args)
         return NULL;
     }
     char *handles = malloc((size_t)(n * hbytes));
-    char *statuses = malloc((size_t)(n * sbytes));
+    /* Zeroed: MPI_SUCCESS is 0 in every MPI, and MPICH leaves a status's
+     * error field as it was where the request completed well. */
+    char *statuses = calloc((size_t)n, (size_t)sbytes);
     int *indices = malloc((size_t)n * sizeof(int));
     if (handles == NULL || statuses == NULL || indices == NULL) {
         free(handles);
@@ -143,7 +140,7 @@ static PyObject *py_wait_some(PyObject *self, PyObject *args)
         int64_t took = after - before;
         if (took < fastest)
             fastest = took;
-        if (took >= BUSY_POLL_NS && took >= 2 * fastest) {
+        if (busy_poll > 0 && took >= busy_poll && took >= 2 * fastest) {
             /* The library moved data in that poll (TCP netmods copy
              * from the sockets only inside progress calls): the next
              * poll comes after the shortest nap, or the kernel's
@@ -203,7 +200,7 @@ static PyObject *py_wait_some(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"wait_some", py_wait_some, METH_VARARGS,
      "wait_some(testsome, handle_bytes, status_bytes, undefined, requests, "
-     "statuses, first_nap_ns, max_nap_ns, max_wait_ns) "
+     "statuses, first_nap_ns, max_nap_ns, max_wait_ns, busy_poll_ns) "
      "-> (error, done, waited_ns, cpu_ns, end_ns)"},
     {NULL, NULL, 0, NULL}
 };

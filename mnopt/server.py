@@ -39,6 +39,7 @@ from mnopt import timeline as timelines
 from mnopt.server_job import CHANNEL_NAMES, job
 from mnopt.server_loop import Stats, serve
 from mnopt.server_protocol import DEFAULT_MEMORY
+from mnopt.transport import waiting
 
 logger = log.get('mnopt.server')   # also when run as __main__
 
@@ -57,8 +58,9 @@ def main(argv=None):
     # workers waiting for this process.
     global_except_hook.add_hook()
     args = cli.parse_args(p, argv)
-    # A bad MNOPT_STALL_WARNING / MNOPT_TIMEOUT raises.
+    # A bad MNOPT_STALL_WARNING / MNOPT_TIMEOUT / MNOPT_WAIT raises.
     stall_settings.settings()
+    waiting.kind()
     world = MPI.COMM_WORLD
     the_job = job(default_role='server')
     # Mirror the workers' start-up: the split and the two channels.
@@ -80,7 +82,7 @@ def main(argv=None):
         tl.name_thread('server')
         serve(chan, the_job.workers, index, len(the_job.servers),
               args.memory, stats, report, the_job.monitor(), 'serve.' + name,
-              timeline=tl)
+              timeline=tl, pace=waiting.PATIENT)
 
     from mnopt.global_except_hook import run_or_abort
     threads = [threading.Thread(target=run_or_abort, args=(

@@ -58,7 +58,7 @@ class Stats(object):
 
 def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
           stats=None, on_error=None, monitor=None, name='serve',
-          idle=None, on_headers=None, timeline=None):
+          idle=None, on_headers=None, timeline=None, pace=waiting.PROMPT):
     """Serve reductions on ``chan`` until every worker says goodbye.
 
     ``workers`` are the workers' ranks in ``chan`` (in worker order);
@@ -79,6 +79,8 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
     ``timeline`` (mnopt/timeline.py), where on: per chunk a 'wire' (op
     'recv': waiting for every worker's share) and a 'sum' (the reduction),
     then a 'wire' (op 'send') until the results have left, with bytes.
+    ``pace``: how its waits poll (mnopt/transport/waiting.py): PATIENT in
+    a server process, PROMPT for a colocated server's threads.
     """
     _sched.prefer_low_latency()   # it waits on the network: mnopt/_sched.py
     n = len(workers)
@@ -88,20 +90,20 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
         watch = None
         try:
             watch = _receive_headers(chan, workers, headers, byes, monitor,
-                                     name, idle)
+                                     name, idle, pace)
             if on_headers is not None:
                 on_headers()
             if watch is not None:
                 watch.detail = '(reducing)'
             _serve_request(chan, workers, headers, my_index, n_servers,
-                           memory, stats, on_error, timeline)
+                           memory, stats, on_error, timeline, pace)
         finally:
             if watch is not None:
                 watch.__exit__(None, None, None)
 
 
 def _receive_headers(chan, workers, headers, byes, monitor, name,
-                     idle=None):
+                     idle=None, pace=waiting.PROMPT):
     """Receive the next header of every worker still here into
     ``headers`` (zeros for those gone), adding goodbyes to ``byes``.
     Returns the watched operation, entered at the first reduction header
@@ -121,7 +123,7 @@ def _receive_headers(chan, workers, headers, byes, monitor, name,
                 break
     watch = None
     while True:
-        done = waiting.next_completed(requests)
+        done = waiting.next_completed(requests, pace)
         if done is None:
             return watch
         for k in done:
@@ -137,7 +139,7 @@ def _receive_headers(chan, workers, headers, byes, monitor, name,
 
 
 def _serve_request(chan, workers, headers, my_index, n_servers, memory,
-                   stats, on_error, timeline=None):
+                   stats, on_error, timeline=None, pace=waiting.PROMPT):
     """One request, its headers in: check them, answer, reduce."""
     n = len(workers)
     active = [i for i, w in enumerate(workers) if headers[i, 0] ==
@@ -155,7 +157,8 @@ def _serve_request(chan, workers, headers, my_index, n_servers, memory,
             on_error(problem)
         _drain(chan, workers, headers, active)
         return
-    _reduce(chan, workers, headers[active[0]], memory, stats, timeline)
+    _reduce(chan, workers, headers[active[0]], memory, stats, timeline,
+            pace)
 
 
 def _drain(chan, workers, headers, active):
@@ -205,7 +208,8 @@ class _MajorityOfWorkers(object):
             sign.majority_bits(counts, self.n, 8 * first, self.step))
 
 
-def _reduce(chan, workers, header, memory, stats, timeline=None):
+def _reduce(chan, workers, header, memory, stats, timeline=None,
+            pace=waiting.PROMPT):
     n = len(workers)
     shard_start, shard_len, chunk = int(header[4]), int(header[5]), \
         int(header[6])
@@ -225,7 +229,7 @@ def _reduce(chan, workers, header, memory, stats, timeline=None):
 
     def post(c):
         k = c % n_slots
-        waiting.wait_all(sends[k])  # its last result has left
+        waiting.wait_all(sends[k], pace)  # its last result has left
         size = pieces[c].stop - pieces[c].start
         stage = slots[k][0]
         recvs[c] = [chan.Irecv([stage[i, :size], MPI.BYTE], source=w,
@@ -240,7 +244,7 @@ def _reduce(chan, workers, header, memory, stats, timeline=None):
         k = c % n_slots
         size = piece.stop - piece.start
         t0 = time.perf_counter()
-        waiting.wait_all(recvs[c])
+        waiting.wait_all(recvs[c], pace)
         t1 = time.perf_counter()
         stage, result = slots[k]
         combine(stage, result, size, shard_start + piece.start)
@@ -258,7 +262,7 @@ def _reduce(chan, workers, header, memory, stats, timeline=None):
             record('sum', 'comm', t1, t2, bytes=nbytes)
     t3 = time.perf_counter()
     for s in sends:
-        waiting.wait_all(s)
+        waiting.wait_all(s, pace)
     if record is not None:
         record('wire', 'comm', t3, time.perf_counter(), op='send',
                bytes=n * shard_len * dtype.itemsize)

@@ -14,6 +14,7 @@ import numpy
 import pytest
 from mpi4py import MPI
 
+from mnopt.transport import wait_tallies
 from mnopt.transport import waiting
 from conftest import WORLD, slack
 
@@ -107,6 +108,11 @@ def test_only_what_completed_is_reported(kind):
 
 
 def test_a_truncated_message_raises_mpis_truncation_error(kind):
+    if N == 1 and 'Open MPI' in MPI.Get_library_version():
+        # Open MPI truncates a message a rank sends itself without an
+        # error, in its own Wait too; it reports one between two ranks.
+        pytest.skip("Open MPI reports no truncation of a rank's message "
+                    'to itself')
     comm = WORLD.Dup()
     try:
         small = numpy.zeros(2, numpy.int32)
@@ -127,18 +133,18 @@ def test_a_truncated_message_raises_mpis_truncation_error(kind):
 def test_each_thread_tallies_its_waits(kind):
     comm = WORLD.Dup()
     try:
-        before = waiting.tally().copy()
+        before = wait_tallies.mine().copy()
         recv = comm.Irecv(numpy.zeros(1), source=LEFT, tag=TAG)
         assert waiting.wait_some([recv], max_wait=0.02) == []
         comm.Barrier()
         send = comm.Isend(numpy.zeros(1), dest=RIGHT, tag=TAG)
         waiting.wait_all([recv, send])
-        after = waiting.tally()
+        after = wait_tallies.mine()
         assert after.waits >= before.waits + 2
         assert after.wall_s >= before.wall_s + 0.02
         assert after.cpu_s >= before.cpu_s
         assert after.name == threading.current_thread().name
-        assert waiting.tallies()[threading.get_native_id()].waits == \
+        assert wait_tallies.everyone()[threading.get_native_id()].waits == \
             after.waits
     finally:
         comm.Free()
@@ -174,3 +180,33 @@ def test_other_threads_run_python_while_the_c_loop_waits(monkeypatch):
         waiting.wait_all([recv, send])
     finally:
         comm.Free()
+
+
+def test_the_c_loop_fills_each_status_whole(monkeypatch):
+    # MPICH leaves a status's error field as it was where a request
+    # completed well; the C loop's statuses start zeroed (MPI_SUCCESS),
+    # not with whatever its memory held.
+    monkeypatch.setenv('MNOPT_WAIT', 'c')
+    comm = WORLD.Dup()
+    try:
+        recv = comm.Irecv(numpy.zeros(1), source=LEFT, tag=TAG)
+        status = MPI.Status()
+        status.Set_error(MPI.ERR_OTHER)   # what was there before
+        comm.Barrier()
+        send = comm.Isend(numpy.ones(1), dest=RIGHT, tag=TAG)
+        while not waiting.wait_some([recv], [status], max_wait=1.0):
+            pass
+        assert status.Get_error() == MPI.SUCCESS
+        waiting.wait_all([send])
+    finally:
+        comm.Free()
+
+
+def test_mpi_testsome_is_mpi4pys_own():
+    # Found through mpi4py's extension: the library it links to, even
+    # where another MPI library is loaded in the process too.
+    import ctypes
+    address = waiting._mpi_symbol_address('MPI_Testsome')
+    mpi4pys = ctypes.CDLL(MPI.__file__).MPI_Testsome
+    assert address == ctypes.cast(mpi4pys, ctypes.c_void_p).value
+    assert waiting._mpi_symbol_address('no_such_symbol_here') == 0

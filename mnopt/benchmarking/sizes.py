@@ -20,8 +20,11 @@ def sweep(args, world):
     """mean_grads of one float32 array per message size, next to
     one raw Allreduce of the same buffer."""
     import mnopt
+    # In a job with server processes, the others run over the workers.
+    workers = {} if world == MPI.COMM_WORLD else {'mpi_comm': world}
     comms = [(name, wire, mnopt.create_communicator(
-        name, allreduce_grad_dtype=wire))
+        name, allreduce_grad_dtype=wire,
+        **({} if name == 'reduction_server' else workers)))
         for name in args.communicators for wire in args.dtypes]
     raw = world.Dup()
     rows = []

@@ -90,6 +90,10 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
         self._unused_channels = list(channels)  # sync group, then async
         self.stats = server_loop.Stats() if settings['stats'] else None
         self._colocated = None  # with servers, the job says goodbye at exit
+        # How this worker's exchanges poll (mnopt/transport/waiting.py):
+        # beside server processes the job's processes outnumber the cores
+        # they wait on; colocated, three threads of each process share it.
+        self._pace = waiting.PATIENT if job.servers else waiting.PROMPT
         super(ReductionServerCommunicator, self).__init__(mpi_comm,
                                                           **settings)
         if not job.servers:  # colocated: this worker serves shard `rank`
@@ -287,7 +291,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                     push(j)
         problems = []
         for status, request in statuses:
-            waiting.wait_all([request])
+            waiting.wait_all([request], self._pace)
             text = status.tobytes().rstrip(b'\0').decode()
             if text:
                 problems.append(text)
@@ -295,15 +299,15 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
             for j in order:  # the servers drain everything
                 while pending[j]:
                     push(j)
-            waiting.wait_all(sends)
+            waiting.wait_all(sends, self._pace)
             for r in recvs:
                 r.Cancel()
-            waiting.wait_all(recvs)
+            waiting.wait_all(recvs, self._pace)
             raise LayoutMismatchError('the reduction servers refused: %s'
                                       % '; '.join(sorted(set(problems))))
         t_sent = None
         while True:
-            done = waiting.next_completed(recvs)
+            done = waiting.next_completed(recvs, self._pace)
             if done is None:
                 break
             for i in done:
@@ -314,7 +318,7 @@ class ReductionServerCommunicator(MpiCommunicatorBase):
                     on_result(part, result[part])
             if t_sent is None and not any(pending.values()):
                 t_sent = time.perf_counter()
-        waiting.wait_all(sends)
+        waiting.wait_all(sends, self._pace)
         t1 = t_sent or time.perf_counter()
         if self.stats is not None:
             self.stats.add('send', t1 - t0)

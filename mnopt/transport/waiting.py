@@ -15,12 +15,12 @@ statically, no C compiler when mnopt was built) or ``MNOPT_WAIT=python``
 asks for it, the same waits poll from Python (MPI_Test of each request)
 with naps, the GIL released only while they nap.
 
-Each thread's time inside the waits is tallied (``tally``): a benchmark
-reads how much of an averaging thread's time went to waiting with the
-GIL released, and the rest is time it ran Python (an upper bound on the
-time it held the GIL).
+Each thread's time inside the waits is tallied
+(mnopt/transport/wait_tallies.py): a benchmark reads how much of an
+averaging thread's time went to waiting with the GIL released.
 """
 
+import collections
 import ctypes
 import os
 import threading
@@ -29,6 +29,7 @@ import time
 from mpi4py import MPI
 
 from mnopt import _env
+from mnopt.transport import wait_tallies
 
 try:
     from mnopt import _mpiwait
@@ -36,56 +37,26 @@ except ImportError:  # built without a C compiler
     _mpiwait = None
 
 WAITS = ('c', 'python')
-#: Longest nap between two polls of ``wait_all`` and ``next_completed``
-#: (seconds).  Progress happens only inside MPI calls (a TCP netmod reads
-#: its sockets there), so the naps bound how fast a transfer goes when no
-#: poll finds work; measured on 4 simulated nodes at 1 Gbit/s
-#: (docs/results/netsim/waits.md), colocated reduction servers averaged
-#: 1.06x flat's time with 200 us and up to 1.16x with 1 ms.
-MAX_NAP = 200e-6
+#: How ``wait_all`` and ``next_completed`` poll: naps up to ``max_nap``
+#: seconds, and a poll that took ``busy_poll`` seconds (and twice the
+#: wait's fastest: it moved data) brings them back to the shortest (None:
+#: never).  MPI over TCP moves bytes only inside its progress calls, so
+#: the naps bound how fast a transfer goes when no thread polls.
+Pace = collections.namedtuple('Pace', 'max_nap busy_poll')
+#: Where threads of one process share the work (a colocated reduction
+#: server's two threads and its worker's exchange, the ring): measured on
+#: 4 simulated nodes at 1 Gbit/s (docs/results/netsim/waits.md),
+#: colocated servers averaged 1.00-1.14x flat's time this way, 2.7x with
+#: naps up to 1 ms and no busy rule.  An empty poll took 1.2-1.7 us there.
+PROMPT = Pace(200e-6, 3e-6)
+#: Where processes that wait outnumber the cores (a job with server
+#: processes: 8 processes on 2 cores in that measurement): polls cost the
+#: others their CPU, so naps up to 1 ms, as before the C waits.
+PATIENT = Pace(1e-3, None)
 
-#: Per thread: what its waits cost (``tally``).
+#: Per thread: its scratch statuses.
 _local = threading.local()
-#: Every thread's Tally, by native thread id (a benchmark reads them).
-_tallies = {}
-_tallies_lock = threading.Lock()
 _testsome = None   # MPI_Testsome's address, 0 where none; None: not looked
-
-
-class Tally(object):
-    """What one thread's waits cost so far: ``waits`` calls, ``wall_s``
-    inside them, ``cpu_s`` of that the thread spent on a core (the C
-    loop's polls; for Python waits, 0: not measured), ``gil_s`` spent
-    after the C loop's waits getting the GIL back, ``name`` the thread's."""
-
-    def __init__(self, name):
-        self.name = name
-        self.waits = 0
-        self.wall_s = 0.0
-        self.cpu_s = 0.0
-        self.gil_s = 0.0
-
-    def copy(self):
-        other = Tally(self.name)
-        other.__dict__.update(self.__dict__)
-        return other
-
-
-def tally():
-    """The calling thread's Tally."""
-    mine = getattr(_local, 'tally', None)
-    if mine is None:
-        mine = _local.tally = Tally(threading.current_thread().name)
-        with _tallies_lock:
-            _tallies[threading.get_native_id()] = mine
-    return mine
-
-
-def tallies():
-    """{native thread id: a copy of its Tally} for every thread that has
-    waited."""
-    with _tallies_lock:
-        return {k: t.copy() for k, t in _tallies.items()}
 
 
 def kind():
@@ -99,34 +70,22 @@ def _mpi_testsome():
     """MPI_Testsome's address in the MPI library mpi4py uses, or 0."""
     global _testsome
     if _testsome is None:
-        _testsome = _find('MPI_Testsome') if _mpiwait is not None else 0
+        _testsome = _mpi_symbol_address('MPI_Testsome') \
+            if _mpiwait is not None else 0
     return _testsome
 
 
-def _find(symbol):
-    # The library is already loaded (by mpi4py's extension, privately):
-    # find it among this process's mappings and look the symbol up there,
-    # without loading anything new.
+def _mpi_symbol_address(symbol):
+    """``symbol``'s address as mpi4py's own extension sees it: looked up
+    through that extension (already loaded; nothing new is loaded), so it
+    is the MPI library mpi4py links to even where another one is loaded
+    in the process too; 0 where there is none."""
     mode = getattr(os, 'RTLD_NOLOAD', 0) | getattr(os, 'RTLD_LOCAL', 0)
-    candidates = []
     try:
-        with open('/proc/self/maps') as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1]
-                name = os.path.basename(path)
-                if name.startswith('libmpi') and '.so' in name \
-                        and path not in candidates:
-                    candidates.append(path)
-    except OSError:
+        lib = ctypes.CDLL(MPI.__file__, mode=mode)
+        return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
         return 0
-    for path in candidates:
-        try:
-            lib = ctypes.CDLL(path, mode=mode)
-            return ctypes.cast(getattr(lib, symbol),
-                               ctypes.c_void_p).value or 0
-        except (OSError, AttributeError):
-            continue
-    return 0
 
 
 def _addresses(objects):
@@ -135,25 +94,28 @@ def _addresses(objects):
 
 
 def wait_some(requests, statuses=None, first_nap=10e-6, max_nap=1e-3,
-              max_wait=0.05, by_yield=False):
-    """Wait until at least one of ``requests`` (active mpi4py Requests)
-    has completed, or ``max_wait`` seconds have passed; return the indices
+              max_wait=0.05, by_yield=False, busy_poll=PROMPT.busy_poll):
+    """Wait until at least one of ``requests`` (active mpi4py Requests:
+    not MPI.REQUEST_NULL, not persistent ones) has completed, or ``max_wait`` seconds have passed; return the indices
     that completed (an empty list after ``max_wait``).  A completed
     request becomes MPI.REQUEST_NULL, its status in ``statuses[i]``
     (MPI.Status objects; None: not kept).
 
     Naps between polls start at ``first_nap`` seconds and double up to
-    ``max_nap``.  ``by_yield``: in the Python fallback only, yield the
+    ``max_nap``; in the C loop a poll that took ``busy_poll`` seconds (and
+    twice the wait's fastest poll: it moved data) brings them back to
+    ``first_nap`` (None: never).  ``by_yield``: in the Python fallback only, yield the
     core between polls instead of napping (ring.yield_while_waiting)."""
     if statuses is None:
         statuses = _scratch_statuses(len(requests))
-    mine = tally()
+    mine = wait_tallies.mine()
     testsome = _mpi_testsome() if kind() == 'c' else 0
     if testsome:
         error, done, waited, cpu, end = _mpiwait.wait_some(
             testsome, MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status),
             MPI.UNDEFINED, _addresses(requests), _addresses(statuses),
-            int(first_nap * 1e9), int(max_nap * 1e9), int(max_wait * 1e9))
+            int(first_nap * 1e9), int(max_nap * 1e9), int(max_wait * 1e9),
+            int((busy_poll or 0) * 1e9))
         mine.gil_s += (time.monotonic_ns() - end) * 1e-9
         mine.waits += 1
         mine.wall_s += waited * 1e-9
@@ -211,22 +173,24 @@ def completed(request, status=None):
     return request == MPI.REQUEST_NULL or request.Test(status)
 
 
-def wait_all(requests, first_nap=20e-6, max_nap=MAX_NAP):
-    """Like ``MPI.Request.Waitall``, the GIL and the core left free."""
+def wait_all(requests, pace=PROMPT):
+    """Like ``MPI.Request.Waitall``, the GIL and the core left free;
+    ``pace``: PROMPT or PATIENT (above)."""
     active = [r for r in requests if r != MPI.REQUEST_NULL]
     while active:
-        wait_some(active, first_nap=first_nap, max_nap=max_nap)
+        wait_some(active, first_nap=20e-6, max_nap=pace.max_nap,
+                  busy_poll=pace.busy_poll)
         active = [r for r in active if r != MPI.REQUEST_NULL]
 
 
-def next_completed(requests, max_nap=MAX_NAP):
+def next_completed(requests, pace=PROMPT):
     """Indices of the requests that completed (at least one), waiting as
     ``wait_all`` does; None once none is active.  Completed requests turn
     into MPI.REQUEST_NULL in place."""
     active = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
     while active:
         done = wait_some([requests[i] for i in active], first_nap=20e-6,
-                         max_nap=max_nap)
+                         max_nap=pace.max_nap, busy_poll=pace.busy_poll)
         if done:
             return [active[k] for k in done]
     return None
