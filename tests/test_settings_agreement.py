@@ -204,11 +204,14 @@ def test_settings_of_ones_own_may_differ(monkeypatch):
         comm.finalize()
 
 
+# Each rank's lines are gathered and printed by rank 0: lines two ranks
+# print at once can run into each other in mpiexec's output.
 PER_RANK_SETTINGS = '''
 import os, sys
 from mpi4py import MPI
 import mnopt
 rank = MPI.COMM_WORLD.rank
+said = []
 cases = [('MNOPT_BLAS_THREADS', 'two'), ('MNOPT_RANKS_PER_NODE', 'x'),
          ('MNOPT_ALLREDUCE', 'mpi'), ('MNOPT_RANKS_PER_NODE', '1')]
 for name, value in cases:
@@ -216,16 +219,20 @@ for name, value in cases:
         os.environ[name] = value
     try:
         comm = mnopt.create_communicator('hierarchical')
-        print('rank %d %s=%s: no error' % (rank, name, value), flush=True)
+        said.append('rank %d %s=%s: no error' % (rank, name, value))
     except Exception as e:
-        print('rank %d %s=%s: %s: %s' % (rank, name, value,
-                                         type(e).__name__, e), flush=True)
+        said.append('rank %d %s=%s: %s: %s' % (rank, name, value,
+                                               type(e).__name__, e))
     os.environ.pop(name, None)
 try:
     mnopt.create_communicator('flat', bucket_bytes=4096 << rank)
 except ValueError as e:
-    print('rank %d bucket_bytes: %s' % (rank, e), flush=True)
-print('rank %d done' % rank, flush=True)
+    said.append('rank %d bucket_bytes: %s' % (rank, e))
+said.append('rank %d done' % rank)
+everyone = MPI.COMM_WORLD.gather(said)
+if rank == 0:
+    print('\\n'.join(line for lines in everyone for line in lines),
+          flush=True)
 '''
 
 
