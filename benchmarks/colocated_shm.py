@@ -14,13 +14,13 @@ rank's), and MNOPT_WAIT.  Results: docs/results/netsim/waits.md.
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy
 from mpi4py import MPI
 
 import mnopt
+from mnopt.benchmarking.harness import spread
 from mnopt.benchmarking.workloads import grad_model, resnet50_grad_shapes
 try:
     from mnopt.transport import waiting
@@ -67,9 +67,8 @@ def main():
     result = {'ranks': world.size, 'bytes': nbytes, 'arrays': len(shapes),
               'calls': args.calls,
               'wait': waiting.kind() if waiting else 'before the C waits',
-              'seconds_per_call': {
-                  name: {'min': min(v), 'median': statistics.median(v),
-                         'max': max(v)} for name, v in times.items()}}
+              'seconds_per_call': {name: spread(v)
+                                   for name, v in times.items()}}
     for comm in comms.values():
         comm.finalize()
     if world.rank == 0:
