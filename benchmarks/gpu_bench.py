@@ -11,7 +11,8 @@ run, rounds interleaved (run it through benchmarks/gpu_check.sh):
    buffer and stream.
 3. wrapper overhead: training steps of the example's ResNet-50 (images/sec)
    with a plain Chainer optimizer vs mnopt's pure_nccl (+float16 wire,
-   +double buffering), the averaging path forced at N=1
+   +double buffering; overlap=True; shard_state=True), the averaging path
+   forced at N=1
    (``skip_single_rank=False``: pack, NCCL, unpack, overflow check).
 
 Writes gpu_bench.json and gpu_bench.md into --out.
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import numpy
 
@@ -174,12 +176,15 @@ def wrapper(cp, rounds, steps, batch, insize):
                                          allreduce_grad_dtype=wire)
         comm.skip_single_rank = False
         opt = mnopt.create_multi_node_optimizer(
-            sgd, comm, double_buffering='double' in variant)
+            sgd, comm, double_buffering='double' in variant,
+            overlap='overlap' in variant,
+            shard_state='shard_state' in variant)
         return model, opt.setup(model), comm
 
     variants = ['plain chainer', 'pure_nccl', 'pure_nccl float16',
-                'pure_nccl float16 double buffering']
-    runs = {v: make(v) for v in variants}
+                'pure_nccl float16 double buffering', 'pure_nccl overlap',
+                'pure_nccl shard_state']
+    runs = {}
 
     def run(variant, n):
         model, opt, _ = runs[variant]
@@ -192,8 +197,15 @@ def wrapper(cp, rounds, steps, batch, insize):
         cp.cuda.Device().synchronize()
         return n * batch / (time.perf_counter() - start)
 
-    for v in variants:   # warm up: kernels compiled, first broadcast done
-        run(v, 3)
+    failed = {}
+    for v in list(variants):   # warm up: kernels compiled, first broadcast
+        try:
+            runs[v] = make(v)
+            run(v, 3)
+        except Exception as e:   # the others are still measured
+            traceback.print_exc()
+            failed[v] = '%s: %s' % (type(e).__name__, e)
+            variants.remove(v)
     rates = {v: [] for v in variants}
     for r in range(rounds):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -206,6 +218,7 @@ def wrapper(cp, rounds, steps, batch, insize):
     return {'batch': batch, 'insize': insize, 'steps': steps,
             'rounds': rounds, 'cudnn': bool(
                 chainer.backends.cuda.cudnn_enabled),
+            'failed': failed,
             'images_per_sec': {v: spread(r) for v, r in rates.items()},
             'ratio_to_plain': {v: spread([a / b for a, b in zip(r, plain)])
                                for v, r in rates.items()}}
@@ -257,6 +270,8 @@ def markdown(res):
         lines.append('| %s | %.1f / %.1f / %.1f | %.3f / %.3f / %.3f |' % (
             v, ips['min'], ips['median'], ips['max'], r['min'], r['median'],
             r['max']))
+    for v, why in w.get('failed', {}).items():
+        lines.append('| %s | failed: %s | |' % (v, why.replace('|', '/')))
     return '\n'.join(lines) + '\n'
 
 

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # Every GPU check of mnopt in one run, on a machine with a GPU:
-#   bash benchmarks/gpu_check.sh [tests] [bench]     (default: both)
-# tests: tests/test_gpu.py and tests/test_cuda_kernels.py serially, then
-#        tests/test_gpu.py under mpiexec -n 2 and -n 3 (ranks share the GPU);
-#        a missing GPU or NVRTC fails instead of skipping.
+#   bash benchmarks/gpu_check.sh [tests] [bench] [zero] [ranks]
+#                                        (default: all four, in this order)
+# tests: every test with a GPU path, serially (pytest-xdist's workers where
+#        it is installed, each a one-rank job sharing the GPU; 150 s per
+#        test where pytest-timeout is); a missing GPU or NVRTC fails
+#        instead of skipping.
 # bench: benchmarks/gpu_bench.py (codec bandwidth, NCCL, wrapper overhead).
-# Logs and results go to $OUT (default result/gpu-check).
+# zero:  ZeRO's state and held bytes for ResNet-50 with Adam at 2 and 3
+#        ranks, CuPy beside NumPy (benchmarks/zero.py --memory [--gpu]).
+# ranks: tests/test_gpu.py and tests/test_gpu_modes.py under mpiexec -n 2
+#        and -n 3 (the ranks share the GPU).
+# Each stage has a time limit (MNOPT_GPU_CHECK_LIMITS, seconds per stage in
+# that order), so one that hangs still leaves the others' results.
+# Logs and results go to $OUT (default result/gpu-check): env.txt,
+# tests.txt, bench.txt, gpu_bench.json/.md, zero.txt.
 #
 # Packages the machine lacks travel as wheels in .whl/ (make gpu-wheels
 # fills it): they are installed into /tmp/site and put first on PYTHONPATH.
@@ -42,12 +51,10 @@ python3 - <<'EOF' || exit 1
 import glob, subprocess, sys, sysconfig
 suffix = sysconfig.get_config_var('EXT_SUFFIX')
 include = sysconfig.get_paths()['include']
-for name in ('_halfcast', '_signbits'):
+for name in ('_halfcast', '_signbits', '_mpiwait'):
     subprocess.check_call(['gcc', '-O3', '-fPIC', '-shared', '-I' + include,
                            'mnopt/%s.c' % name, '-o', 'mnopt/%s%s' % (name, suffix)])
 EOF
-stages=${*:-tests bench}
-status=0
 {
     nvidia-smi -L
     python3 -c 'import sys, numpy, cupy, mpi4py; from cupy.cuda import nccl
@@ -55,6 +62,7 @@ print("python", sys.version.split()[0], "numpy", numpy.__version__, "cupy",
       cupy.__version__, "nccl", nccl.get_version(), "mpi4py", mpi4py.__version__)'
     echo "mpiexec: $(command -v mpiexec) libmpi: ${MPI4PY_LIBMPI:-}"
     echo "mpi4py: $(python3 -c 'import mpi4py; print(mpi4py.__file__)')"
+    python3 -c 'from mnopt.transport import waiting; print("wait", waiting.kind())'
     mpiexec -n 2 python3 -m mpi4py -m mnopt.check
 } 2>&1 | tee "$OUT/env.txt"
 # Two processes must make one job, not two singletons (an mpi4py on another
@@ -62,25 +70,61 @@ print("python", sys.version.split()[0], "numpy", numpy.__version__, "cupy",
 mpiexec -n 2 python3 -c 'from mpi4py import MPI
 assert MPI.COMM_WORLD.size == 2, MPI.Get_library_version()' || exit 1
 
+stages=${*:-tests bench zero ranks}
+read -r -a limits <<< "${MNOPT_GPU_CHECK_LIMITS:-300 200 90 120 120}"
+limit() {   # limit STAGE: its seconds
+    case $1 in tests) echo "${limits[0]}" ;; bench) echo "${limits[1]}" ;;
+    zero) echo "${limits[2]}" ;; ranks-2) echo "${limits[3]}" ;;
+    ranks-3) echo "${limits[4]}" ;; esac
+}
+GPU_TESTS="tests/test_gpu.py tests/test_gpu_modes.py"
+status=0
 for stage in $stages; do
+start=$(date +%s)
 case $stage in
 tests)
     export MNOPT_REQUIRE_GPU=1 MNOPT_REQUIRE_NVRTC=1
-    start=$(date +%s)
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-        tests/test_cuda_kernels.py -rs 2>&1 | tee "$OUT/tests-n1.txt" \
-        || status=1
+    # One worker per test where pytest-xdist is installed, and a limit per
+    # test where pytest-timeout is: a hung test fails with its traceback.
+    options=
+    python3 -c 'import xdist' 2>/dev/null && options='-n 8'
+    python3 -c 'import pytest_timeout' 2>/dev/null && \
+        options="$options --timeout 150"
+    timeout -k 10 "$(limit tests)" python3 -m pytest -q -p no:cacheprovider \
+        $options --durations=15 -rfEs $GPU_TESTS tests/test_cuda_kernels.py \
+        tests/test_pinned_buffers.py tests/test_powersgd_core.py 2>&1 \
+        | tee -a "$OUT/tests.txt" || status=1
+    ;;
+ranks)
+    export MNOPT_REQUIRE_GPU=1 MNOPT_REQUIRE_NVRTC=1
     for n in 2 3; do
-        mpiexec -n $n python3 -m mpi4py -m pytest -q -p no:cacheprovider \
-            tests/test_gpu.py -rs 2>&1 | tee "$OUT/tests-n$n.txt" || status=1
+        echo "== mpiexec -n $n" | tee -a "$OUT/tests.txt"
+        timeout -k 10 "$(limit ranks-$n)" mpiexec -n $n python3 -m mpi4py \
+            -m pytest -q -p no:cacheprovider -rs $GPU_TESTS 2>&1 \
+            | tee -a "$OUT/tests.txt" || status=1
     done
-    echo "== tests took $(( $(date +%s) - start )) s"
     ;;
 bench)
-    python3 benchmarks/gpu_bench.py --out "$OUT" 2>&1 \
-        | tee "$OUT/bench.txt" || status=1
+    timeout -k 10 "$(limit bench)" python3 benchmarks/gpu_bench.py \
+        --out "$OUT" 2>&1 | tee "$OUT/bench.txt" || status=1
     ;;
-*) echo "unknown stage $stage (tests, bench)"; exit 2 ;;
+zero)
+    (
+        rc=0
+        for n in 2 3; do
+            for device in cpu gpu; do
+                echo "== mpiexec -n $n zero.py --memory ($device)"
+                flag=; [ $device = gpu ] && flag=--gpu
+                timeout -k 10 "$(limit zero)" mpiexec -n $n python3 -m mpi4py \
+                    benchmarks/zero.py --memory --model resnet50 $flag \
+                    --modes unsharded,sharded || rc=1
+            done
+        done
+        exit $rc
+    ) 2>&1 | tee "$OUT/zero.txt" || status=1
+    ;;
+*) echo "unknown stage $stage (tests, bench, zero, ranks)"; exit 2 ;;
 esac
+echo "== $stage took $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done
 exit $status

@@ -90,30 +90,53 @@ def describe_model(model):
         len(params), sum(p.array.nbytes for p in params))
 
 
+class DeviceMemory(object):
+    """Bytes in use on the GPU (CuPy's pool), as tracemalloc's calls."""
+
+    def __init__(self, cupy):
+        self.pool = cupy.get_default_memory_pool()
+
+    def start(self):
+        pass
+
+    stop = reset_peak = start
+
+    def get_traced_memory(self):
+        return self.pool.used_bytes(), None
+
+
 def measure_memory(args):
     """Memory and wire bytes per rank, each mode in turn (see the module)."""
     world = mnopt.create_communicator(args.communicator)
+    xp, memory = numpy, tracemalloc
+    if args.gpu:
+        import cupy as xp
+        memory = DeviceMemory(xp)
     first = make_model(args.width, args.layers, args.model)
     rng = numpy.random.RandomState(world.rank)
-    grads = {n: rng.standard_normal(p.shape).astype(p.dtype)
+    grads = {n: xp.asarray(rng.standard_normal(p.shape).astype(p.dtype))
              for n, p in first.namedparams()}
     param_bytes = sum(p.array.nbytes for p in first.params())
     model_text = describe_model(first)
     del first
-    tracemalloc.start()
+    memory.start()
     result = {'ranks': world.size, 'communicator': args.communicator,
+              'device': 'gpu' if args.gpu else 'cpu',
               'optimizer': args.optimizer, 'model': args.model,
               'model_params': model_text, 'parameter_bytes': param_bytes,
               'allreduce': mnopt.transport.allreduce.allreduce_algorithm()}
     modes = args.modes.split(',')
-    x = rng.standard_normal((args.batch, args.width)).astype(numpy.float32)
+    x = xp.asarray(rng.standard_normal((args.batch, args.width))
+                   .astype(numpy.float32))
     result['step'] = ('forward, backward and update of %d rows' % args.batch
                       if args.backward else 'fixed gradients, update')
     for mode in modes:
         gc.collect()
-        base = tracemalloc.get_traced_memory()[0]
+        base = memory.get_traced_memory()[0]
         comm = mnopt.create_communicator(args.communicator)
         model = make_model(args.width, args.layers, args.model)
+        if args.gpu:
+            model.to_gpu()
         shard_state, overlap = MEMORY_MODES[mode]
         opt = mnopt.create_multi_node_optimizer(
             OPTIMIZERS[args.optimizer](), comm, shard_state=shard_state,
@@ -131,12 +154,13 @@ def measure_memory(args):
         for _ in range(3):   # broadcast, first update (state; stage 2's
             step()           # plan), one more
         gc.collect()
-        held = tracemalloc.get_traced_memory()[0] - base
-        tracemalloc.reset_peak()
+        held = memory.get_traced_memory()[0] - base
+        memory.reset_peak()
         sent = ring.bytes_sent
         step()
         sent = ring.bytes_sent - sent
-        peak = tracemalloc.get_traced_memory()[1] - base
+        peak = memory.get_traced_memory()[1]
+        peak = None if peak is None else peak - base
         figures = {
             'state_bytes': state_nbytes(model),
             'held_bytes': held,
@@ -152,7 +176,7 @@ def measure_memory(args):
         del model, opt, step
         comm.finalize()
         del comm
-    tracemalloc.stop()
+    memory.stop()
     if world.rank == 0:
         print(json.dumps(result, indent=1))
         if args.json:
@@ -190,12 +214,16 @@ def main():
                         '(forward, backward, update), not fixed gradients')
     parser.add_argument('--batch', type=int, default=32,
                         help='rows per step with --backward')
+    parser.add_argument('--gpu', action='store_true',
+                        help='with --memory: the model on the GPU (CuPy)')
     args = parser.parse_args()
     modes = args.modes.split(',')
     if any(m not in MEMORY_MODES for m in modes):
         parser.error('--modes: each of %s' % ', '.join(MEMORY_MODES))
     if args.backward and (args.model != 'mlp' or not args.memory):
         parser.error('--backward needs --memory and the MLP')
+    if args.gpu and not args.memory:
+        parser.error('--gpu needs --memory')
     if 'stage2' in modes and not args.backward:
         parser.error('mode stage2 reduces gradients during backward: it '
                      'needs --backward')

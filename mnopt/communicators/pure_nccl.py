@@ -60,6 +60,10 @@ class PureNcclCommunicator(MpiCommunicatorBase):
 
     def _sum(self, buffer, group):
         if buffer.xp is not cupy():
+            if not buffer.layout.total:
+                # An empty set (overlap's last bucket when backward sent
+                # every gradient) is a numpy one: nothing to sum.
+                return
             raise TypeError(
                 "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
                 "move the model to the GPU (model.to_gpu()) or use 'flat'")
@@ -82,7 +86,8 @@ class PureNcclCommunicator(MpiCommunicatorBase):
     # group's side stream.  NCCL's reduceScatter and allGather move equal
     # counts per rank, so every rank's share is padded to the largest in
     # the device buffers (the padding stays zero); the packing kernels are
-    # the averaging's, with the padded offsets.  Unverified on a GPU.
+    # the averaging's, with the padded offsets (run on an H100 at N=1:
+    # docs/gpu.md).
 
     def _nccl_for(self, group, device):
         state = group.state
@@ -98,6 +103,8 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         return state.nccl
 
     def _reduce_scatter_mean(self, group, shards, arrays, xp, counted):
+        if not arrays:   # an empty set (stage 2's last bucket): no call
+            return ([], []) if counted else None
         if xp is not cupy():
             raise TypeError(
                 "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
@@ -133,6 +140,8 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         return bufs['pack'].take_counts()[0], out
 
     def _allgather_params(self, group, shards, arrays, xp):
+        if not arrays:
+            return
         if xp is not cupy():
             raise TypeError(
                 "pure_nccl gathers CuPy (GPU) parameters but got numpy ones; "
