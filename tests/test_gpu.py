@@ -368,6 +368,21 @@ def test_pure_nccl_through_the_optimizer(cupy, wire, double_buffering):
         assert same_bits(runs['flat'][n], runs['pure_nccl'][n]), n
 
 
+def test_pure_nccl_averages_an_empty_set(cupy):
+    """Overlap's last bucket is empty when backward sent every gradient:
+    nothing to sum, not a "numpy gradients" TypeError (ResNet-50 with
+    overlap=True failed so at its second step)."""
+    _one_gpu_per_rank(cupy)
+    comm = mnopt.create_communicator('pure_nccl')
+    comm.skip_single_rank = False
+    comm.mean_grads([])
+    comm.mean_grads_async([], queue=True).wait()
+    g = [('/w', cupy.full(3, 2.0, cupy.float32))]
+    comm.mean_grads(g)      # NCCL still works after it
+    assert (g[0][1] == 2.0).all()
+    comm.finalize()
+
+
 def _train_on_the_gpu(cupy, name, wire, overlap):
     import chainer.functions as F
     import chainer.links as L
