@@ -127,7 +127,7 @@ def nccl(cp, rounds, reps):
     comm = nccl_communicator(MPI.COMM_SELF)
     stream = cp.cuda.Stream(non_blocking=True)
     out = []
-    for nbytes in (1 << 20, 16 << 20, 4 * 25557032):
+    for nbytes in (1 << 20, 16 << 20, 4 * 25557096):   # ... ResNet-50
         buf = cp.ones(nbytes // 4, cp.float32)
 
         def raw():
@@ -206,6 +206,12 @@ def wrapper(cp, rounds, steps, batch, insize):
             traceback.print_exc()
             failed[v] = '%s: %s' % (type(e).__name__, e)
             variants.remove(v)
+            comm = runs.pop(v, (None, None, None))[2]
+            if comm is not None:
+                try:
+                    comm.finalize()
+                except Exception:
+                    traceback.print_exc()
     rates = {v: [] for v in variants}
     for r in range(rounds):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -214,7 +220,7 @@ def wrapper(cp, rounds, steps, batch, insize):
     for v in variants:
         if runs[v][2] is not None:
             runs[v][2].finalize()
-    plain = rates['plain chainer']
+    plain = rates.get('plain chainer') or [float('nan')] * rounds
     return {'batch': batch, 'insize': insize, 'steps': steps,
             'rounds': rounds, 'cudnn': bool(
                 chainer.backends.cuda.cudnn_enabled),
@@ -291,24 +297,33 @@ def main(argv=None):
            'versions': 'CuPy %s, NCCL %s, NumPy %s' % (
                cp.__version__, libnccl.get_version(),
                numpy.__version__), 'command': ' '.join(sys.argv)}
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():   # after each section: a later one that fails keeps these
+        with open(os.path.join(args.out, 'gpu_bench.json'), 'w') as f:
+            json.dump(res, f, indent=1)
+
     if 'codec' in args.only:
         res['codec'] = codec(cp, args.rounds, args.reps)
         print(json.dumps(res['codec'], indent=1), flush=True)
+        save()
     if 'nccl' in args.only:
         res['nccl'] = nccl(cp, args.rounds, args.reps)
         print(json.dumps(res['nccl'], indent=1), flush=True)
+        save()
     if 'wrapper' in args.only:
         res['wrapper'] = wrapper(cp, args.rounds, args.steps, args.batch,
                                  args.insize)
         print(json.dumps(res['wrapper'], indent=1), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, 'gpu_bench.json'), 'w') as f:
-        json.dump(res, f, indent=1)
+        save()
     if all(k in res for k in ('codec', 'nccl', 'wrapper')):
         text = markdown(res)
         with open(os.path.join(args.out, 'gpu_bench.md'), 'w') as f:
             f.write(text)
         print(text)
+    if res.get('wrapper', {}).get('failed'):
+        sys.exit('wrapper variants failed: %s'
+                 % ', '.join(sorted(res['wrapper']['failed'])))
 
 
 if __name__ == '__main__':

@@ -377,9 +377,9 @@ def test_pure_nccl_averages_an_empty_set(cupy):
     comm.skip_single_rank = False
     comm.mean_grads([])
     comm.mean_grads_async([], queue=True).wait()
-    g = [('/w', cupy.full(3, 2.0, cupy.float32))]
-    comm.mean_grads(g)      # NCCL still works after it
-    assert (g[0][1] == 2.0).all()
+    g = [('/w', cupy.full(3, comm.rank + 1.0, cupy.float32))]
+    comm.mean_grads(g)      # NCCL still averages after it
+    assert (g[0][1] == (comm.size + 1) / 2.0).all()
     comm.finalize()
 
 

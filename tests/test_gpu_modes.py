@@ -33,7 +33,10 @@ def sharded_comm_name(request, monkeypatch, cupy):
     return name
 
 
-def _train(cupy, name, shard, overlap, steps=6):
+STEPS = 6
+
+
+def _train(cupy, name, shard, overlap, steps=STEPS):
     """A GPU model trained with Adam from rank-dependent batches; its
     parameters (host copies) and the optimizer."""
     import chainer.functions as F
@@ -101,7 +104,10 @@ def test_stage_2_on_the_gpu_is_stage_1(cupy, sharded_comm_name):
         assert stats['during_backward'] > 0
         worst = max(float(abs(stage1[n] - stage2[n]).max()) for n in stage1)
         if sharded_comm_name == 'naive' and comm.size >= 3:
-            assert worst < 1e-6
+            # MPI's Reduce_scatter picks each element's order by the call's
+            # size: Adam's steps may differ by up to their size (as
+            # tests/test_zero_stage2.py allows on the host).
+            assert worst <= 0.01 * (STEPS - 1)
         else:
             for n in stage1:
                 assert same_bits(stage1[n], stage2[n]), n

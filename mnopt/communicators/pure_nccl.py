@@ -60,7 +60,7 @@ class PureNcclCommunicator(MpiCommunicatorBase):
 
     def _sum(self, buffer, group):
         if buffer.xp is not cupy():
-            if not buffer.layout.total:
+            if not buffer.layout.names:
                 # An empty set (overlap's last bucket when backward sent
                 # every gradient) is a numpy one: nothing to sum.
                 return
