@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import mnopt  # NOQA
-from mnopt.transport import ring  # NOQA
+from mnopt.transport import ring, waiting  # NOQA
 from mnopt.benchmarking.workloads import (grad_list,  # NOQA
                                           resnet50_grad_shapes)
 
@@ -171,7 +171,7 @@ def main():
     result = {'n_ranks': n_ranks, 'rate_mbit': args.rate_mbit,
               'host': MPI.Get_processor_name(), 'reps': args.reps,
               'warmup': args.warmup, 'segment_bytes': ring.SEGMENT_BYTES,
-              'window': ring.WINDOW, 'max_nap_s': ring.MAX_NAP_S,
+              'window': ring.WINDOW, 'max_nap_s': waiting.PROMPT.max_nap,
               'argv': sys.argv, 'cases': [], 'sizes': []}
     if not args.skip_resnet:
         shapes = resnet50_grad_shapes()

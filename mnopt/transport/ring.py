@@ -57,11 +57,6 @@ MIN_SEGMENT_BYTES = 32 << 10
 SEGMENTS_PER_CHUNK = 4
 #: Receives posted ahead of the one being waited for.
 WINDOW = 8
-#: Longest nap between two polls (seconds).  Progress happens only inside
-#: MPI calls: a nap longer than a socket buffer takes to drain idles the
-#: link (256 KiB at 1 Gbit/s: 2 ms).
-MAX_NAP_S = 200e-6
-_FIRST_NAP_S = 10e-6
 TAG = 0x5A8
 
 #: Per thread: whether its waits yield the core instead of napping
@@ -373,10 +368,13 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                             send_req[sends_done:posted_sends]
                             if r != MPI.REQUEST_NULL]
                 if pending:
+                    # PROMPT's naps: progress happens only inside MPI
+                    # calls, and a nap longer than a socket buffer takes to
+                    # drain idles the link (256 KiB at 1 Gbit/s: 2 ms).
                     waiting.wait_some([r for r, _ in pending],
                                       [s for _, s in pending],
-                                      first_nap=_FIRST_NAP_S,
-                                      max_nap=MAX_NAP_S, by_yield=by_yield)
+                                      max_nap=waiting.PROMPT.max_nap,
+                                      by_yield=by_yield)
     except MPI.Exception as e:
         if e.Get_error_class() == MPI.ERR_TRUNCATE:
             raise RuntimeError(
