@@ -173,10 +173,6 @@ ON_EVERY_STACK := not (spawn or long) or every_stack
 SERIAL_ONLY := numpy1
 OWN_MPI_openmpi := or every_mpi
 WORKERS ?= 2
-# Open MPI's mpiexec, started from an xdist worker, ends at once with status
-# 1 and no output (it takes the worker's stdin, execnet's channel): the
-# openmpi stack's serial pass runs in one process.
-WORKERS_openmpi := 0
 
 test: $(addprefix test-,$(STACKS)) conformance
 

@@ -15,7 +15,25 @@ import tempfile
 
 import numpy
 import pytest
-from mpi4py import MPI
+
+
+def _drop_an_inherited_singleton():
+    """pytest-xdist's workers are children of the controller, which made
+    itself an Open MPI singleton by importing this module: they inherit the
+    variables its MPI_Init set (OMPI_MCA_ess=singleton, PMIx's address), and
+    an mpiexec a worker starts then exits at once with status 1, saying
+    nothing.  Dropped before this process's own MPI_Init, which makes its
+    own singleton."""
+    if os.environ.get('OMPI_MCA_ess') != 'singleton':
+        return
+    for key in list(os.environ):
+        if key.startswith(('PMIX_', 'OMPI_MCA_orte_')) or key in (
+                'OMPI_MCA_ess', 'OMPI_MCA_pmix', 'OMPI_APP_CTX_NUM_PROCS'):
+            del os.environ[key]
+
+
+_drop_an_inherited_singleton()
+from mpi4py import MPI  # NOQA  (initializes MPI)
 
 # Before Chainer: a checkout run from PYTHONPATH (no .pth installed, as on
 # the GPU machine) gets Chainer's NumPy 2 names from mnopt's import.
