@@ -383,24 +383,33 @@ def test_pure_nccl_averages_an_empty_set(cupy):
     comm.finalize()
 
 
-def _train_on_the_gpu(cupy, name, wire, overlap):
+def train_mlp_on_the_gpu(cupy, comm, optimizer, steps, **options):
+    """An MLP on the GPU, trained ``steps`` updates through
+    ``create_multi_node_optimizer(optimizer, comm, **options)`` from
+    rank-dependent batches; the model and the multi-node optimizer."""
     import chainer.functions as F
     import chainer.links as L
-    comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire,
-                                     bucket_bytes=4096)   # several buckets
-    comm.skip_single_rank = False
     numpy.random.seed(comm.rank)     # rank 0's initial values are broadcast
     model = chainer.Sequential(L.Linear(32, 64), F.relu, L.Linear(64, 64),
                                F.relu, L.Linear(64, 10))
     model.to_gpu()
-    opt = mnopt.create_multi_node_optimizer(
-        chainer.optimizers.MomentumSGD(lr=0.05), comm,
-        overlap=overlap).setup(model)
+    opt = mnopt.create_multi_node_optimizer(optimizer, comm,
+                                            **options).setup(model)
     rng = numpy.random.RandomState(7 + comm.rank)
-    for _ in range(10):
+    for _ in range(steps):
         x = cupy.asarray(rng.standard_normal((8, 32)).astype(numpy.float32))
         t = cupy.asarray(rng.randint(0, 10, 8).astype(numpy.int32))
         opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+    return model, opt
+
+
+def _train_on_the_gpu(cupy, name, wire, overlap):
+    comm = mnopt.create_communicator(name, allreduce_grad_dtype=wire,
+                                     bucket_bytes=4096)   # several buckets
+    comm.skip_single_rank = False
+    model, opt = train_mlp_on_the_gpu(
+        cupy, comm, chainer.optimizers.MomentumSGD(lr=0.05), 10,
+        overlap=overlap)
     stats = opt.overlap_stats if overlap else None
     params = {n: cupy.asnumpy(p.array) for n, p in model.namedparams()}
     comm.finalize()

@@ -14,7 +14,8 @@ import pytest
 
 import mnopt
 from conftest import WORLD, chainer, expected_mean, needs_chainer, rank_grads
-from test_gpu import same_bits
+from test_gpu import same_bits, train_mlp_on_the_gpu
+from test_zero import assert_adam_state_is_one_share_per_rank
 
 SHARDED_COMMUNICATORS = ('naive', 'flat', 'hierarchical',
                          'hierarchical-2-per-node', 'pure_nccl')
@@ -38,23 +39,12 @@ STEPS = 6
 
 def _train(cupy, name, shard, overlap, steps=STEPS):
     """A GPU model trained with Adam from rank-dependent batches; its
-    parameters (host copies) and the optimizer."""
-    import chainer.functions as F
-    import chainer.links as L
+    parameters (host copies), the optimizer and the communicator."""
     comm = mnopt.create_communicator(name, bucket_bytes=4096)  # buckets
     comm.skip_single_rank = False
-    numpy.random.seed(comm.rank)     # rank 0's initial values are broadcast
-    model = chainer.Sequential(L.Linear(32, 64), F.relu, L.Linear(64, 64),
-                               F.relu, L.Linear(64, 10))
-    model.to_gpu()
-    opt = mnopt.create_multi_node_optimizer(
-        chainer.optimizers.Adam(alpha=0.01), comm, shard_state=shard,
-        overlap=overlap).setup(model)
-    rng = numpy.random.RandomState(7 + comm.rank)
-    for _ in range(steps):
-        x = cupy.asarray(rng.standard_normal((8, 32)).astype(numpy.float32))
-        t = cupy.asarray(rng.randint(0, 10, 8).astype(numpy.int32))
-        opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+    model, opt = train_mlp_on_the_gpu(
+        cupy, comm, chainer.optimizers.Adam(alpha=0.01), steps,
+        shard_state=shard, overlap=overlap)
     for _, p in model.namedparams():
         assert isinstance(p.array, cupy.ndarray)
     params = {n: cupy.asnumpy(p.array) for n, p in model.namedparams()}
@@ -117,17 +107,12 @@ def test_stage_2_on_the_gpu_is_stage_1(cupy, sharded_comm_name):
 
 @needs_chainer
 def test_the_state_on_the_gpu_is_one_share_per_rank(cupy):
-    _, plain, comm = _train(cupy, 'flat', False, False, steps=2)
-    total = sum(v.nbytes for p in plain.target.params()
-                for v in p.update_rule.state.values())
-    comm.finalize()
+    _, plain, plain_comm = _train(cupy, 'flat', False, False, steps=2)
     _, sharded, comm = _train(cupy, 'flat', True, False, steps=2)
     try:
-        shares = comm.allgather_obj(sharded.state_nbytes())
-        assert sum(shares) == total
-        largest = max(2 * p.array.nbytes for p in sharded.target.params())
-        assert max(shares) <= total / comm.size + largest
+        assert_adam_state_is_one_share_per_rank(comm, plain, sharded)
     finally:
+        plain_comm.finalize()
         comm.finalize()
 
 

@@ -414,16 +414,22 @@ def test_state_is_one_share_per_rank():
                           exact=True)
         _, sharded = _train(comm, OPTIMIZERS['Adam'], HOOKS['none'], True,
                             1, exact=True)
-        total = sum(v.nbytes for p in plain.target.params()
-                    for v in p.update_rule.state.values())
-        shares = comm.allgather_obj(sharded.state_nbytes())
-        assert sum(shares) == total
-        # Adam: two arrays per parameter; within the largest one's state
-        # of an even share.
-        largest = max(2 * p.array.nbytes for p in sharded.target.params())
-        assert max(shares) <= total / comm.size + largest
+        assert_adam_state_is_one_share_per_rank(comm, plain, sharded)
     finally:
         comm.finalize()
+
+
+def assert_adam_state_is_one_share_per_rank(comm, plain, sharded):
+    """``sharded``'s Adam state, summed over the ranks, is ``plain``'s (an
+    unsharded optimizer of the same model), and each rank's share is
+    within the largest parameter's state of an even split (Adam: two
+    arrays per parameter)."""
+    total = sum(v.nbytes for p in plain.target.params()
+                for v in p.update_rule.state.values())
+    shares = comm.allgather_obj(sharded.state_nbytes())
+    assert sum(shares) == total
+    largest = max(2 * p.array.nbytes for p in sharded.target.params())
+    assert max(shares) <= total / comm.size + largest
 
 
 @needs_chainer
