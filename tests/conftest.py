@@ -20,10 +20,15 @@ import pytest
 def _drop_an_inherited_singleton():
     """pytest-xdist's workers are children of the controller, which made
     itself an Open MPI singleton by importing this module: they inherit the
-    variables its MPI_Init set (OMPI_MCA_ess=singleton, PMIx's address), and
-    an mpiexec a worker starts then exits at once with status 1, saying
-    nothing.  Dropped before this process's own MPI_Init, which makes its
-    own singleton."""
+    variables its MPI_Init set, and an mpiexec a worker starts reads
+    OMPI_MCA_ess=singleton (that one alone is enough), takes the singleton
+    component and exits at once with status 1, saying nothing.  Dropped
+    (with the PMIx and ORTE ones) before this process's own MPI_Init.
+
+    That MPI_Init sets them again in the C environment, not in
+    ``os.environ`` (Python's copy, taken at start-up): spawned jobs must
+    be given ``env`` built from ``os.environ`` (run_job's callers do), not
+    inherit the process's environment."""
     if os.environ.get('OMPI_MCA_ess') != 'singleton':
         return
     for key in list(os.environ):
@@ -281,7 +286,8 @@ def run_mpi(n, code, timeout=60, args=(), env=None, module_runner=True):
 def run_job(argv, timeout, env):
     """subprocess.run for a launcher: on a timeout the launcher's whole
     process group is killed (its ranks included, even stopped ones), then
-    TimeoutExpired is raised as usual."""
+    TimeoutExpired is raised as usual.  ``env``: built from ``os.environ``
+    (see _drop_an_inherited_singleton), never None."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO, start_new_session=True)
