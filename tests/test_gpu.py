@@ -312,7 +312,9 @@ def test_reduction_server_with_servers_takes_cupy_gradients(cupy, wire):
 
 # ------------------------------------------------------------ pure_nccl
 
-def _one_gpu_per_rank(cupy):
+def one_gpu_per_rank(cupy):
+    """Skip unless each rank has a GPU of its own (NCCL refuses two ranks on
+    one GPU)."""
     if cupy.cuda.runtime.getDeviceCount() < WORLD.size:
         pytest.skip('NCCL needs one GPU per rank; %d GPU(s) for %d ranks'
                     % (cupy.cuda.runtime.getDeviceCount(), WORLD.size))
@@ -332,7 +334,7 @@ def test_pure_nccl_through_the_optimizer(cupy, wire, double_buffering):
     """pure_nccl with CuPy gradients ends bit-identical to flat with numpy
     ones, averaging at N=1 too (skip_single_rank off), plain and
     double-buffered; NCCL and the side stream live on the gradients' GPU."""
-    _one_gpu_per_rank(cupy)
+    one_gpu_per_rank(cupy)
     shapes = [(3,), (5, 7), (1,), (300, 20), (4099,)]
     runs = {}
     for name, xp in (('pure_nccl', cupy), ('flat', numpy)):
@@ -372,7 +374,7 @@ def test_pure_nccl_averages_an_empty_set(cupy):
     """Overlap's last bucket is empty when backward sent every gradient:
     nothing to sum, not a "numpy gradients" TypeError (ResNet-50 with
     overlap=True failed so at its second step)."""
-    _one_gpu_per_rank(cupy)
+    one_gpu_per_rank(cupy)
     comm = mnopt.create_communicator('pure_nccl')
     comm.skip_single_rank = False
     comm.mean_grads([])
@@ -426,7 +428,7 @@ def test_overlap_with_cupy_gradients_is_bit_identical_to_synchronous(
     queued on the caller's stream, averaged on the side stream) and the
     parameters end bit-identical to the synchronous optimizer's."""
     if name == 'pure_nccl':
-        _one_gpu_per_rank(cupy)
+        one_gpu_per_rank(cupy)
     sync, _ = _train_on_the_gpu(cupy, name, wire, False)
     overlapped, stats = _train_on_the_gpu(cupy, name, wire, True)
     assert stats['buckets'] > 1
@@ -444,7 +446,7 @@ def test_background_averaging_runs_on_its_own_stream(cupy, name):
     nothing queued after it (a kernel that sleeps much longer): no
     device-wide synchronisation, no wait on the caller's stream."""
     if name == 'pure_nccl':
-        _one_gpu_per_rank(cupy)
+        one_gpu_per_rank(cupy)
     spin = spin_kernel()
     comm = mnopt.create_communicator(name)
     comm.skip_single_rank = False

@@ -14,7 +14,7 @@ import pytest
 
 import mnopt
 from conftest import WORLD, chainer, expected_mean, needs_chainer, rank_grads
-from test_gpu import same_bits, train_mlp_on_the_gpu
+from test_gpu import one_gpu_per_rank, same_bits, train_mlp_on_the_gpu
 from test_zero import assert_adam_state_is_one_share_per_rank
 
 SHARDED_COMMUNICATORS = ('naive', 'flat', 'hierarchical',
@@ -27,10 +27,8 @@ def sharded_comm_name(request, monkeypatch, cupy):
     if name == 'hierarchical-2-per-node':
         monkeypatch.setenv('MNOPT_RANKS_PER_NODE', '2')
         name = 'hierarchical'
-    if name == 'pure_nccl' and \
-            cupy.cuda.runtime.getDeviceCount() < WORLD.size:
-        pytest.skip('NCCL needs one GPU per rank; %d GPU(s) for %d ranks'
-                    % (cupy.cuda.runtime.getDeviceCount(), WORLD.size))
+    if name == 'pure_nccl':
+        one_gpu_per_rank(cupy)
     return name
 
 
@@ -151,26 +149,16 @@ TIMELINE_PHASES = {'step', 'forward', 'backward', 'update', 'wire'}
 @pytest.mark.parametrize('mode', ['sync', 'double_buffering', 'overlap'])
 def test_a_gpu_step_is_in_the_timeline(cupy, tmp_path, monkeypatch, name,
                                        mode):
-    import chainer.functions as F
-    import chainer.links as L
     from mnopt import timeline
-    if name == 'pure_nccl' and \
-            cupy.cuda.runtime.getDeviceCount() < WORLD.size:
-        pytest.skip('NCCL needs one GPU per rank')
+    if name == 'pure_nccl':
+        one_gpu_per_rank(cupy)
     monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', '1')
     template = str(tmp_path / 'trace.json')
     comm = mnopt.create_communicator(name, timeline=template)
-    model = chainer.Sequential(L.Linear(8, 16), F.relu, L.Linear(16, 4))
-    model.to_gpu()
-    opt = mnopt.create_multi_node_optimizer(
-        chainer.optimizers.SGD(lr=0.1), comm,
+    _, opt = train_mlp_on_the_gpu(   # the first update broadcasts
+        cupy, comm, chainer.optimizers.SGD(lr=0.1), 4,
         double_buffering=(mode == 'double_buffering'),
-        overlap=(mode == 'overlap')).setup(model)
-    rng = numpy.random.RandomState(comm.rank)
-    for _ in range(4):      # the first update broadcasts
-        x = cupy.asarray(rng.standard_normal((5, 8)).astype(numpy.float32))
-        t = cupy.asarray(rng.randint(0, 4, 5).astype(numpy.int32))
-        opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+        overlap=(mode == 'overlap'))
     if mode == 'double_buffering':
         opt.wait()
     comm.finalize()

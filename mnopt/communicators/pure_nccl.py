@@ -12,6 +12,15 @@ from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.group import Group
 
 
+def _refuse_host_arrays(xp, arrays):
+    """A TypeError saying what to do where ``xp`` is numpy: NCCL moves GPU
+    memory only.  ``arrays``: what the call takes, as its message says."""
+    if xp is not cupy():
+        raise TypeError(
+            "pure_nccl %s but got numpy ones; move the model to the GPU "
+            "(model.to_gpu()) or use 'flat'" % arrays)
+
+
 class NcclState(object):
     """pure_nccl's state of a group (``Group.state``): its NCCL
     communicator and the stream its collectives run on, made at the first
@@ -58,15 +67,14 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         # One NCCL call over the whole packed buffer.
         return {'bucket_bytes': 1 << 62}
 
+    # An empty set (overlap's last bucket when backward sent every
+    # gradient, stage 2's last reduce-scatter) is a numpy one
+    # (array_module([])): nothing to move, so no call and no refusal.
+
     def _sum(self, buffer, group):
-        if buffer.xp is not cupy():
-            if not buffer.layout.names:
-                # An empty set (overlap's last bucket when backward sent
-                # every gradient) is a numpy one: nothing to sum.
-                return
-            raise TypeError(
-                "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
-                "move the model to the GPU (model.to_gpu()) or use 'flat'")
+        if not buffer.layout.names:
+            return
+        _refuse_host_arrays(buffer.xp, 'averages CuPy (GPU) gradients')
         state = group.state
         if state.nccl is None:
             # Collective: every rank reaches its first sum at the same
@@ -103,12 +111,9 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         return state.nccl
 
     def _reduce_scatter_mean(self, group, shards, arrays, xp, counted):
-        if not arrays:   # an empty set (stage 2's last bucket): no call
+        if not arrays:
             return ([], []) if counted else None
-        if xp is not cupy():
-            raise TypeError(
-                "pure_nccl averages CuPy (GPU) gradients but got numpy ones; "
-                "move the model to the GPU (model.to_gpu()) or use 'flat'")
+        _refuse_host_arrays(xp, 'averages CuPy (GPU) gradients')
         nccl = self._nccl_for(group, device_id(arrays))
         bufs, layout, rank = shards.device, shards.layout, self.rank
         own = list(shards.own(rank))
@@ -142,10 +147,7 @@ class PureNcclCommunicator(MpiCommunicatorBase):
     def _allgather_params(self, group, shards, arrays, xp):
         if not arrays:
             return
-        if xp is not cupy():
-            raise TypeError(
-                "pure_nccl gathers CuPy (GPU) parameters but got numpy ones; "
-                "move the model to the GPU (model.to_gpu()) or use 'flat'")
+        _refuse_host_arrays(xp, 'gathers CuPy (GPU) parameters')
         nccl = self._nccl_for(group, device_id(arrays))
         bufs, rank = shards.device, self.rank
         if 'params' not in bufs:
