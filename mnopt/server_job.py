@@ -11,7 +11,7 @@ from mpi4py import MPI
 from mnopt.server_protocol import HEADER_FIELDS, KIND_BYE, TAG_HEADER
 from mnopt.stall import Monitor
 from mnopt.stall_settings import settings_or_defaults
-from mnopt.stall_wait import wait_or_abort
+from mnopt.transport.stall_wait import wait_or_abort
 
 
 def stall_settings_problem(stall_warning, timeout):

@@ -44,6 +44,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt import grad_buffer
+from mnopt.transport import waiting
 
 try:  # optional one-pass C loops (mnopt/_signbits.c), bit-identical
     from mnopt import _signbits
@@ -244,7 +245,8 @@ def mean_scales(comm, scales):
     """Every rank's per-array scales, averaged identically on every rank
     (gathered, then summed in rank order)."""
     gathered = numpy.empty((comm.size, scales.size), numpy.float64)
-    comm.Allgather(numpy.ascontiguousarray(scales, numpy.float64), gathered)
+    mine = numpy.ascontiguousarray(scales, numpy.float64)
+    waiting.wait_all([comm.Iallgather(mine, gathered)])
     total = numpy.zeros(scales.size, numpy.float64)
     for row in gathered:
         total += row

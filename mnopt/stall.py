@@ -33,7 +33,7 @@ This module is the Monitor and ``watched``; beside it: the settings
 (mnopt/stall_settings.py), the watchdog thread (mnopt/stall_watchdog.py),
 the last-word protocol at exit (mnopt/stall_last_word.py), the report's
 text and the abort (mnopt/stall_report.py), and waiting outside a Monitor
-(mnopt/stall_wait.py).
+(mnopt/transport/stall_wait.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ ARCHITECTURE = os.path.join(REPO, 'docs', 'architecture.md')
 LAYERS = [
     ('leaves', ['mnopt._env', 'mnopt._sched', 'mnopt.log', 'mnopt.cores',
                 'mnopt.stall', 'mnopt.stall_settings', 'mnopt.stall_report',
-                'mnopt.stall_wait', 'mnopt.stall_last_word',
+                'mnopt.stall_last_word',
                 'mnopt.stall_watchdog', 'mnopt.arrays', 'mnopt.cli',
                 'mnopt.launched',
                 'mnopt.wire_dtypes', 'mnopt.timeline', 'mnopt.step_stats',

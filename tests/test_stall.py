@@ -8,7 +8,8 @@ import time
 import pytest
 
 from conftest import run_mpi, slack
-from mnopt import stall_report, stall_settings, stall_wait
+from mnopt import stall_report, stall_settings
+from mnopt.transport import stall_wait
 
 pytestmark = pytest.mark.spawn
 

@@ -100,7 +100,7 @@ def agree(comm, shards, problem):
     or None) and every rank has the same ``shards`` (a ShardLayout, None
     where there is a problem).
 
-    The common case costs one Allgather of two int64 per rank (a problem
+    The common case costs one all-gather of two int64 per rank (a problem
     flag and the layout's digest), on the caller's hot path; only when
     something is wrong do the ranks tell each other what, in the
     agreement exchange (mnopt/transport/agreement.py), and every rank raises the
@@ -108,8 +108,7 @@ def agree(comm, shards, problem):
     mine = numpy.array([1 if problem else 0,
                         shards.digest if shards is not None else -1],
                        dtype=numpy.int64)
-    everyone = numpy.empty((comm.size, 2), dtype=numpy.int64)
-    comm.Allgather(mine, everyone)
+    everyone = agreement.numbers(comm, mine)
     if not everyone[:, 0].any() and (everyone[:, 1] == everyone[0, 1]).all():
         return
     details = agreement.everyone(comm, (problem, shards),

@@ -8,6 +8,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt import grad_buffer
+from mnopt.transport import waiting
 
 
 class ShardState(object):
@@ -166,6 +167,7 @@ def check_overflow(group, shards, nonfinite, step, reporter):
     flags = numpy.zeros(2 * n, numpy.int8)
     flags[:n] = [bool(c) for c in nonfinite_in]
     flags[n:] = [bool(c) for c in nonfinite_out]
-    group.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    waiting.wait_all([group.comm.Iallreduce(MPI.IN_PLACE, flags,
+                                            op=MPI.MAX)])
     reporter.check(_EveryRanksCounts(shards.layout, flags[:n], flags[n:]),
                    group.comm, step)

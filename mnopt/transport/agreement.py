@@ -39,7 +39,7 @@ def everyone(comm, value, what, stall_warning=None, timeout=None,
     # Imported here: importing mpi4py.MPI starts MPI, which importing
     # mnopt's Chainer layer (which uses this module) must not.
     from mpi4py import MPI
-    from mnopt import stall_wait
+    from mnopt.transport import stall_wait
     try:
         data = numpy.frombuffer(pickle.dumps(
             (what if exchange is None else exchange, value),
@@ -85,14 +85,18 @@ def numbers(comm, mine, wait=None):
     (ranks, count) array: one all-gather of fixed size, nothing pickled,
     no stall watch of its own.  The cheap first step of a check made on
     every call (a digest per rank; the details exchanged with ``everyone``
-    only when they differ).  A blocking Allgather, or, where ``wait`` is
-    given, a non-blocking one that ``wait([request])`` waits for."""
+    only when they differ).  A non-blocking Allgather that
+    ``wait([request])`` waits for (default ``waiting.wait_all``).
+
+    Not MPI's blocking Allgather: this is where ranks wait for each
+    other's compute (the first exchange of a bucket waits for the
+    slowest rank's backward), and MPICH's blocking calls spin on the
+    core meanwhile, which a rank beside it (more ranks than cores, or
+    the training thread beside an averaging thread) needed."""
+    from mnopt.transport import waiting
     mine = numpy.asarray(mine, dtype=numpy.int64).reshape(-1)
     said = numpy.empty((comm.size, mine.size), dtype=numpy.int64)
-    if wait is None:
-        comm.Allgather(mine, said)
-    else:
-        wait([comm.Iallgather(mine, said)])
+    (wait or waiting.wait_all)([comm.Iallgather(mine, said)])
     return said
 
 

@@ -7,6 +7,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt.transport import reduce
+from mnopt.transport import waiting
 
 
 def ranks_on_node(comm):
@@ -37,7 +38,8 @@ def nodes_of(comm):
         shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         leader = numpy.array([1 if shared.rank == 0 else 0], numpy.int64)
         shared.Free()
-        comm.Allreduce(MPI.IN_PLACE, leader, op=MPI.SUM)
+        waiting.wait_all([comm.Iallreduce(MPI.IN_PLACE, leader,
+                                          op=MPI.SUM)])
         nodes = int(leader[0])
         comm.Set_attr(_nodes_keyval, nodes)
     return nodes

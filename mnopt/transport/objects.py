@@ -9,6 +9,8 @@ import pickle
 import numpy
 from mpi4py import MPI
 
+from mnopt.transport import waiting
+
 
 #: Objects are moved in pieces of at most this many bytes (tests shrink it
 #: to exercise the chunking on small objects).
@@ -55,7 +57,11 @@ def recv_obj(comm, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
     return _loads(recv_bytes(comm, source, tag, status))
 
 
-# The collectives below use MPI collectives only (sizes, then the bytes
+# The collectives below use MPI's non-blocking collectives, waited for in
+# ``waiting.wait_all`` (C polls with naps, the GIL released): a rank
+# waits here for the others to arrive, and MPI's blocking calls spin on
+# the core meanwhile, which another rank or this rank's training thread
+# needed.  They use MPI collectives only (sizes, then the bytes
 # in rounds), never point-to-point messages: a user's
 # ``recv_obj(ANY_SOURCE, ANY_TAG)`` on the same communicator can never
 # receive a piece of one (MPI never matches a collective's traffic with a
@@ -64,6 +70,10 @@ def recv_obj(comm, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
 # come.
 
 UNPICKLABLE = -1
+
+
+def _wait(request):
+    waiting.wait_all([request])
 
 
 def _pickled(obj):
@@ -121,13 +131,13 @@ def _gathered(comm, obj, data, sizes, step, root):
             got = numpy.empty(sum(counts), numpy.uint8)
             spec = [got, (counts, displacements), MPI.BYTE]
             if root is None:
-                comm.Allgatherv([mine, MPI.BYTE], spec)
+                _wait(comm.Iallgatherv([mine, MPI.BYTE], spec))
             else:
-                comm.Gatherv([mine, MPI.BYTE], spec, root=root)
+                _wait(comm.Igatherv([mine, MPI.BYTE], spec, root=root))
             for r, (c, d) in enumerate(zip(counts, displacements)):
                 bufs[r][_in_round(int(sizes[r]), k, step)] = got[d:d + c]
         else:
-            comm.Gatherv([mine, MPI.BYTE], None, root=root)
+            _wait(comm.Igatherv([mine, MPI.BYTE], None, root=root))
     if not receives:
         return None
     return [obj if r == comm.rank else _loads(b) for r, b in enumerate(bufs)]
@@ -136,7 +146,7 @@ def _gathered(comm, obj, data, sizes, step, root):
 def _all_sizes(comm, data, problem):
     sizes = numpy.empty(comm.size, numpy.int64)
     mine = UNPICKLABLE if problem is not None else data.size
-    comm.Allgather(numpy.array([mine], numpy.int64), sizes)
+    _wait(comm.Iallgather(numpy.array([mine], numpy.int64), sizes))
     return sizes
 
 
@@ -144,13 +154,13 @@ def bcast_obj(comm, obj, root=0):
     data, problem = _pickled(obj) if comm.rank == root else (None, None)
     n = numpy.array([UNPICKLABLE if problem is not None else
                      data.size if data is not None else 0], numpy.int64)
-    comm.Bcast(n, root=root)
+    _wait(comm.Ibcast(n, root=root))
     n = int(n[0])
     _raise_if_unpicklable([n], problem, 'bcast_obj', [root])
     if data is None:
         data = numpy.empty(n, dtype=numpy.uint8)
     for piece in _pieces(n):
-        comm.Bcast([data[piece], MPI.BYTE], root=root)
+        _wait(comm.Ibcast([data[piece], MPI.BYTE], root=root))
     return obj if comm.rank == root else _loads(data)
 
 
@@ -200,7 +210,7 @@ def scatter_obj(comm, objs, root=0):
                 header[:, 1] = _rounds(sizes, step)
                 header[:, 2] = len(objs)
     mine = numpy.empty(3, numpy.int64)
-    comm.Scatter(header, mine, root=root)
+    _wait(comm.Iscatter(header, mine, root=root))
     size, rounds, given = (int(v) for v in mine)
     if size == _WRONG_COUNT:
         raise ValueError('scatter needs one object per rank (%d), got %d'
@@ -214,8 +224,10 @@ def scatter_obj(comm, objs, root=0):
             counts, displacements = _counts(sizes, k, step)
             sending = numpy.concatenate(
                 [d[_in_round(d.size, k, step)] for d in datas])
-            comm.Scatterv([sending, (counts, displacements), MPI.BYTE],
-                          [data[piece], MPI.BYTE], root=root)
+            _wait(comm.Iscatterv(
+                [sending, (counts, displacements), MPI.BYTE],
+                [data[piece], MPI.BYTE], root=root))
         else:
-            comm.Scatterv(None, [data[piece], MPI.BYTE], root=root)
+            _wait(comm.Iscatterv(None, [data[piece], MPI.BYTE],
+                                 root=root))
     return objs[root] if comm.rank == root else _loads(data)

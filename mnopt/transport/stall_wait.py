@@ -1,6 +1,6 @@
 """Waiting for MPI requests outside any stall-detection Monitor (the
-exchanges that precede one), with its reports: one line after the warning
-time, and the abort at the timeout."""
+exchanges that precede one), polled as ``waiting`` polls, with its
+reports: one line after the warning time, and the abort at the timeout."""
 
 import logging
 import time
@@ -10,15 +10,17 @@ from mpi4py import MPI
 from mnopt import log
 from mnopt import stall_report
 from mnopt.stall_settings import settings_or_defaults
+from mnopt.transport import waiting
 
 logger = log.get(stall_report.LOGGER_NAME)
 
-#: Longest nap between two polls in ``wait_or_abort`` (seconds): what it
-#: waits for (start-up exchanges) is rare and not latency-bound.
-MAX_NAP_S = 0.01
+#: How often ``wait_or_abort`` looks at the clock for its reports
+#: (seconds): between two looks it waits in ``waiting.wait_some``.
+CHECK_EVERY_S = 0.05
 
 
-def wait_or_abort(requests, what, stall_warning=None, timeout=None):
+def wait_or_abort(requests, what, stall_warning=None, timeout=None,
+                  pace=waiting.PROMPT):
     """Wait until every mpi4py Request in ``requests`` has completed, with
     the same stall detection as a watched operation: after the warning
     time print one line (``mnopt: rank R has waited N s in <what>; ...``)
@@ -27,15 +29,24 @@ def wait_or_abort(requests, what, stall_warning=None, timeout=None):
     so it cannot ask the other ranks what they do.
 
     Settings as ``settings_or_defaults()``: the exchange waited for is
-    often how a bad setting gets reported on every rank."""
+    often how a bad setting gets reported on every rank.  ``pace``: how
+    the wait polls (``waiting.PROMPT`` or ``PATIENT``)."""
     warning, limit = settings_or_defaults(stall_warning, timeout)
     if warning is not None and limit is not None and warning >= limit:
         warning = None   # the timeout's report says it all
     who = 'rank %d' % MPI.COMM_WORLD.rank
-    start, nap = time.monotonic(), 20e-6
-    # Short waits stay short, long ones cost almost no CPU (MPICH spins in
-    # its blocking calls, and server processes share cores with workers).
-    while not MPI.Request.Testall(requests):
+    start = time.monotonic()
+    # The agreements every step makes wait here: the wait polls in C with
+    # the GIL released and naps of at most ``pace.max_nap`` (MPICH's own
+    # blocking calls spin, which costs a rank sharing a core with another
+    # its compute; longer naps made each agreement late by up to a nap).
+    active = [r for r in requests if r != MPI.REQUEST_NULL]
+    while active:
+        waiting.wait_some(active, first_nap=20e-6, max_nap=pace.max_nap,
+                          max_wait=CHECK_EVERY_S, busy_poll=pace.busy_poll)
+        active = [r for r in active if r != MPI.REQUEST_NULL]
+        if not active:
+            return
         waited = time.monotonic() - start
         timed_out = limit is not None and waited >= limit
         if timed_out or (warning is not None and waited >= warning):
@@ -48,5 +59,3 @@ def wait_or_abort(requests, what, stall_warning=None, timeout=None):
             if timed_out:
                 stall_report.abort()
             warning = None
-        time.sleep(nap)
-        nap = min(2 * nap, MAX_NAP_S)
