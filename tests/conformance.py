@@ -89,20 +89,17 @@ def main(python):
                        stderr=subprocess.DEVNULL) != 0:
         subprocess.check_call([python, '-m', 'pip', 'install', '-q',
                                '--disable-pip-version-check', 'mock'])
-    # One run of the kit per rank count and module, on two lanes: the two
-    # long ones (about 35 s each alone, 2026-11-26) one after the other,
-    # and beside them the short ones.  Side by side the long ones took
-    # 90 s each (MultiprocessIterator's workers and links_tests' compute
-    # share two cores badly).
+    # One run of the kit per rank count and module, two at a time, the
+    # two long ones first (each beside the short ones, whose runs fill
+    # the other lane).  Their receives and collectives wait without
+    # spinning, so two jobs side by side share the two cores.
     jobs = [(ranks, module) for ranks, modules in (('1', MODULES),
                                                    ('2', MODULES_AT_2))
             for module in modules]
-    lanes = [list(LONG),
-             [job for job in jobs if job not in LONG]]
-    with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
-        lines = [line for lane in pool.map(
-            lambda lane: [run_kit(run_sh, python, *job) for job in lane],
-            lanes) for line in lane]
+    jobs.sort(key=lambda job: job not in LONG)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        lines = list(pool.map(lambda job: run_kit(run_sh, python, *job),
+                              jobs))
     output = ''.join(sorted(lines, key=lambda line: (line.split()[0],
                                                       MODULES.index(
                                                           line.split()[1]))))

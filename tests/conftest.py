@@ -2,6 +2,7 @@
 ``mpiexec -n 2`` / ``-n 3`` (see the Makefile's ``test`` target)."""
 
 import contextlib
+import gc
 import importlib.util
 import logging
 import os
@@ -135,6 +136,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker('timeout') is None:
                 item.add_marker(pytest.mark.timeout(slack(float(limit))))
+
+
+def pytest_collection_finish(session):
+    # What is alive once the tests are collected (the modules, Chainer,
+    # the test items) lives for the whole run: out of the collector's
+    # sight, the collections the tests' own garbage triggers do not walk
+    # it each time (they took about a sixth of an mpiexec -n 2 pass's
+    # CPU).  The tests' own objects are collected as before.
+    gc.freeze()
 
 
 def pytest_report_header(config):

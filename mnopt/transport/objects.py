@@ -26,24 +26,38 @@ def _loads(buf):
     return pickle.loads(buf.tobytes())
 
 
+def _wait(request):
+    waiting.wait_all([request])
+
+
 def _pieces(n):
     step = max(1, OBJ_CHUNK_BYTES)
     return [slice(s, min(s + step, n)) for s in range(0, n, step)]
 
 
+# Point to point: the size (one int64), then the bytes in pieces, with the
+# same tag.  Waited for in ``waiting.wait_all``, as the collectives below
+# are: a receive waits for the sender's compute (a MultiNodeChainList's
+# next stage), which MPI's blocking receive would spin through.
+
+
 def send_bytes(comm, data, dest, tag):
-    comm.send(data.size, dest=dest, tag=tag)
+    size = numpy.array([data.size], numpy.int64)
+    _wait(comm.Isend([size, MPI.INT64_T], dest=dest, tag=tag))
     for piece in _pieces(data.size):
-        comm.Send([data[piece], MPI.BYTE], dest=dest, tag=tag)
+        _wait(comm.Isend([data[piece], MPI.BYTE], dest=dest, tag=tag))
 
 
 def recv_bytes(comm, source, tag, status=None):
-    n = comm.recv(source=source, tag=tag, status=status)
-    if status is not None:
-        source, tag = status.Get_source(), status.Get_tag()
-    data = numpy.empty(n, dtype=numpy.uint8)
-    for piece in _pieces(n):
-        comm.Recv([data[piece], MPI.BYTE], source=source, tag=tag)
+    status = MPI.Status() if status is None else status
+    size = numpy.empty(1, numpy.int64)
+    waiting.wait_all([comm.Irecv([size, MPI.INT64_T], source=source,
+                                 tag=tag)], statuses=[status])
+    # The size message fixes source and tag for the pieces that follow.
+    source, tag = status.Get_source(), status.Get_tag()
+    data = numpy.empty(int(size[0]), dtype=numpy.uint8)
+    for piece in _pieces(data.size):
+        _wait(comm.Irecv([data[piece], MPI.BYTE], source=source, tag=tag))
     return data
 
 
@@ -52,8 +66,6 @@ def send_obj(comm, obj, dest, tag=0):
 
 
 def recv_obj(comm, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
-    # The length message fixes source and tag for the pieces that follow.
-    status = status if status is not None else MPI.Status()
     return _loads(recv_bytes(comm, source, tag, status))
 
 
@@ -70,10 +82,6 @@ def recv_obj(comm, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
 # come.
 
 UNPICKLABLE = -1
-
-
-def _wait(request):
-    waiting.wait_all([request])
 
 
 def _pickled(obj):

@@ -173,14 +173,17 @@ def completed(request, status=None):
     return request == MPI.REQUEST_NULL or request.Test(status)
 
 
-def wait_all(requests, pace=PROMPT):
+def wait_all(requests, pace=PROMPT, statuses=None):
     """Like ``MPI.Request.Waitall``, the GIL and the core left free;
-    ``pace``: PROMPT or PATIENT (above)."""
-    active = [r for r in requests if r != MPI.REQUEST_NULL]
+    ``pace``: PROMPT or PATIENT (above); ``statuses``: MPI.Status objects,
+    one per request, filled as each completes (None: not kept)."""
+    active = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
     while active:
-        wait_some(active, first_nap=20e-6, max_nap=pace.max_nap,
+        wait_some([requests[i] for i in active],
+                  None if statuses is None else [statuses[i] for i in active],
+                  first_nap=20e-6, max_nap=pace.max_nap,
                   busy_poll=pace.busy_poll)
-        active = [r for r in active if r != MPI.REQUEST_NULL]
+        active = [i for i in active if requests[i] != MPI.REQUEST_NULL]
 
 
 def next_completed(requests, pace=PROMPT):
