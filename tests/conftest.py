@@ -310,6 +310,21 @@ def run_job(argv, timeout, env):
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+def build_embedded_set(cache, images_per_class, val_per_class):
+    """The ImageNet example's embedded set in ``cache``, smaller than the
+    example's own (80 and 40 images per class): the example finds it
+    complete in its --data-cache and reads it as it is.  Each job of a
+    test validates on the whole validation set at its end."""
+    spec = importlib.util.spec_from_file_location(
+        'embedded_data', os.path.join(REPO, 'examples', 'imagenet',
+                                      'embedded_data.py'))
+    embedded_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(embedded_data)
+    embedded_data.build(cache, n_train=images_per_class,
+                        n_val=val_per_class)
+    return cache
+
+
 def snapshot_models_equal(path_a, path_b):
     """Assert two trainer snapshots hold the same model, bit for bit."""
     def model(path):

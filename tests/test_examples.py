@@ -8,7 +8,7 @@ import numpy
 
 import pytest
 
-from conftest import REPO, run_mpi, snapshot_models_equal
+from conftest import REPO, build_embedded_set, run_mpi, snapshot_models_equal
 from damaged_npz import damage_deflate_stream
 
 pytestmark = pytest.mark.spawn
@@ -18,9 +18,15 @@ TRAIN = os.path.join(REPO, 'examples', 'imagenet', 'train_imagenet.py')
 DIGITS = os.path.join(REPO, 'examples', 'digits', 'train_digits.py')
 
 
+#: The embedded set, smaller: the jobs run a few iterations (at most 3
+#: ranks x 4 images), and each validates on the whole validation set.
+IMAGES_PER_CLASS, VAL_PER_CLASS = 10, 2
+
+
 @pytest.fixture(scope='module')
 def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp('embedded'))
+    return build_embedded_set(str(tmp_path_factory.mktemp('embedded')),
+                              IMAGES_PER_CLASS, VAL_PER_CLASS)
 
 
 def train(n, out, cache, *flags, timeout=240):

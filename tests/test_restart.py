@@ -6,7 +6,6 @@ boundary, for the plain, the double-buffered and the sharded optimizer
 (each rank's share of the optimizer state comes back from its own
 file) and with PowerSGD (each rank's residuals too)."""
 
-import importlib.util
 import os
 import random
 import signal
@@ -16,7 +15,8 @@ import time
 
 import pytest
 
-from conftest import REPO, mpiexec, run_mpi, snapshot_models_equal, slack
+from conftest import (REPO, build_embedded_set, mpiexec, run_mpi,
+                      snapshot_models_equal, slack)
 
 pytestmark = pytest.mark.spawn
 pytest.importorskip('chainer', reason='the example needs Chainer')
@@ -32,17 +32,8 @@ IMAGES_PER_CLASS, BATCH = 5, 4
 
 @pytest.fixture(scope='module')
 def data_cache(tmp_path_factory):
-    """The example's embedded set, built smaller here: the example finds
-    it complete in --data-cache and reads it as it is."""
-    cache = str(tmp_path_factory.mktemp('embedded'))
-    spec = importlib.util.spec_from_file_location(
-        'embedded_data', os.path.join(os.path.dirname(TRAIN),
-                                      'embedded_data.py'))
-    embedded_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(embedded_data)
-    embedded_data.build(cache, n_train=IMAGES_PER_CLASS,
-                        n_val=IMAGES_PER_CLASS // 4)
-    return cache
+    return build_embedded_set(str(tmp_path_factory.mktemp('embedded')),
+                              IMAGES_PER_CLASS, IMAGES_PER_CLASS // 4)
 
 
 MODES = {'plain': [], 'double-buffering': ['--double-buffering'],
