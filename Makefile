@@ -70,7 +70,7 @@ $(UV):
 	    --disable-pip-version-check 'uv>=0.5'
 
 .SECONDEXPANSION:
-.venv/%/.installed: setup.py pyproject.toml constraints/%.txt Makefile $$(PRE_$$*) | $(UV)
+.venv/%/.installed: setup.py pyproject.toml constraints/%.txt Makefile | $(UV) $$(PRE_$$*)
 	rm -rf .venv/$*
 	@[ -z "$(PYVERSION_$*)" ] || [ -n "$(PYTHON_$*)" ] || { echo \
 	    "stack $*: no Python $(PYVERSION_$*) found (pyenv install" \
@@ -85,7 +85,9 @@ $(UV):
 	echo "== stack $*: set up in $$(( $$(date +%s) - start )) s"
 	touch $@
 
-# Debian's Open MPI, for the openmpi stack (see docs/install.md).
+# Debian's Open MPI, for the openmpi stack (see docs/install.md): an
+# order-only prerequisite of its stamp, so that a stack already set up is
+# not set up again for it (the target is phony: always out of date).
 openmpi-system:
 	@command -v mpicc >/dev/null || [ "$$(id -u)" = 0 ] || { echo \
 	    "the openmpi stack needs a system MPI: sudo apt-get install" \
