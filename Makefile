@@ -186,7 +186,7 @@ test: stacks $(addprefix test-,$(STACKS)) conformance
 # files (and, cold, the network) more than on the CPU, so together they
 # take about as long as the slowest one alone.
 stacks:
-	@$(MAKE) --no-print-directory -j$(words $(STACKS)) \
+	@$(MAKE) --no-print-directory $(if $(STACKS),-j$(words $(STACKS))) \
 	    $(foreach s,$(STACKS),.venv/$(s)/.installed)
 
 # ChainerMN's own tests against mnopt (tests/conformance.py), on the first

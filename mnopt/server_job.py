@@ -11,6 +11,7 @@ from mpi4py import MPI
 from mnopt.server_protocol import HEADER_FIELDS, KIND_BYE, TAG_HEADER
 from mnopt.stall import Monitor
 from mnopt.stall_settings import settings_or_defaults
+from mnopt.transport import waiting
 from mnopt.transport.stall_wait import wait_or_abort
 
 
@@ -138,5 +139,5 @@ def _exchange_roles(mine, stall_warning, timeout):
     wait_or_abort(
         [request], 'the job start-up (every worker at its first '
         'create_communicator, every reduction server at its start)',
-        stall_warning, timeout)
+        stall_warning, timeout, pace=waiting.PATIENT)
     return [ROLES[c] for c in codes]

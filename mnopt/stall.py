@@ -5,7 +5,8 @@ or in the background, the reduction server's push/pull, bcast_data, the
 array and object collectives) is *watched*: it registers itself with its
 communicator's Monitor for as long as it runs, under its name and call
 count (``flat#0.mean_grads #17``).  That costs a dict insert and delete per
-call; the operation itself is untouched (still one blocking MPI call).
+call; the operation itself is untouched (its MPI calls, or its
+non-blocking ones waited for in mnopt/transport/waiting.py).
 
 One watchdog thread per process wakes every ``TICK_S``.  When one of its
 operations has waited longer than the warning time, it asks every other

@@ -90,9 +90,9 @@ def main(python):
         subprocess.check_call([python, '-m', 'pip', 'install', '-q',
                                '--disable-pip-version-check', 'mock'])
     # One run of the kit per rank count and module, two at a time, the
-    # two long ones first (each beside the short ones, whose runs fill
-    # the other lane).  Their receives and collectives wait without
-    # spinning, so two jobs side by side share the two cores.
+    # two long ones first (side by side; the short ones then fill
+    # whichever lane frees first).  Their receives and collectives wait
+    # without spinning, so two jobs side by side share the two cores.
     jobs = [(ranks, module) for ranks, modules in (('1', MODULES),
                                                    ('2', MODULES_AT_2))
             for module in modules]

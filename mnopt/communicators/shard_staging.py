@@ -158,7 +158,8 @@ class _EveryRanksCounts(object):
 def check_overflow(group, shards, nonfinite, step, reporter):
     """``on_overflow`` for the sharded averaging.  Each rank counted the
     non-finite gradients it packed (every array) and the non-finite means
-    it unpacked (its share): one Allreduce (MAX) of a byte per array and
+    it unpacked (its share): one all-reduce (MAX, non-blocking, waited
+    for in waiting.wait_all) of a byte per array and
     direction gives every rank the same view, which the communicator's
     overflow ``reporter`` then judges as it judges an allreduce's (the
     same suspects on every rank, so its exchange cannot hang)."""

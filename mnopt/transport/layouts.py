@@ -11,7 +11,8 @@ class LayoutMismatchError(ValueError):
 def check_layouts(comm, layout, what='gradients'):
     """Raise LayoutMismatchError on every rank unless all layouts agree.
 
-    Costs one Allgather of 8 bytes per rank when they agree; only on a
+    Costs one all-gather of 8 bytes per rank (``agreement.numbers``,
+    non-blocking) when they agree; only on a
     mismatch are the full layouts exchanged to name the first difference.
     """
     digests = agreement.numbers(comm, [layout.digest])[:, 0]

@@ -43,16 +43,36 @@ def _pieces(n):
 
 def send_bytes(comm, data, dest, tag):
     size = numpy.array([data.size], numpy.int64)
-    _wait(comm.Isend([size, MPI.INT64_T], dest=dest, tag=tag))
+    _wait(comm.Isend([size.view(numpy.uint8), MPI.BYTE], dest=dest,
+                     tag=tag))
     for piece in _pieces(data.size):
         _wait(comm.Isend([data[piece], MPI.BYTE], dest=dest, tag=tag))
 
 
 def recv_bytes(comm, source, tag, status=None):
+    """What ``send_bytes`` sent (None from MPI.PROC_NULL)."""
     status = MPI.Status() if status is None else status
-    size = numpy.empty(1, numpy.int64)
-    waiting.wait_all([comm.Irecv([size, MPI.INT64_T], source=source,
-                                 tag=tag)], statuses=[status])
+    size = numpy.zeros(1, numpy.int64)
+    header = comm.Irecv([size.view(numpy.uint8), MPI.BYTE], source=source,
+                        tag=tag)
+    try:
+        waiting.wait_all([header], statuses=[status])
+    except BaseException:
+        # Interrupted (Ctrl-C): no later receive may lose its message to
+        # this one.
+        header.Cancel()
+        header.Wait()
+        raise
+    if status.Get_source() == MPI.PROC_NULL:
+        return None
+    if status.Get_count(MPI.BYTE) != size.nbytes:
+        raise RuntimeError(
+            'recv_obj: the message from rank %d (tag %d) is not one that '
+            "mnopt's send_obj sent (its first message is %d bytes, not "
+            "the 8 of a size): pair mnopt's send and recv, or use the "
+            'communicator\'s mpi_comm on both sides'
+            % (status.Get_source(), status.Get_tag(),
+               status.Get_count(MPI.BYTE)))
     # The size message fixes source and tag for the pieces that follow.
     source, tag = status.Get_source(), status.Get_tag()
     data = numpy.empty(int(size[0]), dtype=numpy.uint8)
@@ -66,7 +86,8 @@ def send_obj(comm, obj, dest, tag=0):
 
 
 def recv_obj(comm, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
-    return _loads(recv_bytes(comm, source, tag, status))
+    data = recv_bytes(comm, source, tag, status)
+    return None if data is None else _loads(data)
 
 
 # The collectives below use MPI's non-blocking collectives, waited for in

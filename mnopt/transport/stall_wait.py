@@ -41,13 +41,24 @@ def wait_or_abort(requests, what, stall_warning=None, timeout=None,
     # blocking calls spin, which costs a rank sharing a core with another
     # its compute; longer naps made each agreement late by up to a nap).
     active = [r for r in requests if r != MPI.REQUEST_NULL]
+    nap = 20e-6
     while active:
-        waiting.wait_some(active, first_nap=20e-6, max_nap=pace.max_nap,
-                          max_wait=CHECK_EVERY_S, busy_poll=pace.busy_poll)
+        try:
+            waiting.wait_some(active, first_nap=nap, max_nap=pace.max_nap,
+                              max_wait=CHECK_EVERY_S,
+                              busy_poll=pace.busy_poll)
+        except BaseException:
+            waiting.ABANDONED.extend(active)
+            raise
         active = [r for r in active if r != MPI.REQUEST_NULL]
         if not active:
             return
         waited = time.monotonic() - start
+        # A wait this long is not latency-bound: the naps go on from where
+        # they were, and after a second are PATIENT's.
+        nap = pace.max_nap
+        if waited >= 1.0:
+            pace = waiting.PATIENT
         timed_out = limit is not None and waited >= limit
         if timed_out or (warning is not None and waited >= warning):
             log.say(

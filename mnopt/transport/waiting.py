@@ -173,17 +173,33 @@ def completed(request, status=None):
     return request == MPI.REQUEST_NULL or request.Test(status)
 
 
+#: Requests whose wait an exception ended (a signal handler's, as
+#: Ctrl-C's KeyboardInterrupt, raised between two polls): MPI may still
+#: write into their buffers, which the requests hold, so they are kept
+#: for the life of the process.  Their communicator is out of step after
+#: that (a collective cannot be cancelled).
+ABANDONED = []
+
+
 def wait_all(requests, pace=PROMPT, statuses=None):
     """Like ``MPI.Request.Waitall``, the GIL and the core left free;
     ``pace``: PROMPT or PATIENT (above); ``statuses``: MPI.Status objects,
-    one per request, filled as each completes (None: not kept)."""
+    one per request, filled as each completes (None: not kept).  An
+    exception raised inside the wait leaves the unfinished requests in
+    ABANDONED."""
     active = [i for i, r in enumerate(requests) if r != MPI.REQUEST_NULL]
-    while active:
-        wait_some([requests[i] for i in active],
-                  None if statuses is None else [statuses[i] for i in active],
-                  first_nap=20e-6, max_nap=pace.max_nap,
-                  busy_poll=pace.busy_poll)
-        active = [i for i in active if requests[i] != MPI.REQUEST_NULL]
+    try:
+        while active:
+            wait_some([requests[i] for i in active],
+                      None if statuses is None
+                      else [statuses[i] for i in active],
+                      first_nap=20e-6, max_nap=pace.max_nap,
+                      busy_poll=pace.busy_poll)
+            active = [i for i in active if requests[i] != MPI.REQUEST_NULL]
+    except BaseException:
+        ABANDONED.extend(requests[i] for i in active
+                         if requests[i] != MPI.REQUEST_NULL)
+        raise
 
 
 def next_completed(requests, pace=PROMPT):
