@@ -9,6 +9,7 @@ import pickle
 import numpy
 from mpi4py import MPI
 
+from mnopt.transport import agreement
 from mnopt.transport import waiting
 
 
@@ -173,10 +174,8 @@ def _gathered(comm, obj, data, sizes, step, root):
 
 
 def _all_sizes(comm, data, problem):
-    sizes = numpy.empty(comm.size, numpy.int64)
-    mine = UNPICKLABLE if problem is not None else data.size
-    _wait(comm.Iallgather(numpy.array([mine], numpy.int64), sizes))
-    return sizes
+    return agreement.numbers(
+        comm, [UNPICKLABLE if problem is not None else data.size])[:, 0]
 
 
 def bcast_obj(comm, obj, root=0):
