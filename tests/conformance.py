@@ -18,8 +18,10 @@ which a drop-in does not owe (the kit's README lists them).
 import concurrent.futures
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -62,20 +64,46 @@ CONFORMANCE_FLOOR = {
 }
 
 
+#: Seconds after which a kit test still running counts as hung and its
+#: ranks' stacks are printed (the kit ends a module after 300 s; its
+#: longest module takes about 60 s in all).
+HUNG_TEST_S = 100
+
 #: The runs of the kit that take longest.
 LONG = (('2', 'iterators_tests'), ('2', 'links_tests'))
 
 
-def run_kit(run_sh, python, ranks, module):
-    """The kit's summary line of one module at ``ranks`` ranks."""
+def run_kit(run_sh, python, ranks, module, log):
+    """The kit's summary line of one module at ``ranks`` ranks; the job's
+    whole output (every rank's, one after the other) goes to ``log``."""
+    # The kit's launcher, through conformance_mpiexec.sh: the kit reads
+    # the job's last line, which the ranks' outputs must not interleave.
+    launcher = os.path.join(os.path.dirname(python), 'mpiexec')
     proc = subprocess.run(
         ['bash', run_sh, ranks], cwd=REPO, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=dict(os.environ, PY=python, MODULES=module))
+        env=dict(os.environ, PY=python, MODULES=module,
+                 MPIEXEC=os.path.join(HERE, 'conformance_mpiexec.sh'),
+                 MNOPT_CONFORMANCE_MPIEXEC=launcher,
+                 MNOPT_CONFORMANCE_LOG=log,
+                 # A test still running after this long is hung: its
+                 # ranks' stacks go to the log.
+                 PYTEST_ADDOPTS=(os.environ.get('PYTEST_ADDOPTS', '')
+                                 + ' -o faulthandler_timeout=%d'
+                                 % HUNG_TEST_S)))
     # The kit's own verdict compares with ChainerMN's counts, which
     # include the private-module tests: the floor below decides.
     return ''.join(line + '\n' for line in proc.stdout.splitlines()
                    if re.match(r'\d+\s', line))
+
+
+def tail(path, lines=40):
+    """The last ``lines`` lines of the file at ``path`` ('' if none)."""
+    try:
+        with open(path, errors='replace') as f:
+            return ''.join(f.readlines()[-lines:])
+    except OSError:
+        return ''
 
 
 def main(python):
@@ -97,9 +125,11 @@ def main(python):
                                                    ('2', MODULES_AT_2))
             for module in modules]
     jobs.sort(key=lambda job: job not in LONG)
+    logs = tempfile.mkdtemp(prefix='mnopt-conformance-')
+    log = {job: os.path.join(logs, '%s-%s.log' % job) for job in jobs}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        lines = list(pool.map(lambda job: run_kit(run_sh, python, *job),
-                              jobs))
+        lines = list(pool.map(
+            lambda job: run_kit(run_sh, python, *job, log[job]), jobs))
     output = ''.join(sorted(lines, key=lambda line: (line.split()[0],
                                                       MODULES.index(
                                                           line.split()[1]))))
@@ -114,6 +144,11 @@ def main(python):
     short = ['n=%s %s: %d passed, floor %d' % (k + (passed.get(k, 0), floor))
              for k, (floor, _) in sorted(CONFORMANCE_FLOOR.items())
              if passed.get(k, 0) < floor]
+    for k, (floor, _) in sorted(CONFORMANCE_FLOOR.items()):
+        if passed.get(k, 0) < floor:
+            print('== conformance: the end of n=%s %s\'s output:\n%s'
+                  % (k + (tail(log[k]) or '(nothing)\n',)), end='')
+    shutil.rmtree(logs, ignore_errors=True)
     total = sum(min(passed.get(k, 0), f)
                 for k, (f, _) in CONFORMANCE_FLOOR.items())
     print('== conformance: %d of the %d tests of the floor pass%s'
