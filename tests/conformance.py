@@ -78,7 +78,8 @@ def run_kit(run_sh, python, ranks, module, log):
     whole output (every rank's, one after the other) goes to ``log``."""
     # The kit's launcher, through conformance_mpiexec.sh: the kit reads
     # the job's last line, which the ranks' outputs must not interleave.
-    launcher = os.path.join(os.path.dirname(python), 'mpiexec')
+    launcher = os.environ.get('MPIEXEC') or os.path.join(
+        os.path.dirname(python), 'mpiexec')
     proc = subprocess.run(
         ['bash', run_sh, ranks], cwd=REPO, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -19,17 +19,27 @@ case $("$real" --version 2>&1) in
     *HYDRA*) ;;
     *) exec "$real" "$@" ;;
 esac
-dir=$(mktemp -d)
+# The job's ranks: from -n, as the kit launches (else those that wrote).
+ranks=
+[ "${1:-}" = -n ] && ranks=${2:-}
+dir=$(mktemp -d) || exit 1
 
 report() {
-    local out rank last passed fewest='' summary=''
-    for out in $(ls "$dir"/out.* 2>/dev/null | sort -t. -k2 -n); do
-        rank=${out##*.}
-        cat "$out" "$dir/err.$rank" 2>/dev/null \
-            | tee -a "${MNOPT_CONFORMANCE_LOG:-/dev/null}"
-        last=$(tail -n 1 "$out")
+    local rank file last passed fewest='' summary='' count=$ranks
+    if [ -z "$count" ]; then
+        count=$(ls "$dir" | sed -n 's/^[a-z]*\.\([0-9][0-9]*\)$/\1/p' \
+            | sort -n | tail -n 1)
+        count=$(( ${count:--1} + 1 ))
+    fi
+    for (( rank = 0; rank < count; rank++ )); do
+        for file in "$dir/out.$rank" "$dir/err.$rank"; do
+            # A line a rank left unfinished ends here, not in the next.
+            [ -s "$file" ] && sed '$a\' "$file"
+        done | tee -a "${MNOPT_CONFORMANCE_LOG:-/dev/null}"
+        last=$(tail -n 1 "$dir/out.$rank" 2>/dev/null)
         passed=$(grep -o '[0-9]* passed' <<<"$last" | cut -d' ' -f1)
         passed=${passed:-0}
+        [ -n "$last" ] || last="(rank $rank wrote no summary)"
         if [ -z "$fewest" ] || [ "$passed" -lt "$fewest" ]; then
             fewest=$passed
             summary=$last

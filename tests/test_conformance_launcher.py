@@ -30,9 +30,9 @@ sys.exit(EXIT_STATUS)
 '''
 
 
-def launch(tmp_path, rc=0, log=None):
+def launch(tmp_path, rc=0, log=None, code=RANKS_WRITE, temp=None):
     script = tmp_path / 'ranks.py'
-    script.write_text(RANKS_WRITE.replace('EXIT_STATUS', str(rc)))
+    script.write_text(code.replace('EXIT_STATUS', str(rc)))
     real = conftest.mpiexec()
     if len(real) != 1 or 'HYDRA' not in subprocess.run(
             real + ['--version'], capture_output=True, text=True).stdout:
@@ -42,6 +42,8 @@ def launch(tmp_path, rc=0, log=None):
                PYTHONPATH=conftest.python_path())
     if log:
         env['MNOPT_CONFORMANCE_LOG'] = str(log)
+    if temp:
+        env['TMPDIR'] = str(temp)
     return subprocess.run([LAUNCHER, '-n', '2', sys.executable, str(script)],
                           capture_output=True, text=True, env=env,
                           timeout=conftest.slack(60))
@@ -69,3 +71,17 @@ def test_the_jobs_exit_status_is_kept(tmp_path):
     job = launch(tmp_path, rc=3)
     assert job.returncode != 0
     assert job.stdout.splitlines()[-1] == '1 failed, 9 passed in 1.0s'
+
+
+@pytest.mark.spawn
+def test_a_rank_that_wrote_no_summary_is_the_summary(tmp_path):
+    # Rank 1 silent (killed, say): its missing summary is what the kit
+    # reads, not rank 0's.  The rank files in a folder with a space.
+    (tmp_path / 'with space').mkdir()
+    job = launch(tmp_path, temp=tmp_path / 'with space', code=(
+        'from mpi4py import MPI\n'
+        'if MPI.COMM_WORLD.rank == 0:\n'
+        '    print("12 passed in 1.0s")\n'))
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert job.stdout.splitlines()[-2:] == ['12 passed in 1.0s',
+                                           '(rank 1 wrote no summary)']
