@@ -161,23 +161,28 @@ def test_other_threads_run_python_while_the_c_loop_waits(monkeypatch):
 
         def wait():
             inside.set()
-            waiting.wait_some([recv], max_wait=slack(2.0))
+            waiting.wait_some([recv], max_wait=slack(10.0))
             out.set()
 
         waiter = threading.Thread(target=wait)
         waiter.start()
         inside.wait()
-        # Python runs here while the waiter is still in its wait: a C loop
-        # that kept the GIL would hold this thread until it gave up.
         ran = 0
-        while not out.is_set() and ran < 1000:
-            ran += 1
-            time.sleep(1e-4)
-        assert ran == 1000 and not out.is_set()
-        waiter.join()
-        comm.Barrier()
-        send = comm.Isend(numpy.zeros(1), dest=RIGHT, tag=TAG)
-        waiting.wait_all([recv, send])
+        try:
+            # Python runs here while the waiter is still in its wait (its
+            # message is sent only after this loop): a C loop that kept
+            # the GIL would hold this thread until it gave up.
+            while not out.is_set() and ran < 1000:
+                ran += 1
+                time.sleep(1e-4)
+            waited_throughout = not out.is_set()
+        finally:
+            comm.Barrier()
+            send = comm.Isend(numpy.zeros(1), dest=RIGHT, tag=TAG)
+            waiter.join()
+            waiting.wait_all([recv, send])
+        assert ran == 1000 and waited_throughout
+        assert out.is_set()
     finally:
         comm.Free()
 
