@@ -142,13 +142,14 @@ def main(python):
             count = re.search(r'(\d+) passed', m.group(3))
             passed[m.group(1), m.group(2)] = int(count.group(1)) \
                 if count else 0
-    short = ['n=%s %s: %d passed, floor %d' % (k + (passed.get(k, 0), floor))
+    below = [(k, floor)
              for k, (floor, _) in sorted(CONFORMANCE_FLOOR.items())
              if passed.get(k, 0) < floor]
-    for k, (floor, _) in sorted(CONFORMANCE_FLOOR.items()):
-        if passed.get(k, 0) < floor:
-            print('== conformance: the end of n=%s %s\'s output:\n%s'
-                  % (k + (tail(log[k]) or '(nothing)\n',)), end='')
+    short = ['n=%s %s: %d passed, floor %d' % (k + (passed.get(k, 0), floor))
+             for k, floor in below]
+    for k, _ in below:
+        print('== conformance: the end of n=%s %s\'s output:\n%s'
+              % (k + (tail(log[k]) or '(nothing)\n',)), end='')
     shutil.rmtree(logs, ignore_errors=True)
     total = sum(min(passed.get(k, 0), f)
                 for k, (f, _) in CONFORMANCE_FLOOR.items())
