@@ -346,6 +346,23 @@ def test_keeping_no_snapshots_is_an_error(tmp_path, data_cache):
         proc.stderr[-3000:]
 
 
+def test_the_digits_are_the_uci_test_set_split_the_same_every_time():
+    import runpy
+    load_digits = runpy.run_path(DIGITS)['load_digits']
+    (x_train, t_train), (x_test, t_test) = load_digits()
+    assert (len(x_train), len(x_test)) == (1438, 359)
+    assert x_train.shape[1:] == (64,) and x_train.dtype == numpy.float32
+    pixels = numpy.concatenate([x_train, x_test]) * 16
+    assert pixels.min() == 0 and pixels.max() == 16
+    assert numpy.array_equal(pixels, numpy.round(pixels))   # counts 0..16
+    labels = numpy.concatenate([t_train, t_test])
+    # The UCI test set's class sizes (sklearn's load_digits gives the same).
+    assert numpy.bincount(labels).tolist() == \
+        [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    (again, _), _ = load_digits()
+    assert numpy.array_equal(again, x_train)
+
+
 def test_digits_smoke(tmp_path):
     out = tmp_path / 'digits.json'
     code = 'import runpy\nrunpy.run_path(%r, run_name="__main__")\n' % DIGITS
