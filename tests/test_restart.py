@@ -42,11 +42,19 @@ MODES = {'plain': [], 'double-buffering': ['--double-buffering'],
          'powersgd': ['--compression', 'powersgd', '--powersgd-rank', '2']}
 
 
+#: The plots (matplotlib: half a short job's time) in one mode, whose runs
+#: draw them at the end of each epoch; the restarted run loads their data
+#: from its snapshot.
+PLOTTED = 'plain'
+PLOTS = ('accuracy.png', 'loss.png', 'communication.png')
+
+
 def flags(out, cache, mode):
     return ['--out', str(out), '--data-cache', cache, '--batchsize',
             str(BATCH), '--val-batchsize', '8', '--cpu', '--seed', '3',
             '--iteration', str(ITERATIONS), '--snapshot-interval',
-            str(INTERVAL), '--keep-snapshots', '2'] + MODES[mode]
+            str(INTERVAL), '--keep-snapshots', '2'] + MODES[mode] + (
+                [] if mode == PLOTTED else ['--noplot'])
 
 
 def ranks_of(out):
@@ -118,6 +126,8 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache, mode):
     assert EPOCH < resumed < 2 * EPOCH
     snapshot_models_equal(whole / ('snapshot_iter_%d.npz' % ITERATIONS),
                           part / ('snapshot_iter_%d.npz' % ITERATIONS))
+    for out in whole, part:
+        assert all((out / p).exists() for p in PLOTS) == (mode == PLOTTED)
 
 
 def test_launcher_gives_up_after_max_restarts(tmp_path):
@@ -150,6 +160,6 @@ def test_resume_auto_without_snapshots_starts_afresh(tmp_path, data_cache):
     proc = run_mpi(2, code, timeout=200, args=[
         '--out', str(tmp_path), '--data-cache', data_cache, '--batchsize',
         '4', '--val-batchsize', '8', '--cpu', '--iteration', '2',
-        '--resume', 'auto'], env={'MNOPT_RESTART': '1'})
+        '--resume', 'auto', '--noplot'], env={'MNOPT_RESTART': '1'})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'no complete snapshot yet, starting afresh' in proc.stdout
