@@ -52,6 +52,10 @@ if importlib.util.find_spec('chainer') is None:
 else:
     import chainer
 
+# The models and gradients tests and their spawned jobs average (the jobs
+# import them from param_models, without pytest).
+from param_models import expected_mean, make_model, rank_grads  # NOQA
+
 WORLD = MPI.COMM_WORLD
 
 
@@ -202,53 +206,6 @@ def comm_name(request, monkeypatch):
 needs_chainer = pytest.mark.skipif(
     chainer is None, reason='the Chainer layer (this stack has no Chainer; '
                             'the numpy1 and numpy2 stacks run it)')
-
-
-class _Param(object):
-    def __init__(self, array):
-        self.array, self.grad = array, None
-
-    @property
-    def shape(self):
-        return self.array.shape
-
-
-class _Model(object):
-    """What communicators read of a Chainer Link: ``namedparams()``, and
-    each parameter as an attribute."""
-
-    def __init__(self, params):
-        self._params = params
-        for name, param in params:
-            setattr(self, name.lstrip('/'), param)
-
-    def namedparams(self):
-        return iter(self._params)
-
-
-def make_model(shapes, dtype=numpy.float32):
-    """A Link with one parameter per shape, named p000, p001, ...; without
-    Chainer, an object with the same ``namedparams()``."""
-    if chainer is None:
-        return _Model([('/p%03d' % i, _Param(numpy.zeros(s, dtype=dtype)))
-                       for i, s in enumerate(shapes)])
-    link = chainer.Link()
-    with link.init_scope():
-        for i, shape in enumerate(shapes):
-            setattr(link, 'p%03d' % i,
-                    chainer.Parameter(numpy.zeros(shape, dtype=dtype)))
-    return link
-
-
-def rank_grads(shapes, dtype, rank):
-    """Gradient k of parameter i on ``rank``: rank + a per-element pattern,
-    so the mean over ranks is (size - 1) / 2 + pattern."""
-    return [(numpy.arange(int(numpy.prod(s))).reshape(s) % 13 * 0.25 - 1.5
-             + i + rank).astype(dtype) for i, s in enumerate(shapes)]
-
-
-def expected_mean(shapes, size):
-    return [g + (size - 1) / 2.0 for g in rank_grads(shapes, numpy.float64, 0)]
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -176,7 +176,7 @@ def test_without_double_buffering_nothing_is_stale(comm_name):
 ONE_RANK_FAILS = '''
 import sys, numpy, chainer, mnopt
 sys.path.insert(0, 'tests')
-from conftest import make_model
+from param_models import make_model
 comm = mnopt.create_communicator('flat')
 model = make_model([(1000,)])
 opt = mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(), comm,
@@ -201,7 +201,7 @@ def test_background_failure_on_one_rank_ends_the_job():
 EXIT_IN_FLIGHT = '''
 import sys, numpy, chainer, mnopt
 sys.path.insert(0, 'tests')
-from conftest import make_model
+from param_models import make_model
 comm = mnopt.create_communicator(sys.argv[1])
 model = make_model([(300000,)])
 opt = mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(), comm,

@@ -283,7 +283,7 @@ def test_powersgd_on_the_gpu_matches_the_host(cupy, gpu_comm_name):
 GPU_WORKER = '''
 import sys, numpy, cupy, mnopt
 sys.path.insert(0, 'tests')
-from conftest import rank_grads
+from param_models import rank_grads
 wire = None if sys.argv[1] == 'None' else sys.argv[1]
 comm = mnopt.create_communicator('reduction_server', allreduce_grad_dtype=wire,
                                  chunk_bytes=4000)   # many chunks

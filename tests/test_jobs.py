@@ -9,7 +9,7 @@ pytestmark = pytest.mark.spawn
 
 CRASH = '''
 import sys, numpy, mnopt
-from conftest import make_model
+from param_models import make_model
 comm = mnopt.create_communicator(sys.argv[1])
 model = make_model([(1000,)])
 model.p000.grad = numpy.ones(1000, numpy.float32)
@@ -35,7 +35,7 @@ def test_uncaught_exception_on_one_rank_ends_the_job(name, module_runner):
 MISMATCH = '''
 import sys, numpy, mnopt
 sys.path.insert(0, 'tests')
-from conftest import make_model
+from param_models import make_model
 comm = mnopt.create_communicator('flat')
 model = make_model([(3,), (4 + comm.rank,)])
 for _, p in model.namedparams():

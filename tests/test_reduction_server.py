@@ -14,7 +14,7 @@ pytestmark = pytest.mark.spawn
 WORKER = r'''
 import sys, numpy, mnopt
 sys.path.insert(0, 'tests')
-from conftest import make_model
+from param_models import make_model
 from mnopt import grad_buffer as gb
 
 wire = sys.argv[1]
@@ -133,7 +133,7 @@ from mpi4py import MPI
 comm = mnopt.create_communicator('reduction_server')
 if comm.rank == 1:   # a worker that bypasses the cross-worker check
     comm._workers = comm._workers[:1]
-model = __import__('conftest').make_model([(5,)])
+model = __import__('param_models').make_model([(5,)])
 model.p000.grad = numpy.ones(5, numpy.float32)
 try:
     comm.multi_node_mean_grad(model)
@@ -156,7 +156,7 @@ def test_signature_mismatch_fails_fast_on_every_process():
 CRASH = '''
 import os, sys, numpy, mnopt
 sys.path.insert(0, 'tests')
-from conftest import make_model
+from param_models import make_model
 comm = mnopt.create_communicator('reduction_server')
 model = make_model([(1000,)])
 model.p000.grad = numpy.ones(1000, numpy.float32)
