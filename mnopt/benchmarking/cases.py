@@ -9,7 +9,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt.benchmarking.harness import bus_bandwidth
-from mnopt.benchmarking.workloads import (grad_list, grad_model,
+from mnopt.benchmarking.workloads import (grad_list, link_holding,
                                           resnet50_grad_shapes)
 
 
@@ -29,13 +29,24 @@ def build_cases(args, world):
     import mnopt
     shapes = resnet50_grad_shapes()
     total = sum(int(numpy.prod(s)) for s in shapes)
+    # One set of gradients for every case (a rank held one per case: a
+    # gigabyte for the default cases).  Each case averages it in place, its
+    # repetitions too: after the first averaging every rank holds the same
+    # values, whichever case left them.
+    grads = grad_list(shapes, world.rank)
+    model = []   # the Link holding them, made once where a case needs one
+
+    def link():
+        if not model:
+            model.append(link_holding(grads))
+        return model[0]
     cases = []
     if not args.only_mnopt:
         limit_comm = world.Dup()
         for mib in [4, 16] if args.quick else [1, 4, 16, 64]:
             cases.append(('limit: Allreduce, %d MiB chunks' % mib, 'limit',
                           _limit_case(limit_comm, total, mib << 18)))
-        cases += _chainermn_cases(shapes, world)
+        cases += _chainermn_cases(link, world)
     for name in args.communicators:
         for wire, options, label in _variants(name, args):
             if name == 'reduction_server':
@@ -47,7 +58,7 @@ def build_cases(args, world):
             if name == 'reduction_server' and world.rank == 0:
                 atexit.register(lambda c=comm: print(c.stats.format(
                     'worker 0 %s' % c.allreduce_grad_dtype)))
-            average = _averaging(comm, shapes, world.rank,
+            average = _averaging(comm, grads, link,
                                  getattr(args, 'through_model', False))
             cases.append(('mnopt %s %s' % (name, label), name, average))
             if wire == 'sign':
@@ -60,24 +71,24 @@ def build_cases(args, world):
                     timeout=0, on_overflow='ignore', **options)
                 cases.append(('mnopt %s %s, checks off' % (name, label),
                               name + ' checks off',
-                              _averaging(off, shapes, world.rank,
+                              _averaging(off, grads, link,
                                          getattr(args, 'through_model',
                                                  False))))
     return cases, total
 
 
-def _averaging(comm, shapes, rank, through_model):
-    """One averaging of ResNet-50's gradients on ``comm``: ``mean_grads``
-    on the arrays, or (``through_model``) ``multi_node_mean_grad`` on a
-    Chainer Link holding them, the path a ChainerMN user takes."""
+def _averaging(comm, grads, link, through_model):
+    """One averaging of ``grads`` (ResNet-50's) on ``comm``: ``mean_grads``
+    on the arrays, or (``through_model``) ``multi_node_mean_grad`` on the
+    Chainer Link holding them (``link()``), the path a ChainerMN user
+    takes."""
     if through_model:
-        model = grad_model(shapes, rank)
+        model = link()
         return lambda: comm.multi_node_mean_grad(model)
-    grads = grad_list(shapes, rank)
     return lambda: comm.mean_grads(grads)
 
 
-def _chainermn_cases(shapes, world):
+def _chainermn_cases(link, world):
     """ChainerMN's naive communicator, where ChainerMN can run here."""
     from mnopt import server_job
     try:
@@ -89,7 +100,7 @@ def _chainermn_cases(shapes, world):
         if world.rank == 0:
             print('# ChainerMN not available (%s); skipping it' % e)
         return []
-    model = grad_model(shapes, world.rank)
+    model = link()
     return [('chainermn naive', 'chainermn',
              lambda: cmn.multi_node_mean_grad(model))]
 

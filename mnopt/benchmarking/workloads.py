@@ -30,11 +30,17 @@ def grad_list(shapes, rank, dtype=numpy.float32):
 def grad_model(shapes, rank, dtype=numpy.float32):
     """A Chainer Link holding ``grad_list``'s gradients (for the cases that
     need Chainer: the optimizer wrapper, ChainerMN)."""
+    return link_holding(grad_list(shapes, rank, dtype))
+
+
+def link_holding(grads):
+    """A Chainer Link whose parameters' gradients are ``grads`` (a
+    ``grad_list``: the same arrays, not copies)."""
     import chainer
     link = chainer.Link()
     with link.init_scope():
-        for name, grad in grad_list(shapes, rank, dtype):
-            p = chainer.Parameter(numpy.zeros(grad.shape, dtype=dtype))
+        for name, grad in grads:
+            p = chainer.Parameter(numpy.zeros(grad.shape, dtype=grad.dtype))
             p.grad = grad
             setattr(link, name, p)
     return link
