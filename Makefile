@@ -167,7 +167,7 @@ experiments: setup
 #
 # With PYTHONDONTWRITEBYTECODE set (as CI has it) every process of a run,
 # pytest's and each rank of each spawned job, would compile pytest,
-# mpi4py, matplotlib and parts of NumPy and SciPy from source again: about
+# mpi4py, matplotlib and parts of NumPy from source again: about
 # a third of a spawned job's CPU time.  The tests keep their bytecode under
 # .venv/STACK/pycache instead (PYTHONPYCACHEPREFIX: nothing lands in the
 # checkout), and the conformance run reads it from there.

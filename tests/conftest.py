@@ -4,6 +4,7 @@
 import contextlib
 import gc
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -281,6 +282,22 @@ def build_embedded_set(cache, images_per_class, val_per_class):
     embedded_data.build(cache, n_train=images_per_class,
                         n_val=val_per_class)
     return cache
+
+
+def snapshot_plots_equal(path_a, path_b):
+    """Assert two ImageNet-example snapshots hold the same plot state (the
+    current epoch's sums, the points per epoch) of the training loss and
+    accuracy (a run that stops validates at its end, which the run it is
+    compared with may not; the communication's are timings)."""
+    def plots(path):
+        with numpy.load(str(path)) as f:
+            state = {k: json.loads(str(f['extensions/epoch_plots/' + k]))
+                     for k in ('sums', 'points')}
+        return {k: {key: v for key, v in state[k].items()
+                    if key.startswith('main/')} for k in state}
+    a, b = plots(path_a), plots(path_b)
+    assert a['sums'] or a['points'], a
+    assert a == b
 
 
 def snapshot_models_equal(path_a, path_b):

@@ -8,7 +8,8 @@ import numpy
 
 import pytest
 
-from conftest import REPO, build_embedded_set, run_mpi, snapshot_models_equal
+from conftest import (REPO, build_embedded_set, run_mpi,
+                      snapshot_models_equal, snapshot_plots_equal)
 from damaged_npz import damage_stored_member
 
 pytestmark = pytest.mark.spawn
@@ -95,8 +96,9 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
     assert train(2, whole, data_cache, '--iteration', '6',
                  '--snapshot-interval', '3', '--keep-snapshots', '5',
                  *db).returncode == 0
-    # Plots in one part only: a run without them (--noplot) resumes with
-    # them (which start there), and the other way round.
+    # Plots drawn in one part only: a run without them (--noplot) resumes
+    # with them, and the other way round; either way the plots' state is
+    # the uninterrupted run's.
     assert train(2, part, data_cache, '--iteration', '3',
                  '--snapshot-interval', '3', *db,
                  plot=double_buffering).returncode == 0
@@ -106,8 +108,11 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
                  plot=not double_buffering)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'resumed from' in proc.stdout
+    assert 'UserWarning' not in proc.stderr, proc.stderr[-3000:]
     snapshot_models_equal(whole / 'snapshot_iter_6.npz',
                           part / 'snapshot_iter_6.npz')
+    snapshot_plots_equal(whole / 'snapshot_iter_6.npz',
+                         part / 'snapshot_iter_6.npz')
 
 
 @pytest.mark.parametrize('compression', [

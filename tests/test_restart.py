@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import (REPO, build_embedded_set, mpiexec, run_mpi,
-                      snapshot_models_equal, slack)
+                      snapshot_models_equal, snapshot_plots_equal, slack)
 
 pytestmark = pytest.mark.spawn
 pytest.importorskip('chainer', reason='the example needs Chainer')
@@ -42,9 +42,9 @@ MODES = {'plain': [], 'double-buffering': ['--double-buffering'],
          'powersgd': ['--compression', 'powersgd', '--powersgd-rank', '2']}
 
 
-#: The plots (matplotlib: half a short job's time) in one mode, whose runs
-#: draw them at the end of each epoch; the restarted run loads their data
-#: from its snapshot.
+#: The plots drawn (matplotlib: half a short job's time) in one mode, whose
+#: runs draw them at the end of each epoch; every mode's restarted run
+#: ends with the uninterrupted run's plot state.
 PLOTTED = 'plain'
 PLOTS = ('accuracy.png', 'loss.png', 'communication.png')
 
@@ -126,6 +126,8 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache, mode):
     assert EPOCH < resumed < 2 * EPOCH
     snapshot_models_equal(whole / ('snapshot_iter_%d.npz' % ITERATIONS),
                           part / ('snapshot_iter_%d.npz' % ITERATIONS))
+    snapshot_plots_equal(whole / ('snapshot_iter_%d.npz' % ITERATIONS),
+                         part / ('snapshot_iter_%d.npz' % ITERATIONS))
     for out in whole, part:
         assert all((out / p).exists() for p in PLOTS) == (mode == PLOTTED)
 

@@ -34,6 +34,7 @@ from mnopt.extensions.loadable import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import embedded_data  # NOQA
 import models  # NOQA
+import plots  # NOQA
 
 
 class PreprocessedDataset(chainer.dataset.DatasetMixin):
@@ -268,11 +269,10 @@ def summary(trainer, comm, args, throughput, averaging_seconds, elapsed):
                                 last['validation/main/loss'], last['epoch'],
                                 1.0 / args.n_classes))
     out = args.out
-    plots = [os.path.join(out, f) for f in ('accuracy.png', 'loss.png',
-                                            'communication.png')
+    drawn = [os.path.join(out, f) for f, _ in plots.FIGURES
              if args.plot and os.path.exists(os.path.join(out, f))]
-    if plots:
-        lines.append('plots      ' + ', '.join(plots))
+    if drawn:
+        lines.append('plots      ' + ', '.join(drawn))
     newest = snapshot_iterations(out)
     if newest:
         lines.append('snapshot   %s (--resume auto continues from it)'
@@ -403,18 +403,6 @@ def _part_of_a_rank_gone(name, iteration, size):
     the run of ``size`` ranks does not have."""
     m = re.match(r'snapshot_iter_%d\.rank(\d+)\.npz$' % iteration, name)
     return m is not None and int(m.group(1)) >= size
-
-
-class PlotReport(extensions.PlotReport):
-    """Chainer's, resumable from a snapshot of a run that drew no plots
-    (--noplot), which holds none of their data: they start there."""
-
-    def serialize(self, serializer):
-        try:
-            super(PlotReport, self).serialize(serializer)
-        except KeyError:
-            if isinstance(serializer, chainer.serializer.Serializer):
-                raise
 
 
 class SnapshotTrigger(object):
@@ -624,10 +612,16 @@ def resume(path, trainer, comm, optimizer):
             raise ValueError('its optimizer state is sharded over %d ranks '
                              '(written with --shard-state): resume with '
                              '--shard-state' % shards)
-        chainer.serializers.load_npz(
-            path, trainer, ignore_names=(
-                None if same_layout else
-                lambda key: key.startswith('updater/iterator:')))
+        with numpy.load(path) as f:
+            has_plots = any(k.startswith(plots.SNAPSHOT_KEY)
+                            for k in f.files)
+        # On another number of ranks the iterators start afresh; plots the
+        # snapshot does not hold (written before they were kept) start
+        # here.
+        chainer.serializers.load_npz(path, trainer, ignore_names=(
+            lambda key: (not same_layout and
+                         key.startswith('updater/iterator:')) or
+            (not has_plots and key.startswith(plots.SNAPSHOT_KEY))))
         if sharded and shards is None:
             # An unsharded snapshot, split into shares: Chainer's updater
             # loads the optimizer before the model, whose lazily sized
@@ -825,20 +819,13 @@ def main(argv=None):
              'comm/exposed', 'comm/hidden', 'comm/busbw', 'comm/straggler',
              'elapsed_time']), trigger=log_interval)
         trainer.extend(extensions.ProgressBar(update_interval=1))
-        if args.plot and extensions.PlotReport.available():
-            trainer.extend(PlotReport(
-                ['main/loss', 'validation/main/loss'], 'epoch',
-                file_name='loss.png'))
-            trainer.extend(PlotReport(
-                ['main/accuracy', 'validation/main/accuracy'], 'epoch',
-                file_name='accuracy.png'))
-            # Beside them: seconds per step blocked on communication, and
-            # hidden behind compute, as means per epoch (drawn every
-            # iteration, matplotlib made rank 0 a quarter second late to
-            # every step of a short run).
-            trainer.extend(PlotReport(
-                ['comm/exposed', 'comm/hidden'], 'epoch',
-                file_name='communication.png'))
+        # Loss, accuracy, and the seconds per step blocked on
+        # communication and hidden behind compute: means per epoch, drawn
+        # at the end of each (drawn every iteration, matplotlib made rank 0
+        # a quarter second late to every step of a short run).  Kept with
+        # --noplot too, undrawn, so a run with plots can resume from it.
+        trainer.extend(plots.EpochPlots(draw=args.plot), name=plots.NAME,
+                       trigger=plots.every_iteration)
 
     if comm.rank == 0:
         print('mnopt ImageNet example: %d ranks, communicator %s, wire '
