@@ -392,9 +392,12 @@ def open_from_environment(rank, explicit=None, role='rank'):
 def loads(text):
     """The events of a trace's text: the JSON Array Format with or without
     its closing ``]``, a trailing comma, or a last event cut short by a
-    killed writer (dropped); also the JSON Object Format
+    killed writer (dropped); an empty text (a writer killed before its
+    first write): none; also the JSON Object Format
     (``{"traceEvents": [...]}``)."""
     stripped = text.lstrip()
+    if not stripped:
+        return []
     if stripped.startswith('{'):
         return json.loads(stripped)['traceEvents']
     if not stripped.startswith('['):

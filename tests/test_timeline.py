@@ -276,6 +276,9 @@ def test_loader_tolerates_a_missing_bracket_and_a_cut_last_event():
     cut = '[\n' + ',\n'.join(lines)
     assert len(timeline.loads(cut[:-7])) == 2
     assert timeline.loads('[') == []
+    # The file a writer killed before its first write leaves (a reader
+    # polling a live trace can find it so too).
+    assert timeline.loads('') == [] and timeline.loads('\n') == []
     assert len(timeline.loads(json.dumps({'traceEvents': [{'a': 1}]}))) == 1
     with pytest.raises(ValueError):
         timeline.loads('[\n{"ph": broken},\n' + lines[0] + '\n]')
