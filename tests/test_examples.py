@@ -236,6 +236,11 @@ def test_resume_on_another_number_of_ranks(tmp_path, data_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'data split anew for 3 ranks' in proc.stdout
     assert (tmp_path / 'snapshot_iter_4.npz').exists()
+    # The epoch restarted from its beginning, and the plots' sums with it:
+    # iterations 3 and 4 only.
+    with numpy.load(str(tmp_path / 'snapshot_iter_4.npz')) as f:
+        sums = json.loads(str(f['extensions/epoch_plots/sums']))
+    assert sums['main/loss'][1] == 2, sums
     # The unsharded snapshot split into shares (its lazily sized layers
     # have data only once the model is loaded, after the optimizer).
     proc = train(2, tmp_path, data_cache, '--iteration', '3', '--resume',

@@ -7,7 +7,8 @@ resumed run drew its first step as a point of its own, and averaged the
 rest of that epoch without the steps before the snapshot.  ``EpochPlots``
 keeps the epoch's partial sums in the snapshot too, and keeps its points
 even when it does not draw (``--noplot``), so any run resumes any other's
-plots, with the uninterrupted run's values.
+plots: on as many ranks, with the uninterrupted run's training loss and
+accuracy.
 """
 
 import json
@@ -15,6 +16,7 @@ import os
 
 import chainer
 from chainer import training
+import numpy
 
 #: (file name, the observed keys drawn in it).
 FIGURES = (('accuracy.png', ('main/accuracy', 'validation/main/accuracy')),
@@ -32,51 +34,110 @@ def every_iteration(trainer):
     return True
 
 
-def _number(value):
+def _float64(x):
+    """``x`` (a number, or a 0-d array on any device) as float64, where it
+    is: summed on a GPU, an observation costs no copy to the host."""
+    if isinstance(x, chainer.Variable):
+        x = x.array
+    return x.astype(numpy.float64) if hasattr(x, 'astype') and \
+        not isinstance(x, numpy.generic) else numpy.float64(x)
+
+
+def _weighted(value):
+    """(value, weight) of an observation as Chainer's summaries read it (a
+    tuple is a value and its weight), or None where it is not a scalar."""
+    value, weight = value if isinstance(value, tuple) else (value, 1)
     if isinstance(value, chainer.Variable):
         value = value.array
-    return float(chainer.backend.CpuDevice().send(value))
+    if not (numpy.isscalar(value) or getattr(value, 'ndim', -1) == 0):
+        return None
+    return _float64(value), _float64(weight)
 
 
 class EpochPlots(training.Extension):
     """Each epoch's mean of every key of FIGURES observed in it, a point per
-    epoch and key; drawn at the end of each epoch if ``draw``."""
+    epoch and key; drawn at the end of each epoch if ``draw``.  The
+    validation counts at the end of an epoch only (a run of --iteration
+    validates where it stops, mid-epoch: the run it is resumed as would
+    not)."""
 
     def __init__(self, draw=True):
         self.draw = draw
-        self.sums = {}     #: key -> [sum, count] of the current epoch
+        #: key -> [weighted sum, sum of the weights] of the current epoch,
+        #: float64, on the observations' device until the epoch ends
+        self.sums = {}
         self.points = {}   #: key -> [[epoch, mean], ...]
 
     def __call__(self, trainer):
+        updater = trainer.updater
         for _, keys in FIGURES:
             for key in keys:
-                if key in trainer.observation:
-                    acc = self.sums.setdefault(key, [0.0, 0])
-                    acc[0] += _number(trainer.observation[key])
-                    acc[1] += 1
-        updater = trainer.updater
+                if key not in trainer.observation or (
+                        key.startswith('validation/') and
+                        not updater.is_new_epoch):
+                    continue
+                observed = _weighted(trainer.observation[key])
+                if observed is not None:
+                    value, weight = observed
+                    total, count = self.sums.get(key, (0.0, 0.0))
+                    self.sums[key] = [total + value * weight, count + weight]
         if not updater.is_new_epoch:
             return
         for key, (total, count) in sorted(self.sums.items()):
             self.points.setdefault(key, []).append(
-                [updater.epoch, total / count])
+                [updater.epoch, float(total) / float(count)])
         self.sums = {}
         if self.draw:
             draw(self.points, trainer.out)
 
     def serialize(self, serializer):
-        # Plain JSON: where a snapshot has none of it (written before these
-        # plots were kept), the trainer's loader leaves it out and each
-        # call returns what it was given.
-        self.sums = json.loads(serializer('sums', json.dumps(self.sums)))
+        # Plain JSON: where a snapshot has none of it, the trainer's loader
+        # can leave it out (keys_to_skip) and each call returns what it was
+        # given.
+        sums = {k: [float(t), float(c)] for k, (t, c) in self.sums.items()}
+        self.sums = json.loads(serializer('sums', json.dumps(sums)))
         self.points = json.loads(serializer('points',
                                             json.dumps(self.points)))
 
 
+def keys_to_skip(saved_keys, same_layout):
+    """Which keys of EpochPlots' state a resume from a snapshot holding
+    ``saved_keys`` leaves out: all of them where it has none (written
+    before these plots: ``points_of_plot_reports`` reads what it has), and
+    the epoch's sums on another number of ranks (the epoch restarts from
+    its beginning)."""
+    kept = any(k.startswith(SNAPSHOT_KEY) for k in saved_keys)
+
+    def skip(key):
+        return key.startswith(SNAPSHOT_KEY) and (
+            not kept or (not same_layout and key == SNAPSHOT_KEY + 'sums'))
+    return skip
+
+
+def points_of_plot_reports(snapshot):
+    """The points per epoch Chainer's PlotReports (which drew the example's
+    plots before EpochPlots) kept in ``snapshot`` (an open .npz): {key:
+    [[epoch, mean], ...]}, {} where there are none."""
+    points = {}
+    for key in snapshot.files:
+        if key.startswith('extensions/PlotReport') and '/_plot_' in key:
+            points.update(json.loads(str(snapshot[key])))
+    return points
+
+
+_matplotlib = []   # whether it imports, once known
+
+
 def available():
-    """Whether matplotlib can be imported here."""
-    import importlib.util
-    return importlib.util.find_spec('matplotlib') is not None
+    """Whether matplotlib imports here (as Chainer's PlotReport asks: one
+    built for another NumPy raises a TypeError, or an ImportError)."""
+    if not _matplotlib:
+        try:
+            import matplotlib  # NOQA
+            _matplotlib.append(True)
+        except (ImportError, TypeError):
+            _matplotlib.append(False)
+    return _matplotlib[0]
 
 
 def draw(points, out):

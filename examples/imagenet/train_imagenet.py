@@ -613,15 +613,15 @@ def resume(path, trainer, comm, optimizer):
                              '(written with --shard-state): resume with '
                              '--shard-state' % shards)
         with numpy.load(path) as f:
-            has_plots = any(k.startswith(plots.SNAPSHOT_KEY)
-                            for k in f.files)
-        # On another number of ranks the iterators start afresh; plots the
-        # snapshot does not hold (written before they were kept) start
-        # here.
+            skip_plots = plots.keys_to_skip(f.files, same_layout)
+            earlier_points = plots.points_of_plot_reports(f)
+        # On another number of ranks the iterators start afresh.
         chainer.serializers.load_npz(path, trainer, ignore_names=(
             lambda key: (not same_layout and
                          key.startswith('updater/iterator:')) or
-            (not has_plots and key.startswith(plots.SNAPSHOT_KEY))))
+            skip_plots(key)))
+        if earlier_points and comm.rank == 0:   # rank 0 plots
+            trainer.get_extension(plots.NAME).points = earlier_points
         if sharded and shards is None:
             # An unsharded snapshot, split into shares: Chainer's updater
             # loads the optimizer before the model, whose lazily sized
