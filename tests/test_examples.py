@@ -113,6 +113,11 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
                           part / 'snapshot_iter_6.npz')
     snapshot_plots_equal(whole / 'snapshot_iter_6.npz',
                          part / 'snapshot_iter_6.npz')
+    # Validated with each rank's own batch normalization statistics (rank
+    # 1's come back from its rank file, not rank 0's from the shared one).
+    validated = [json.load(open(str(out / 'log')))[-1]['validation/main/loss']
+                 for out in (whole, part)]
+    assert validated[0] == validated[1], validated
 
 
 @pytest.mark.parametrize('compression', [

@@ -370,7 +370,8 @@ class Snapshot(training.Extension):
         _atomic_save(rank_file(path, self.comm.rank),
                      _RankState(trainer.updater.get_iterator('main'),
                                 self.comm.size, self.optimizer,
-                                self.write_id(), self.comm))
+                                self.write_id(), self.comm,
+                                trainer.updater.get_optimizer('main').target))
         # Rank 0's listing, taken before anyone removes anything, says
         # what to prune; gathering it also waits until every rank's file
         # is complete.
@@ -469,19 +470,25 @@ def _serialize_random_state(serializer, random):
 SHARE_KEY = 'optimizer/'
 
 
+#: Where a rank file keeps the rank's batch normalizations.
+BATCH_NORMS_KEY = 'batch_norms'
+
+
 class _RankState(object):
     """What differs between ranks: the iterator and its order's generator,
     the global generator the augmentation draws from, with ``optimizer``
-    (a sharded one) its share of the optimizer state, and with ``comm``
+    (a sharded one) its share of the optimizer state, with ``comm``
     this rank's compression state (error-feedback residuals; PowerSGD's
-    Qs); when saved, the snapshot's ``write_id``."""
+    Qs), with ``model`` its batch normalizations' running statistics;
+    when saved, the snapshot's ``write_id``."""
 
     def __init__(self, iterator, size, optimizer=None, write_id=None,
-                 comm=None):
+                 comm=None, model=None):
         self.iterator, self.size = iterator, size
         self.optimizer = optimizer
         self.write_id = write_id
         self.comm = comm
+        self.model = model
 
     def serialize(self, serializer):
         self.iterator.serialize(serializer['iterator'])
@@ -503,6 +510,14 @@ class _RankState(object):
                                             shared=False)
         if self.write_id is not None:
             serializer('write_id', self.write_id)
+        if self.model is not None:
+            # Each rank's batch normalizations' running statistics: they
+            # follow the rank's own batches (without --mnbn), and the
+            # shared file holds rank 0's.  Every rank validates its share
+            # of the set with its own.
+            for name, link in sorted(self.model.namedlinks()):
+                if isinstance(link, chainer.links.BatchNormalization):
+                    link.serialize(serializer[BATCH_NORMS_KEY + name])
         if isinstance(serializer, chainer.serializer.Deserializer):
             numpy.random.set_state(state.get_state())
 
@@ -630,10 +645,15 @@ def resume(path, trainer, comm, optimizer):
                                          path='updater/optimizer:main/')
         if same_layout:
             # A sharded snapshot's rank files hold the ranks' shares.
+            # A rank file written before it kept them has no batch
+            # normalizations: they stay rank 0's.
+            with numpy.load(own) as f:
+                model = trainer.updater.get_optimizer('main').target if any(
+                    k.startswith(BATCH_NORMS_KEY) for k in f.files) else None
             chainer.serializers.load_npz(
                 own, _RankState(trainer.updater.get_iterator('main'),
                                 comm.size, optimizer if shards else None,
-                                comm=comm))
+                                comm=comm, model=model))
         else:
             _start_epoch(trainer.updater.get_iterator('main'), epoch)
         if shards is not None and (not same_layout or shards != comm.size):
