@@ -42,20 +42,12 @@ def _drop_an_inherited_singleton():
 _drop_an_inherited_singleton()
 from mpi4py import MPI  # NOQA  (initializes MPI)
 
-# Before Chainer: a checkout run from PYTHONPATH (no .pth installed, as on
-# the GPU machine) gets Chainer's NumPy 2 names from mnopt's import.
 import mnopt  # NOQA
 
-# The core stack has no Chainer; elsewhere a Chainer that fails to import
-# must fail the run, not skip the Chainer layer's tests.
-if importlib.util.find_spec('chainer') is None:
-    chainer = None
-else:
-    import chainer
-
-# The models and gradients tests and their spawned jobs average (the jobs
-# import them from param_models, without pytest).
-from param_models import expected_mean, make_model, rank_grads  # NOQA
+# Chainer (None on the core stack), and the models and gradients tests and
+# their spawned jobs average (the jobs import them from param_models,
+# without pytest).
+from param_models import chainer, expected_mean, make_model, rank_grads  # NOQA
 
 WORLD = MPI.COMM_WORLD
 
@@ -274,14 +266,19 @@ def build_embedded_set(cache, images_per_class, val_per_class):
     example's own (80 and 40 images per class): the example finds it
     complete in its --data-cache and reads it as it is.  Each job of a
     test validates on the whole validation set at its end."""
-    spec = importlib.util.spec_from_file_location(
-        'embedded_data', os.path.join(REPO, 'examples', 'imagenet',
-                                      'embedded_data.py'))
-    embedded_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(embedded_data)
-    embedded_data.build(cache, n_train=images_per_class,
-                        n_val=val_per_class)
+    imagenet_example_module('embedded_data').build(
+        cache, n_train=images_per_class, n_val=val_per_class)
     return cache
+
+
+def imagenet_example_module(name):
+    """The ImageNet example's module ``name`` (examples/imagenet/NAME.py),
+    loaded from its file (the example is no package)."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(REPO, 'examples', 'imagenet', name + '.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def snapshot_plots_equal(path_a, path_b):

@@ -4,13 +4,12 @@ resume leaves out.  tests/test_examples.py and tests/test_restart.py
 resume them in whole jobs."""
 
 import json
-import os
 import types
 
 import numpy
 import pytest
 
-from conftest import REPO
+from conftest import imagenet_example_module
 
 pytestmark = pytest.mark.one_rank
 chainer = pytest.importorskip('chainer', reason='the example needs Chainer')
@@ -18,13 +17,7 @@ chainer = pytest.importorskip('chainer', reason='the example needs Chainer')
 
 @pytest.fixture(scope='module')
 def epoch_plots():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        'imagenet_plots', os.path.join(REPO, 'examples', 'imagenet',
-                                       'plots.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return imagenet_example_module('plots')
 
 
 def step(extension, epoch, new_epoch, **observed):

@@ -11,6 +11,7 @@ plots: on as many ranks, with the uninterrupted run's training loss and
 accuracy.
 """
 
+import functools
 import json
 import os
 
@@ -39,8 +40,8 @@ def _float64(x):
     is: summed on a GPU, an observation costs no copy to the host."""
     if isinstance(x, chainer.Variable):
         x = x.array
-    return x.astype(numpy.float64) if hasattr(x, 'astype') and \
-        not isinstance(x, numpy.generic) else numpy.float64(x)
+    return x.astype(numpy.float64) if hasattr(x, 'astype') \
+        else numpy.float64(x)
 
 
 def _weighted(value):
@@ -125,19 +126,15 @@ def points_of_plot_reports(snapshot):
     return points
 
 
-_matplotlib = []   # whether it imports, once known
-
-
+@functools.lru_cache(maxsize=None)
 def available():
     """Whether matplotlib imports here (as Chainer's PlotReport asks: one
     built for another NumPy raises a TypeError, or an ImportError)."""
-    if not _matplotlib:
-        try:
-            import matplotlib  # NOQA
-            _matplotlib.append(True)
-        except (ImportError, TypeError):
-            _matplotlib.append(False)
-    return _matplotlib[0]
+    try:
+        import matplotlib  # NOQA
+        return True
+    except (ImportError, TypeError):
+        return False
 
 
 def draw(points, out):

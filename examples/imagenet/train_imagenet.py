@@ -621,15 +621,14 @@ def resume(path, trainer, comm, optimizer):
             raise ValueError(mixed)
         with numpy.load(path) as f:
             epoch = int(f['updater/iterator:main/epoch'])
+            skip_plots = plots.keys_to_skip(f.files, same_layout)
+            earlier_points = plots.points_of_plot_reports(f)
         shards = sharded_by(path)
         sharded = hasattr(optimizer, 'load_shards')
         if shards is not None and not sharded:
             raise ValueError('its optimizer state is sharded over %d ranks '
                              '(written with --shard-state): resume with '
                              '--shard-state' % shards)
-        with numpy.load(path) as f:
-            skip_plots = plots.keys_to_skip(f.files, same_layout)
-            earlier_points = plots.points_of_plot_reports(f)
         # On another number of ranks the iterators start afresh.
         chainer.serializers.load_npz(path, trainer, ignore_names=(
             lambda key: (not same_layout and
