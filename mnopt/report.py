@@ -9,6 +9,7 @@ collectives reach; and which setting would have helped, with the
 evidence (mnopt/report_rules.py)::
 
     MNOPT_TIMELINE=trace.json mpiexec -n 4 python train.py
+    python -m mnopt.report trace.json    # the value of MNOPT_TIMELINE
     python -m mnopt.report trace.rank*.json
     python -m mnopt.report --link-rate 1gbit --skip 5 trace.rank*.json
     python -m mnopt.report --json trace.rank*.json > report.json
@@ -112,6 +113,20 @@ def merge(paths, out, how='auto'):
         f.write('\n')
 
 
+def rank_files(given):
+    """The trace files ``given`` names: the file itself, else the value
+    given to MNOPT_TIMELINE (``trace.json``, ``t{rank}.json``), whose ranks
+    wrote ``trace.rank0.json``, ``trace.rank1.json``... (mnopt/timeline.py:
+    ``trace_path``): those, rank 0 on until the first missing.  [] where
+    there are none."""
+    if os.path.isfile(given):
+        return [given]
+    found = []
+    while os.path.isfile(timeline.trace_path(given, len(found))):
+        found.append(timeline.trace_path(given, len(found)))
+    return found
+
+
 def _parser():
     p = argparse.ArgumentParser(
         prog='python -m mnopt.report',
@@ -120,8 +135,9 @@ def _parser():
                     'compute, exposed and hidden communication, idle; the '
                     'straggler ranks; advice with its evidence.')
     p.add_argument('traces', nargs='+', metavar='TRACE',
-                   help='trace files: one per rank (trace.rank0.json ...) '
-                        'or one merged file')
+                   help='trace files: one per rank (trace.rank0.json ...), '
+                        'one merged file, or the path MNOPT_TIMELINE was '
+                        'set to (trace.json: every trace.rankN.json)')
     p.add_argument('--json', action='store_true',
                    help='print the report as JSON')
     p.add_argument('--link-rate',
@@ -154,9 +170,15 @@ def _parser():
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
-    for path in args.traces:
-        if not os.path.isfile(path):
-            parser.error('no such trace file: %s' % path)
+    traces = []
+    for given in args.traces:
+        found = rank_files(given)
+        if not found:
+            parser.error('no such trace file: %s, nor per-rank files %s ... '
+                         '(give the files, or the path MNOPT_TIMELINE was '
+                         'set to)' % (given, timeline.trace_path(given, 0)))
+        traces += found
+    args.traces = traces
     try:
         link = parse_rate(args.link_rate) if args.link_rate else None
     except ValueError as e:

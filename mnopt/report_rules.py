@@ -96,10 +96,31 @@ def _bucket_bytes(a):
                     b['buckets']))
 
 
+def _straggler_advice(rank, a):
+    """Where to look for what makes ``rank`` late."""
+    if rank == 0:
+        # Training scripts give rank 0 alone the log, its printing, the
+        # plots, the shared snapshot: late by its own work, on any host.
+        alone = ("look at what rank 0 alone does between steps: the log "
+                 "and its printing (LogReport, PrintReport, ProgressBar: "
+                 "a longer log interval), plots (draw them less often), "
+                 "the shared snapshot")
+    else:
+        alone = None
+    if a.get('hosts') == 1 or a.get('hosts') is None and rank == 0:
+        return alone or ("look at what rank %d does that the others do "
+                         "not: its data loading, a busy core (the ranks "
+                         "share one machine)" % rank)
+    host = (a.get('host_of') or {}).get(rank)
+    blame = ("look at rank %d's host%s: its data loading, a slower GPU, a "
+             "busy core, or its link" % (rank, ' (%s)' % host if host
+                                         else ''))
+    return blame + ('; or ' + alone[len('look at '):] if alone else '')
+
+
 def _stragglers(a):
     return [dict(
-        advice="look at rank %d's host: its data loading, a slower GPU, "
-               "a busy core, or its link" % s['rank'],
+        advice=_straggler_advice(s['rank'], a),
         evidence='rank %d arrives last in %s of collectives, by %.1f ms '
                  'on average' % (s['rank'], pct(s['share']), s['late_ms']))
         for s in a['collectives']['stragglers']]

@@ -59,6 +59,7 @@ import atexit
 import json
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -160,8 +161,11 @@ class Timeline(object):
         for name, args in (('process_name', {'name': '%s %d' % (role,
                                                                  self.rank)}),
                            ('process_sort_index', {'sort_index': self.rank}),
+                           # The host: the report tells a late rank on a
+                           # machine of its own from one sharing it.
                            ('mnopt_clock', {'unix_us': round(unix_us, 3),
-                                            'rank': self.rank})):
+                                            'rank': self.rank,
+                                            'host': socket.gethostname()})):
             self._events.append(('M', name, None, 0.0, None, 0, args))
         self.flush()
         self._stop, self._wake = threading.Event(), threading.Event()

@@ -56,6 +56,7 @@ class RankTrace(object):
         self.rank, self.path = rank, path
         self.spans, self.threads, self.unix_us = [], {}, None
         self.job = None          # the job's id (mnopt_job), where recorded
+        self.host = None         # its host's name (mnopt_clock), where too
         self.offset = 0.0        # added to this rank's times: the shared axis
 
     def named(self, names, tid=None, other_than=None):
@@ -99,6 +100,7 @@ def load_traces(paths):
                 r.threads[ev.get('tid', 0)] = args.get('name')
             elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_clock':
                 r.unix_us = args.get('unix_us')
+                r.host = args.get('host')
             elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_job':
                 r.job = r.job or args.get('job')
             elif ev['ph'] == 'X':
@@ -403,6 +405,12 @@ def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
         'bandwidth': bandwidth(colls, len(workers(ranks))),
         'buckets': bucket_gaps(ranks),
         'link_bits': link_bits,
+        # How many machines the ranks ran on (None: traces that do not
+        # say), and which: a late rank is its host's fault only on a host
+        # of its own.
+        'hosts': (len({r.host for r in ranks.values()})
+                  if all(r.host for r in ranks.values()) else None),
+        'host_of': {rank: r.host for rank, r in sorted(ranks.items())},
         'cast': any(r.named(('cast',)) for r in ranks.values()),
         # The job tuned its pipeline ('auto' settings: its exchanges).
         'tuned': any(args.get('op') == 'tuning'

@@ -499,3 +499,67 @@ def test_files_of_different_jobs_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main(paths)
     assert 'different jobs' in capsys.readouterr().err
+
+
+def test_the_value_given_to_mnopt_timeline_finds_the_rank_files(
+        traces, tmp_path, capsys):
+    # MNOPT_TIMELINE=t.json wrote t.rank0.json ...: the user passes what
+    # they set, as the docs show it.
+    for given in ('t.json', 't.rank{rank}.json'):
+        assert report.main([str(tmp_path / given)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith('mnopt report: 3 ranks'), out
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path / 'other.json')])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert 'no such trace file: %s' % (tmp_path / 'other.json') in err
+    assert 'nor per-rank files %s' % (tmp_path / 'other.rank0.json') in err
+
+
+def _set_hosts(paths, hosts):
+    """Record ``hosts[i]`` as the host of the rank in ``paths[i]``."""
+    for path, host in zip(paths, hosts):
+        events = timeline.load(path)
+        for ev in events:
+            if ev.get('name') == 'mnopt_clock':
+                ev['args']['host'] = host
+        with open(path, 'w') as f:
+            json.dump(events, f)
+
+
+def _late_rank_traces(tmp_path, late_rank):
+    paths = []
+    for rank in range(3):
+        main, avg = _steps(3 * MS if rank == late_rank else 0.0)
+        paths.append(_write(str(tmp_path / ('t.rank%d.json' % rank)), rank,
+                            main, avg))
+    return paths
+
+
+def test_a_late_rank_0_on_one_machine_is_not_blamed_on_its_host(tmp_path):
+    paths = _late_rank_traces(tmp_path, 0)
+    _set_hosts(paths, ['box'] * 3)
+    a = trace_analysis.analyze(paths)
+    assert a['hosts'] == 1
+    said, = [x for x in a['advice'] if x['rule'] == 'straggler']
+    assert "host" not in said['advice'], said
+    # What rank 0 does alone: the log, the printing, the plots.
+    assert 'rank 0 alone' in said['advice'], said
+    assert 'log' in said['advice'] and 'print' in said['advice'], said
+    assert 'rank 0 arrives last in 100% of collectives' in said['evidence']
+
+
+def test_a_late_rank_on_its_own_host_is_blamed_on_that_host(tmp_path):
+    paths = _late_rank_traces(tmp_path, 2)
+    _set_hosts(paths, ['a', 'a', 'b'])
+    a = trace_analysis.analyze(paths)
+    assert a['hosts'] == 2
+    said, = [x for x in a['advice'] if x['rule'] == 'straggler']
+    assert "look at rank 2's host (b)" in said['advice'], said
+    # On one machine the host is the same for all: what differs is the
+    # rank's own work.
+    _set_hosts(paths, ['a'] * 3)
+    said, = [x for x in trace_analysis.analyze(paths)['advice']
+             if x['rule'] == 'straggler']
+    assert "host" not in said['advice'] and 'rank 2' in said['advice']
