@@ -323,6 +323,41 @@ def test_the_keys_are_in_the_log_report(mode, tmp_path):
         comm.finalize()
 
 
+class _EveryOrLast(object):
+    """Fires every ``n`` iterations and at the last of ``length``."""
+
+    def __init__(self, n, length):
+        self.n, self.length = n, length
+
+    def __call__(self, trainer):
+        i = trainer.updater.iteration
+        return i % self.n == 0 or i == self.length
+
+
+@needs_chainer
+def test_at_end_reports_the_last_steps_too(tmp_path):
+    # 7 iterations, reports every 2: iteration 7 (the last) is reported
+    # too, as a report of its one step, so a log line there has the keys.
+    comm = mnopt.create_communicator('flat')
+    try:
+        trainer, _ = trainer_for(comm, {}, 7, tmp_path)
+        report = CommunicationReport(comm, trigger=(2, 'iteration'),
+                                     at_end=True)
+        trainer.extend(report)
+        log = extensions.LogReport(trigger=_EveryOrLast(2, 7))
+        trainer.extend(log)
+        trainer.run()
+        assert [e['iteration'] for e in log.log] == [2, 4, 6, 7]
+        assert 'comm/exposed' in log.log[-1], log.log[-1]
+        assert report.last['steps'] == 1
+        # This run's totals: every step, the payload with them.
+        assert report.totals['steps'] == 7
+        assert report.totals['bytes'] > 0
+        assert report.totals['exposed'] > 0
+    finally:
+        comm.finalize()
+
+
 @needs_chainer
 @pytest.mark.skipif(N < 2, reason='a straggler needs two ranks')
 def test_the_report_names_the_late_rank(tmp_path):

@@ -56,8 +56,8 @@ from mnopt import any_communicator
 from mnopt import step_stats
 
 #: The figures summed over an interval.
-_SUMMED = ('exposed', 'hidden', 'wire', 'bytes_sent', 'bytes_received',
-           'bus_bytes')
+_SUMMED = ('exposed', 'hidden', 'wire', 'bytes', 'bytes_sent',
+           'bytes_received', 'bus_bytes')
 
 
 def _interval(trigger):
@@ -75,6 +75,18 @@ def _interval(trigger):
     return int(period)
 
 
+def _last_iteration(trainer):
+    """Whether this is the trainer's last iteration, by its stop
+    trigger's length (the same on every rank); False where it has none."""
+    length = getattr(trainer.stop_trigger, 'get_training_length', None)
+    if length is None:
+        return False
+    period, unit = length()
+    updater = trainer.updater
+    return (updater.iteration if unit == 'iteration'
+            else updater.epoch_detail) >= period
+
+
 class CommunicationReport(extension.Extension):
     """Report ``comm``'s communication of each step (see the module) every
     ``trigger`` iterations (``(n, 'iteration')`` or ``n``; default every
@@ -84,22 +96,29 @@ class CommunicationReport(extension.Extension):
     every rank; it runs before the LogReport (priority), so its keys are
     in the same observation.  Give it the LogReport's interval for
     ``comm/straggler`` to be one rank: a LogReport over several of its
-    reports shows the mean of theirs.
+    reports shows the mean of theirs.  ``at_end``: also report at the
+    trainer's last iteration (its stop trigger's length), the steps since
+    the last report, for a LogReport that logs there too.
 
     ``last``: the figures of the last report, with 'steps', 'matched'
     (the collectives seen on every rank) and 'last_at' ({rank: [seconds
     late]}: who arrived last at each of them, where late by 0.1 ms or
-    more)."""
+    more).  ``totals``: this run's sums since the trainer started ('steps',
+    and the summed figures: 'exposed', 'hidden', 'bytes' of payload,
+    'bytes_sent'...), for a summary at the end."""
 
     trigger = 1, 'iteration'     # it takes the figures every iteration
     priority = extension.PRIORITY_EDITOR
     default_name = 'CommunicationReport'
 
-    def __init__(self, comm, trigger=(1, 'iteration'), link_rate=None):
+    def __init__(self, comm, trigger=(1, 'iteration'), link_rate=None,
+                 at_end=False):
         self.comm = comm
         self.interval = _interval(trigger)
         self.link_rate = step_stats.link_rate(link_rate)
+        self.at_end = at_end
         self.last = None
+        self.totals = dict(dict.fromkeys(_SUMMED, 0.0), steps=0)
         self._reset(None)
 
     def _reset(self, iteration):
@@ -124,6 +143,7 @@ class CommunicationReport(extension.Extension):
             stats.reader = self, trainer
         self.comm.communication_stats()
         self._reset(trainer.updater.iteration)
+        self.totals = dict(dict.fromkeys(_SUMMED, 0.0), steps=0)
 
     def finalize(self):
         """Let go of the communicator's figures (another trainer's report
@@ -136,9 +156,12 @@ class CommunicationReport(extension.Extension):
         figures = self.comm.communication_stats()
         for key in _SUMMED:
             self._sums[key] += figures[key]
+            self.totals[key] += figures[key]
+        self.totals['steps'] += 1
         self._arrivals += figures['arrivals']
         iteration = trainer.updater.iteration
-        if iteration % self.interval:
+        if iteration % self.interval and not (
+                self.at_end and _last_iteration(trainer)):
             return
         report = self._report(iteration)
         observation = trainer.observation
