@@ -64,6 +64,21 @@ def int_range(low, high):
     return parse
 
 
+#: How a paragraph of a command's docstring meant for mnopt's developers
+#: begins (the architecture rule's note on a file over 400 lines): left
+#: out of the command's --help, which is for its users.
+DEVELOPER_NOTE = 'One idea'
+
+
+def help_epilog(docstring):
+    """A command module's docstring as its --help epilog: all but the
+    first line (the description), without the developers' notes."""
+    body = docstring.split('\n', 1)[1].strip()
+    paragraphs = body.split('\n\n')
+    return '\n\n'.join(p for p in paragraphs
+                       if not p.lstrip().startswith(DEVELOPER_NOTE))
+
+
 def parse_args(parser, argv=None):
     """``parser.parse_args(argv)``; where this process is one of an MPI
     job's, a bad command line (argparse's exit status 2) aborts the job
