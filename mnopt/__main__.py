@@ -17,8 +17,7 @@ import mnopt
 #: (module, how it is run, what it does), in the order shown.
 COMMANDS = (
     ('check', 'mpiexec -n 2 python -m mpi4py -m mnopt.check',
-     'check a launch: who runs where, on what, and whether averaging '
-     'works'),
+     'check a launch and the install: ranks, versions, optional parts'),
     ('benchmark', 'mpiexec -n 2 python -m mpi4py -m mnopt.benchmark '
      '[--quick]',
      'time gradient averaging per communicator and wire dtype'),
@@ -35,11 +34,12 @@ COMMANDS = (
 
 def usage() -> str:
     lines = ['mnopt %s: multi-node data-parallel training for Chainer and '
-             'CuPy (import mnopt as chainermn)' % mnopt.__version__,
+             'CuPy' % mnopt.__version__, '(import mnopt as chainermn)',
              '', 'commands (each a module; --help on each for its options):']
     for name, run, what in COMMANDS:
+        # Each on its own lines, so that the listing fits 80 columns.
         lines.append('  %-10s %s' % (name, what))
-        lines.append('  %-10s   %s' % ('', run))
+        lines.append('      %s' % run)
     return '\n'.join(lines)
 
 

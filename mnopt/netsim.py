@@ -328,7 +328,7 @@ def parser():
     p = argparse.ArgumentParser(
         prog='python -m mnopt.netsim',
         description='A simulated cluster of nodes with shaped links.',
-        epilog=__doc__.split('\n', 1)[1].strip(),
+        epilog=cli.help_epilog(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='verb', required=True, metavar='COMMAND',
                            help='; '.join('%s: %s' % kv

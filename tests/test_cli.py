@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, WORLD, python_path
+from mnopt import cli
 
 # The commands run as processes of their own, outside any MPI job (a
 # rank's environment would make MPI_Init in them wait for a process
@@ -110,3 +111,38 @@ def test_a_bad_value_is_an_argparse_error(argv, error):
     assert proc.stderr.startswith('usage: python -m %s' % argv[0]), \
         proc.stderr[-3000:]
     assert 'Traceback' not in proc.stderr
+
+
+@pytest.mark.parametrize('command', HELPS, ids=' '.join)
+def test_help_is_for_users_not_developers(command):
+    # The architecture rule's note ("One idea, over 400 lines") is for
+    # mnopt's developers, not in a command's --help.
+    proc = run(*(command + ('--help',)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli.DEVELOPER_NOTE not in proc.stdout, proc.stdout
+    assert '400 lines' not in proc.stdout
+
+
+def test_a_developer_note_is_left_out_of_the_epilog():
+    doc = 'Title.\n\n    usage line\n\nFor users.\n\nOne idea, over 400 ' \
+          'lines: this.\n\nAlso for users.\n'
+    assert cli.help_epilog(doc) == 'usage line\n\nFor users.\n\nAlso for ' \
+                                   'users.'
+
+
+@pytest.mark.parametrize('name', ['check', 'benchmark'])
+def test_mnopt_help_and_the_commands_help_show_the_same_command(name):
+    # A user finds the check from either help, typed the same way.
+    from mnopt import __main__ as entry
+    how, = [run_line for command, run_line, _ in entry.COMMANDS
+            if command == name]
+    assert how in run('mnopt', '--help').stdout
+    assert how in run('mnopt.' + name, '--help').stdout
+
+
+def test_mnopt_help_fits_80_columns():
+    proc = run('mnopt', '--help')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'mnopt.check' in proc.stdout
+    assert [line for line in proc.stdout.splitlines() if len(line) > 80] \
+        == [], proc.stdout
