@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import numpy
@@ -69,7 +70,20 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
     wire = flags[3] if '--allreduce-grad-dtype' in flags else 'float32'
     assert proc.stdout.count('== mnopt: 2 ranks, communicator %s, wire %s'
                              % (name, wire)) == 1, proc.stdout[-2000:]
-    assert 'training   4 iterations in' in proc.stdout
+    assert 'training   4 iterations this run in' in proc.stdout
+    # The table: every line within 80 columns, in units and words (the
+    # log keeps the raw values).
+    shown = re.sub(r'\x1b\[\d*[A-Za-z]', '', proc.stdout)  # the bar's
+    assert all(len(line) <= 80 for line in shown.splitlines()
+               if not line.startswith(('mnopt ImageNet', '== mnopt',
+                                       'snapshot ', 'plots ', 'training '))
+               ), shown
+    rows = [line.split() for line in shown.splitlines()
+            if line.split()[:1] == ['0']]
+    assert rows and all(r[-2] in ('none', 'r0', 'r1') for r in rows), rows
+    # The bus bandwidth in units (absent before the first averaging ends).
+    assert any(r[-3].endswith('B/s') for r in rows), rows
+    assert 'e+' not in shown and 'e-' not in shown, shown
     # Each step's communication in the log (CommunicationReport), with who
     # the ranks waited for.
     with open(str(tmp_path / 'log')) as f:

@@ -14,6 +14,7 @@ a run completes in about a minute on 2 CPU cores.  Each rank uses one GPU
 
 import argparse
 import functools
+import json
 import os
 import re
 import secrets
@@ -35,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import embedded_data  # NOQA
 import models  # NOQA
 import plots  # NOQA
+import run_summary  # NOQA
+import table  # NOQA
 
 
 class PreprocessedDataset(chainer.dataset.DatasetMixin):
@@ -74,6 +77,19 @@ def _positive_int(text):
     return value
 
 
+def _bytes_or_auto(text):
+    if text == 'auto':
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            "takes a number of bytes >= 1 or 'auto', not %r" % text)
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('train', nargs='?', help='training list (path label)')
@@ -91,6 +107,17 @@ def parse_args(argv=None):
                    choices=mnopt.communicators.NAMES)
     p.add_argument('--allreduce-grad-dtype', default=None,
                    choices=['float32', 'float16', 'bfloat16'])
+    # The settings python -m mnopt.report's advice names (docs/tuning.md).
+    p.add_argument('--bucket-bytes', type=_bytes_or_auto, metavar='N|auto',
+                   help="bytes of gradients per averaging (auto: tuned "
+                        "in the first averagings; not with --overlap or "
+                        "--shard-state)")
+    p.add_argument('--segment-bytes', type=_bytes_or_auto, metavar='N|auto',
+                   help="the ring's message size (flat, hierarchical)")
+    p.add_argument('--chunk-bytes', type=_bytes_or_auto, metavar='N|auto',
+                   help='the reduction server\'s pieces (reduction_server)')
+    p.add_argument('--window', type=_bytes_or_auto, metavar='N|auto',
+                   help='pieces in flight (reduction_server)')
     p.add_argument('--double-buffering', action='store_true',
                    help='average the previous iteration\'s gradients '
                         'during this one (updates one step stale)')
@@ -202,86 +229,6 @@ def load_datasets(args, comm):
     return train, val
 
 
-class Throughput(training.Extension):
-    """Reports images per second (all ranks together) and the seconds per
-    iteration each rank spent blocked in gradient averaging; keeps each
-    step's time and blocked time for the summary at the end."""
-
-    trigger = (1, 'iteration')
-    priority = training.PRIORITY_WRITER
-
-    def __init__(self, optimizer, images_per_iteration):
-        self._optimizer = optimizer
-        self._images = images_per_iteration
-        self._last = None
-        self.steps = []     #: (seconds, seconds blocked in averaging)
-
-    def __call__(self, trainer):
-        now = time.perf_counter()
-        comm_time = self._optimizer.communication_time
-        if self._last is not None:
-            t, c = self._last
-            self.steps.append((now - t, comm_time - c))
-            chainer.report({'images/sec': self._images / max(now - t, 1e-9),
-                            'averaging_s/iter': comm_time - c})
-        self._last = (now, comm_time)
-
-
-def summary(trainer, comm, args, throughput, averaging_seconds, elapsed):
-    """What mnopt did in this run, in a few lines (rank 0 prints them)."""
-    steps = comm.gather_obj(throughput.steps)
-    averaged = comm.gather_obj(averaging_seconds)
-    if comm.rank != 0:
-        return None
-    # The median step: validation and snapshots fall into a few steps.
-    per_rank = [sorted(t for t, _ in s) for s in steps if s]
-    step = numpy.median([numpy.median(t) for t in per_rank]) if per_rank \
-        else float('nan')
-    total = sum(t for s in steps for t, _ in s)
-    blocked = sum(b for s in steps for _, b in s)
-    took = sum(averaged)
-    log = trainer.get_extension('LogReport').log
-    last = next((e for e in reversed(log)
-                 if 'validation/main/accuracy' in e), {})
-    hidden = ('overlap' if args.overlap else 'double buffering'
-              if args.double_buffering else None)
-    lines = [
-        '== mnopt: %d ranks, communicator %s, wire %s%s'
-        % (comm.size, comm.name, comm.allreduce_grad_dtype or 'float32',
-           ', ' + hidden if hidden else ''),
-        'training   %d iterations in %.1f s: %.0f images/s (median step '
-        '%.3f s, %d images)' % (
-            trainer.updater.iteration, elapsed,
-            args.batchsize * comm.size / step, step,
-            args.batchsize * comm.size),
-        'averaging  %.1f%% of step time blocked in averaging (%.3f s per '
-        'step)' % (100.0 * blocked / max(total, 1e-9),
-                   blocked / max(1, sum(len(s) for s in steps))),
-    ]
-    if hidden:
-        lines.append('           %s hid %.0f%% of the %.3f s averaging took '
-                     'per step' % (hidden, 100.0 * max(0.0, took - blocked)
-                                   / max(took, 1e-9),
-                                   took / max(1, sum(len(s) for s in steps))))
-    if last:
-        lines.append('validation accuracy %.3f, loss %.3f (epoch %d; chance '
-                     '%.3f)' % (last['validation/main/accuracy'],
-                                last['validation/main/loss'], last['epoch'],
-                                1.0 / args.n_classes))
-    out = args.out
-    drawn = [os.path.join(out, f) for f, _ in plots.FIGURES
-             if args.plot and os.path.exists(os.path.join(out, f))]
-    if drawn:
-        lines.append('plots      ' + ', '.join(drawn))
-    newest = snapshot_iterations(out)
-    if newest:
-        lines.append('snapshot   %s (--resume auto continues from it)'
-                     % os.path.join(out, 'snapshot_iter_%d.npz' % newest[-1]))
-    text = '\n'.join(lines)
-    print(text, flush=True)
-    return text
-
-
 class SeedGpuRandom(training.Extension):
     """Dropout on the GPU draws from CuPy's generator, whose state cannot
     be saved in a snapshot: reseed it before every iteration from (seed,
@@ -326,6 +273,8 @@ def trainer_snapshot(comm):
 RANK_SNAPSHOT = 'rank_snapshot'
 N_RANKS_KEY = 'extensions/%s/n_ranks' % RANK_SNAPSHOT
 WRITE_ID_KEY = 'extensions/%s/write_id' % RANK_SNAPSHOT
+#: The settings a snapshot can be resumed with only alike (JSON).
+CONFIG_KEY = 'extensions/%s/config' % RANK_SNAPSHOT
 
 
 class Snapshot(training.Extension):
@@ -344,9 +293,11 @@ class Snapshot(training.Extension):
 
     priority = -101  # after the trainer's snapshot of the same iteration
 
-    def __init__(self, comm, keep, optimizer=None):
+    def __init__(self, comm, keep, optimizer=None, config=None):
         self.comm = comm
         self.keep = keep
+        self.config = config or {}
+        self.written = None   #: the shared file this run wrote last
         self.optimizer = optimizer   #: a sharded one: its share is saved
         self.job = comm.everyone(secrets.token_hex(6),
                                  'the snapshots\' job id')[0]
@@ -363,6 +314,7 @@ class Snapshot(training.Extension):
         if isinstance(serializer, chainer.serializer.Serializer):
             serializer('n_ranks', self.comm.size)
             serializer('write_id', self.write_id())
+            serializer('config', json.dumps(self.config, sort_keys=True))
 
     def __call__(self, trainer):
         out, iteration = trainer.out, trainer.updater.iteration
@@ -376,8 +328,11 @@ class Snapshot(training.Extension):
         # what to prune; gathering it also waits until every rank's file
         # is complete.
         listed = self.comm.allgather_obj(
-            snapshot_iterations(out) if self.comm.rank == 0 else None)[0]
-        older = [i for i in listed if i < iteration]
+            snapshots_by_write(out) if self.comm.rank == 0 else None)[0]
+        self.written = path
+        # Older by the time they were written: a run on another number of
+        # ranks in the same --out reaches other iterations.
+        older = [i for i in listed if i != iteration]
         for old in older[:max(0, len(older) - (self.keep - 1))]:
             self._remove(out, old)
 
@@ -427,6 +382,14 @@ class SnapshotTrigger(object):
 
     def serialize(self, serializer):
         self._interval.serialize(serializer['interval'])
+
+
+class EveryAndLast(SnapshotTrigger):
+    """SnapshotTrigger's firing, saved as the IntervalTrigger it extends
+    (the keys of a snapshot written when the log's trigger was one)."""
+
+    def serialize(self, serializer):
+        self._interval.serialize(serializer)
 
 
 class FiredWith(object):
@@ -711,16 +674,56 @@ def snapshot_iterations(out):
     return sorted(found)
 
 
-def newest_complete_snapshot(out, comm):
-    """The newest snapshot in ``out`` that every rank can resume from (a
-    crash mid-write leaves the others behind; damaged bytes are found by
-    the zip CRCs), or None; rank 0 warns naming each newer one skipped."""
-    iterations = {'snapshot_iter_%d.npz' % i: i
-                  for i in snapshot_iterations(out)}
+def snapshots_by_write(out):
+    """The iterations of the snapshots in ``out``, oldest written first
+    (by their shared files' times; a tie by iteration)."""
+    def written(i):
+        try:
+            return os.stat(os.path.join(
+                out, 'snapshot_iter_%d.npz' % i)).st_mtime_ns, i
+        except FileNotFoundError:   # removed meanwhile
+            return 0, i
+    return sorted(snapshot_iterations(out), key=written)
+
+
+def newest_complete_snapshot(out, comm, config):
+    """The newest written snapshot in ``out`` that every rank can resume
+    from (a crash mid-write leaves the others behind; damaged bytes are
+    found by the zip CRCs), or None; rank 0 warns naming each newer one
+    skipped.  Newest by when it was written (rank 0's listing, for every
+    rank), not by its iteration: another run in the same --out.  Exits on
+    every rank, saying why, where that snapshot's run had another
+    ``config`` than this one."""
+    order = comm.everyone(snapshots_by_write(out) if comm.rank == 0
+                          else None, 'the order of the snapshots')[0]
+    position = {'snapshot_iter_%d.npz' % i: k for k, i in enumerate(order)}
+    names = ['snapshot_iter_%d.npz' % i for i in snapshot_iterations(out)]
     newest = newest_loadable(
         comm, {name: _resume_problem(os.path.join(out, name), comm)
-               for name in iterations}, key=iterations.get)
-    return None if newest is None else os.path.join(out, newest)
+               for name in names}, key=lambda n: position.get(n, -1))
+    if newest is None:
+        return None
+    path = os.path.join(out, newest)
+    problem = None
+    with numpy.load(path) as f:
+        saved = json.loads(str(f[CONFIG_KEY])) if CONFIG_KEY in f.files \
+            else None
+    if saved is not None and saved != config:
+        problem = ValueError(
+            '--resume auto: the newest snapshot in %s, %s, is of a run with '
+            '%s; this run has %s: run with its settings, give another --out '
+            'to start afresh, or --resume PATH to name a snapshot' % (
+                out, newest, _flags(saved), _flags(config)))
+    try:
+        comm.raise_together(problem, 'whether the snapshot fits this run')
+    except (ValueError, RuntimeError) as e:
+        sys.exit('train_imagenet.py: %s' % e)
+    return path
+
+
+def _flags(config):
+    return ' '.join('--%s %s' % (k.replace('_', '-'), v)
+                    for k, v in sorted(config.items()))
 
 
 def check_writable(out, comm):
@@ -755,10 +758,18 @@ def check_identical_parameters(model, comm):
 
 def main(argv=None):
     args = parse_args(argv)
-    comm = mnopt.create_communicator(
-        args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype,
-        compression=args.compression, warmup_steps=args.warmup_steps,
-        powersgd_rank=args.powersgd_rank)
+    # The pipeline's settings only where given: not every communicator
+    # takes them (each says so, on every rank).
+    pipeline = {k: getattr(args, k) for k in (
+        'bucket_bytes', 'segment_bytes', 'chunk_bytes', 'window')
+        if getattr(args, k) is not None}
+    try:
+        comm = mnopt.create_communicator(
+            args.communicator, allreduce_grad_dtype=args.allreduce_grad_dtype,
+            compression=args.compression, warmup_steps=args.warmup_steps,
+            powersgd_rank=args.powersgd_rank, **pipeline)
+    except (ValueError, TypeError) as e:
+        sys.exit('train_imagenet.py: %s' % e)
     # Before anything slow: options the optimizer refuses (--shard-state
     # with --overlap, or on a communicator without a sharded path) are
     # the same error on every rank.
@@ -806,37 +817,47 @@ def main(argv=None):
         trainer.extend(extensions.LinearShift(
             'lr', (args.lr, 0.0), (0, last)))
 
-    log_interval = (1, 'iteration') if args.iteration and \
+    log_every = (1, 'iteration') if args.iteration and \
         args.iteration <= 20 else (5, 'iteration')
-    val_interval = (1, 'epoch') if not args.iteration else stop
+
+    # The log, its table and the validation also at the last iteration
+    # (a run of 54 iterations logged at 50 last: its end never showed).
+    def log_interval():
+        return EveryAndLast(log_every, stop)
+    val_interval = EveryAndLast((1, 'epoch'), stop) \
+        if not args.iteration else stop
     snapshot_interval = ((args.snapshot_interval, 'iteration')
                          if args.snapshot_interval else (1, 'epoch'))
     evaluator = extensions.Evaluator(val_iter, model, device=device)
     trainer.extend(mnopt.create_multi_node_evaluator(evaluator, comm),
                    trigger=val_interval, name='validation')
-    throughput = Throughput(optimizer, args.batchsize * comm.size)
+    throughput = run_summary.Throughput(optimizer,
+                                        args.batchsize * comm.size)
     trainer.extend(throughput)
     if device >= 0:
         trainer.extend(SeedGpuRandom(args.seed, comm.rank))
     snapshot_trigger = SnapshotTrigger(snapshot_interval, stop)
     trainer.extend(trainer_snapshot(comm), name='snapshot',
                    trigger=snapshot_trigger)
-    trainer.extend(Snapshot(comm, args.keep_snapshots,
-                            optimizer if args.shard_state else None),
-                   name=RANK_SNAPSHOT, trigger=FiredWith(snapshot_trigger))
+    config = {'arch': args.arch, 'n_classes': args.n_classes,
+              'insize': args.insize}
+    rank_snapshot = Snapshot(comm, args.keep_snapshots,
+                             optimizer if args.shard_state else None, config)
+    trainer.extend(rank_snapshot, name=RANK_SNAPSHOT,
+                   trigger=FiredWith(snapshot_trigger))
     # Each step's communication (comm/exposed, comm/hidden, comm/busbw,
     # comm/straggler, ...: docs/observability.md), on every rank: the ranks
     # exchange who arrived last once per log interval.
-    trainer.extend(mnopt.extensions.CommunicationReport(
-        comm, trigger=log_interval))
+    communication = mnopt.extensions.CommunicationReport(
+        comm, trigger=log_every, at_end=True)
+    trainer.extend(communication)
     if comm.rank == 0:   # the other ranks stay quiet unless they fail
-        trainer.extend(extensions.LogReport(trigger=log_interval))
-        trainer.extend(extensions.observe_lr(), trigger=log_interval)
-        trainer.extend(extensions.PrintReport(
-            ['epoch', 'iteration', 'main/loss', 'validation/main/loss',
-             'main/accuracy', 'validation/main/accuracy', 'images/sec',
-             'comm/exposed', 'comm/hidden', 'comm/busbw', 'comm/straggler',
-             'elapsed_time']), trigger=log_interval)
+        trainer.extend(extensions.LogReport(trigger=log_interval()))
+        trainer.extend(extensions.observe_lr(), trigger=log_interval())
+        # Within 80 columns, in units (table.py).
+        # Named as the PrintReport it replaced: its snapshot keys.
+        trainer.extend(table.Table(), trigger=log_interval(),
+                       name='PrintReport')
         trainer.extend(extensions.ProgressBar(update_interval=1))
         # Loss, accuracy, and the seconds per step blocked on
         # communication and hidden behind compute: means per epoch, drawn
@@ -847,23 +868,13 @@ def main(argv=None):
                        trigger=plots.every_iteration)
 
     if comm.rank == 0:
-        print('mnopt ImageNet example: %d ranks, communicator %s, wire '
-              '%s%s%s%s%s, %s, %s, batch %d per rank, %d training images'
-              % (comm.size, comm.name, comm.allreduce_grad_dtype or 'float32',
-                 (', %s compression' % args.compression +
-                  (' rank %d' % (args.powersgd_rank or 1)
-                   if args.compression != 'sign' else '') +
-                  (' after %d plain steps' % args.warmup_steps
-                   if args.warmup_steps else ''))
-                 if args.compression else '',
-                 ', double buffering' if args.double_buffering else
-                 ', overlap' if args.overlap else '',
-                 ', sharded optimizer state' if args.shard_state else '',
-                 ', multi-node batch normalization' if args.mnbn else '',
+        print('mnopt ImageNet example: %d ranks, communicator %s, %s, %s, '
+              '%s, batch %d per rank, %d training images'
+              % (comm.size, comm.name, run_summary.modes(args, comm),
                  args.arch, 'GPU' if device >= 0 else 'CPU', args.batchsize,
                  len(train) * comm.size))
     if args.resume == 'auto':
-        args.resume = newest_complete_snapshot(args.out, comm)
+        args.resume = newest_complete_snapshot(args.out, comm, config)
         if comm.rank == 0 and os.environ.get('MNOPT_RESTART', '0') != '0':
             print('restart %s: %s' % (os.environ['MNOPT_RESTART'], (
                 'resuming from ' + args.resume) if args.resume else
@@ -879,8 +890,13 @@ def main(argv=None):
                 'from %d to %d ranks)' % (resharded, comm.size)))
     start = time.perf_counter()
     trainer.run()
-    summary(trainer, comm, args, throughput, comm.averaging_seconds,
-            time.perf_counter() - start)
+    wire = 4 if str(comm.allreduce_grad_dtype or 'float32') == 'float32' \
+        else 2
+    run_summary.summary(
+        trainer, comm, args, throughput, comm.averaging_seconds,
+        time.perf_counter() - start, report=communication,
+        snapshot=rank_snapshot.written, gradient_bytes=wire * sum(
+            p.size for p in model.params() if p.array is not None))
     return trainer
 
 
