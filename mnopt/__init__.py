@@ -107,5 +107,17 @@ def __getattr__(name: str) -> object:
     return value
 
 
+#: mnopt's documented modules (ChainerMN's ``chainermn.communicators``,
+#: ...) that are no lazy name: attributes once imported.
+_PUBLIC_MODULES = ('communicators', 'optimizers', 'global_except_hook',
+                   'zero')
+
+
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_CORE) | set(_CHAINER_LAYER))
+    # The API only: the lazy names, the documented modules imported so far
+    # and the module's dunders (__version__); not what this file imports
+    # for itself (importlib, TYPE_CHECKING, annotations), nor the internal
+    # modules other imports bring in (mnopt.log, mnopt.arrays, ...).
+    shown = {name for name in globals() if name in _PUBLIC_MODULES or
+             (name.startswith('__') and name.endswith('__'))}
+    return sorted(shown | set(_CORE) | set(_CHAINER_LAYER))

@@ -85,3 +85,32 @@ def test_forkserver_multiprocess_iterator_as_chainermn_imagenet():
     assert done.returncode == 0, done.stdout + done.stderr
     # ranks hold 0-7 and 8-15; each one's first batch of 4
     assert 'labels summed %d' % (0 + 1 + 2 + 3 + 8 + 9 + 10 + 11) in done.stdout
+
+
+#: ChainerMN's names that ``import mnopt as chainermn`` offers
+#: (docs/chainermn.md).
+CHAINERMN_NAMES = {
+    'create_communicator', 'CommunicatorBase', 'create_multi_node_optimizer',
+    'create_multi_node_evaluator', 'scatter_dataset', 'scatter_index',
+    'create_empty_dataset', 'DataSizeError', 'create_multi_node_checkpointer',
+    'MultiNodeChainList', 'datasets', 'iterators', 'extensions', 'links',
+    'functions'}
+
+
+def test_dir_shows_the_public_api_only():
+    import mnopt
+    shown = set(dir(mnopt))
+    assert CHAINERMN_NAMES | {'Signum', '__version__'} <= shown
+    # What the package's source imports for itself is not its API.
+    assert not shown & {'TYPE_CHECKING', 'annotations', 'importlib'}
+    assert [n for n in shown if n.startswith('_') and not
+            (n.startswith('__') and n.endswith('__'))] == []
+    # Nor mnopt's internal modules, imported on the way.
+    import mnopt.communicators
+    assert 'communicators' in dir(mnopt)
+    assert not set(dir(mnopt)) & {'log', 'arrays', 'timeline', 'transport'}
+    # Every name shown is there (the Chainer layer's where Chainer is).
+    chainer_layer = CHAINERMN_NAMES - {'create_communicator',
+                                       'CommunicatorBase'} | {'Signum'}
+    for name in shown - (chainer_layer if chainer is None else set()):
+        getattr(mnopt, name)
