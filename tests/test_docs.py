@@ -177,3 +177,192 @@ def test_user_pages_name_no_commits(page):
     found = ['%s:%d: %s' % (page, text.count('\n', 0, m.start()) + 1, m.group(0))
              for m in _COMMIT.finditer(text)]
     assert not found, '\n'.join(found)
+
+
+# -- user pages: what to do and what to expect; dates go to the history -----
+
+_DATE = re.compile(r'\b20\d\d-[01]\d-[0-3]\d\b')
+# The one user page that dates its figures (each current figure with its
+# date and command); earlier figures are in docs/results/history.md.
+_DATED_PAGES = ('docs/benchmarks.md',)
+
+
+def _user_pages():
+    pages = [os.path.join(ROOT, 'README.md')]
+    pages += sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+    return [_rel(p) for p in pages]
+
+
+@pytest.mark.parametrize('page', [p for p in _user_pages()
+                                  if p not in _DATED_PAGES])
+def test_user_pages_carry_no_dated_measurements(page):
+    """A figure on a user page is the current one, its date and command in
+    docs/benchmarks.md#current-figures; what it was before, and when, is
+    in docs/results/history.md and CHANGELOG.md."""
+    text = _read(os.path.join(ROOT, page))
+    found = ['%s:%d: %s' % (page, text.count('\n', 0, m.start()) + 1,
+                            m.group(0)) for m in _DATE.finditer(text)]
+    assert not found, ('dated measurements on a user page (move them to '
+                       'docs/results/history.md):\n' + '\n'.join(found))
+
+
+# -- a figure quoted on several pages says the same everywhere --------------
+
+# Each: the NAME of its row in benchmarks.md's current figures (where its
+# median is), and the form in which prose quotes it (group 1: the value).
+# A page that quotes the figure differently (an older run's value) fails.
+_QUOTED_FIGURES = {
+    'overlap_1gbit_ddp': re.compile(
+        r'\b(0\.\d\d)\b[^0-9|]{0,40}?\bat 1 Gbit/s', re.I),
+    'overlap_500mbit_ddp': re.compile(
+        r'\b(0\.\d\d)\b[^0-9|]{0,40}?\bat 500 Mbit/s', re.I),
+}
+# Prose about overlap's hidden share; a sentence on another mode, or on
+# PyTorch's DDP, quotes other figures in the same form.
+_OVERLAP_TOPIC = re.compile(r'overlap', re.I)
+_OTHER_TOPIC = re.compile(r'double.buffer|DDP|DistributedDataParallel|'
+                          r'PyTorch', re.I)
+
+
+def _current_figures():
+    """{NAME: the median cell} of benchmarks.md's current figures table."""
+    text = _read(os.path.join(ROOT, 'docs', 'benchmarks.md'))
+    section = text.split('## Current figures', 1)[1].split('\n## ', 1)[0]
+    figures = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip('|').split('|')]
+        if len(cells) == 4 and cells[3].startswith('`'):
+            figures[cells[3].strip('`')] = cells[1]
+    return figures
+
+
+def _sentences(text):
+    """The prose of a page, sentence by sentence (code blocks and tables
+    out; inline code stays: `overlap=True` names the topic)."""
+    prose = _FENCE.sub(' ', text)
+    prose = '\n'.join(line for line in prose.splitlines()
+                      if not line.lstrip().startswith('|'))
+    return re.split(r'(?<=[.;:])\s+|\n\s*\n', prose)
+
+
+def _quotes_that_differ(pages):
+    current = _current_figures()
+    wrong = []
+    for name, form in _QUOTED_FIGURES.items():
+        value = re.search(r'\d+(?:\.\d+)?', current[name]).group(0)
+        for page, text in pages:
+            for sentence in _sentences(text):
+                if not _OVERLAP_TOPIC.search(sentence) or \
+                        _OTHER_TOPIC.search(sentence):
+                    continue
+                for m in form.finditer(sentence):
+                    if m.group(1) != value:
+                        wrong.append('%s: %r says %s, benchmarks.md %s (%s)'
+                                     % (page, ' '.join(sentence.split()),
+                                        m.group(1), value, name))
+    return wrong
+
+
+def test_a_figure_quoted_on_several_pages_is_the_same_everywhere():
+    pages = [(p, _read(os.path.join(ROOT, p))) for p in _user_pages()]
+    wrong = _quotes_that_differ(pages)
+    assert not wrong, '\n'.join(wrong)
+
+
+def test_a_stale_figure_is_found():
+    """The checker itself: an older run's overlap figure beside the
+    current one (0.55 at 1 Gbit/s, from before mnopt's C waits) fails."""
+    stale = ('Overlap hides 0.67 of the averaging at 500 Mbit/s and 0.55 '
+             'at 1 Gbit/s on 2 simulated nodes.')
+    wrong = _quotes_that_differ([('stale.md', stale)])
+    assert len(wrong) == 1 and '0.55' in wrong[0], wrong
+
+
+# -- the example's summary shows what the example writes --------------------
+
+def test_the_sample_summaries_list_every_plot_the_example_draws():
+    plots = _read(os.path.join(ROOT, 'examples', 'imagenet', 'plots.py'))
+    figures = re.search(r'^FIGURES = \((.*?)\)\n\n', plots, re.S | re.M)
+    drawn = re.findall(r"\('(\w+\.png)'", figures.group(1))
+    assert len(drawn) >= 3, drawn
+    for page in ('README.md', 'docs/imagenet_example.md'):
+        lines = [line for line in _read(os.path.join(ROOT, page)).splitlines()
+                 if line.startswith('plots ')]
+        assert lines, page
+        for line in lines:
+            listed = re.findall(r'(\w+\.png)', line)
+            assert listed == drawn, (page, listed, drawn)
+
+
+# -- troubleshooting.md quotes mnopt's messages as the code says them -------
+
+def _literal_pieces():
+    """Every string constant of mnopt/ (implicit concatenations joined),
+    cut at its formatting placeholders: the fixed text of its messages."""
+    import ast
+    placeholder = re.compile(r'%[-#0 +]*\d*(?:\.\d+)?[sdrfgx%]|\{[^{}]*\}')
+    pieces = set()
+    for path in glob.glob(os.path.join(ROOT, 'mnopt', '**', '*.py'),
+                          recursive=True):
+        for node in ast.walk(ast.parse(_read(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for piece in placeholder.split(node.value):
+                    if len(piece.strip()) >= 8:
+                        pieces.add(piece.strip())
+    return pieces
+
+
+def _unquoted_parts(line, pieces):
+    """The runs of ``line`` no fixed text of the code covers, longer than a
+    value the code fills in (a rank, a name, a number, a file) could be."""
+    covered = [False] * len(line)
+    for piece in pieces:
+        start = line.find(piece)
+        while start >= 0:
+            covered[start:start + len(piece)] = [True] * len(piece)
+            start = line.find(piece, start + 1)
+    runs = re.findall(r'[^\x00]+', ''.join(
+        '\x00' if c else ch for c, ch in zip(covered, line)))
+    return [r for r in runs if len(re.findall(r'[A-Za-z]{3,}', r)) > 4]
+
+
+def _mnopt_messages(text):
+    """The lines of the page's console blocks that mnopt printed."""
+    for block in re.findall(r'^```console\n(.*?)^```', text, re.S | re.M):
+        for line in block.splitlines():
+            line = re.sub(r'^\[\d+\] ', '', line)  # -prepend-rank's prefix
+            if line.startswith(('mnopt:', 'mnopt.')) or \
+                    'mnopt/' in line.split(':', 1)[-1][:20]:
+                yield line
+
+
+def _stale_quotes(text, pieces):
+    stale = []
+    for line in _mnopt_messages(text):
+        message = line.split(': ', 1)[1] if line.startswith('mnopt.') or \
+            line.startswith('UserWarning') else line
+        left = _unquoted_parts(message, pieces)
+        if left:
+            stale.append('%s\n    not in mnopt/: %r' % (line, left))
+    return stale
+
+
+def test_troubleshooting_quotes_messages_the_code_still_prints():
+    text = _read(os.path.join(ROOT, 'docs', 'troubleshooting.md'))
+    assert len(list(_mnopt_messages(text))) >= 6
+    stale = _stale_quotes(text, _literal_pieces())
+    assert not stale, ('docs/troubleshooting.md quotes messages mnopt does '
+                       'not print (any more):\n' + '\n'.join(stale))
+
+
+def test_a_reworded_message_is_found():
+    """The checker itself: a message the code never printed fails."""
+    page = ('```console\nmnopt: rank 0 has waited 60.2 s in flat#0.mean_grads'
+            ' #1; the other ranks were lost in a collective that never '
+            'finished its work.\n```\n')
+    assert _stale_quotes(page, _literal_pieces())
+
+
+def test_troubleshooting_is_linked_from_the_readme_and_the_index():
+    for page in ('README.md', 'docs/index.md'):
+        assert 'troubleshooting.md' in _read(os.path.join(ROOT, page)), page
