@@ -277,3 +277,79 @@ def test_a_timeline_one_rank_cannot_write_is_an_error_on_every_rank(
         mnopt.create_communicator('flat', timeline=path)
     assert 'the timeline file cannot be written' in str(error.value)
     assert 'a_file' in str(error.value)   # the last rank's path
+
+
+# ------------------------------------------------- create_multi_node_optimizer
+# Its keywords and the wrapped optimizer are compared in one exchange when
+# it is made: a mix of modes would otherwise hang at the second update (a
+# double-buffered rank's mean_grads_async against another's mean_grads)
+# and hyperparameters that differ would let the replicas drift apart.
+
+def optimizer_disagreement(comm, optimizer, **keywords):
+    """The ValueError create_multi_node_optimizer raises, as a string,
+    after which the communicator still averages (every rank left the
+    exchange together)."""
+    with pytest.raises(ValueError) as error:
+        mnopt.create_multi_node_optimizer(optimizer, comm, **keywords)
+    grads = [('/g', numpy.full(3, WORLD.rank, numpy.float32))]
+    comm.mean_grads(grads)
+    numpy.testing.assert_allclose(grads[0][1], (WORLD.size - 1) / 2.0)
+    return str(error.value)
+
+
+@pytest.mark.parametrize('keyword', ['double_buffering', 'overlap',
+                                     'shard_state', 'zero_fill'])
+def test_an_optimizer_keyword_that_differs_is_an_error_on_every_rank(
+        naive_comm, keyword):
+    needs_two_ranks()
+    chainer = pytest.importorskip('chainer')
+    said = optimizer_disagreement(naive_comm, chainer.optimizers.SGD(),
+                                  **{keyword: WORLD.rank == 0})
+    assert said.startswith('ranks disagree on create_multi_node_optimizer: '
+                           '%s (rank 0: True, rank 1: False' % keyword), said
+    assert said.count('rank 0:') == 1, said   # that keyword alone
+    assert said.endswith('every rank must pass the same (see '
+                         'docs/settings.md)'), said
+
+
+def test_an_optimizer_of_another_class_or_rate_is_an_error_on_every_rank(
+        naive_comm):
+    needs_two_ranks()
+    chainer = pytest.importorskip('chainer')
+    said = optimizer_disagreement(
+        naive_comm, chainer.optimizers.SGD(lr=0.1 * (1 + WORLD.rank)))
+    assert 'actual_optimizer.lr (rank 0: 0.1, rank 1: 0.2' in said, said
+    said = optimizer_disagreement(
+        naive_comm, chainer.optimizers.MomentumSGD() if WORLD.rank else
+        chainer.optimizers.SGD())
+    assert ("actual_optimizer (rank 0: 'chainer.optimizers.sgd.SGD', "
+            "rank 1: 'chainer.optimizers.momentum_sgd.MomentumSGD'") \
+        in said, said
+    assert 'actual_optimizer.momentum (rank 0: not set, rank 1: 0.9' \
+        in said, said
+
+
+def test_an_optimizer_one_rank_gets_wrong_is_an_error_on_every_rank(
+        naive_comm):
+    """That rank's own TypeError; a RuntimeError naming it on the
+    others, none waiting for the rest."""
+    needs_two_ranks()
+    chainer = pytest.importorskip('chainer')
+    wrong = WORLD.rank == 1
+    with pytest.raises(TypeError if wrong else RuntimeError) as error:
+        mnopt.create_multi_node_optimizer(
+            chainer.optimizers.SGD if wrong else chainer.optimizers.SGD(),
+            naive_comm)
+    assert 'not the class SGD' in str(error.value)
+    if not wrong:
+        assert str(error.value).startswith(
+            'create_multi_node_optimizer failed on rank 1: TypeError: ')
+
+
+def test_equal_optimizer_settings_make_an_optimizer(naive_comm):
+    """NaN, which is not equal to itself, is the same rate on two ranks."""
+    chainer = pytest.importorskip('chainer')
+    opt = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.SGD(lr=float('nan')), naive_comm,
+        double_buffering=True)
+    assert type(opt).__name__ == 'DoubleBufferingOptimizer'

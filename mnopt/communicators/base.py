@@ -367,11 +367,12 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         self._agree(agreement.raise_together, problem, what)
 
     @watched('agreement')
-    def same(self, settings: dict[str, Any], what: str
-             ) -> dict[str, Any]:
+    def same(self, settings: dict[str, Any], what: str,
+             problem: BaseException | None = None) -> dict[str, Any]:
         """ValueError on every rank unless every rank's ``settings`` dict
-        is equal, naming what differs (agreement.same)."""
-        return self._agree(agreement.same, settings, what)
+        is equal, naming what differs; a rank's ``problem`` raised on
+        every rank first, in the same exchange (agreement.same)."""
+        return self._agree(agreement.same, settings, what, problem)
 
     @watched('agreement')
     def common(self, items: Iterable[Any], what: str) -> list[Any]:

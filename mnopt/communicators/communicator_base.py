@@ -243,10 +243,11 @@ class CommunicatorBase(object):
         """Raise on every rank if any rank's ``problem`` is an exception."""
         raise NotImplementedError
 
-    def same(self, settings: dict[str, Any], what: str
-             ) -> dict[str, Any]:
+    def same(self, settings: dict[str, Any], what: str,
+             problem: BaseException | None = None) -> dict[str, Any]:
         """ValueError on every rank unless every rank's ``settings`` dict
-        is equal."""
+        is equal; any rank's ``problem`` (an exception) first, raised on
+        every rank as ``raise_together`` does."""
         raise NotImplementedError
 
     def common(self, items: Iterable[Any], what: str) -> list[Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import chainer
+import numpy
 
 from mnopt.optimizers.double_buffering import DoubleBufferingOptimizer
 from mnopt.optimizers.overlap_optimizer import OverlapOptimizer
@@ -44,6 +45,36 @@ def check_actual_optimizer(actual_optimizer):
             'chainer.optimizers.MomentumSGD()); got %s' % (
                 'None' if actual_optimizer is None else
                 'a %s object' % type(actual_optimizer).__name__))
+
+
+def shared_settings(actual_optimizer, **keywords):
+    """What every rank must pass alike to ``create_multi_node_optimizer``
+    (the ``keywords``, read as true or false), and the wrapped
+    optimizer's class and hyperparameters (``lr``, ``momentum``, ...:
+    replicas that update with different ones drift apart in silence), as
+    values every rank can compare."""
+    settings = {name: bool(value) for name, value in keywords.items()}
+    cls = type(actual_optimizer)
+    settings['actual_optimizer'] = '%s.%s' % (cls.__module__,
+                                              cls.__qualname__)
+    hyperparam = getattr(actual_optimizer, 'hyperparam', None)
+    if hyperparam is not None:
+        for name, value in hyperparam.get_dict().items():
+            settings['actual_optimizer.%s' % name] = comparable(value)
+    return settings
+
+
+def comparable(value):
+    """A hyperparameter as a value that compares equal on two ranks
+    exactly when they hold the same: a number or string as itself (NaN as
+    'nan', which equals itself), anything else by its type."""
+    if isinstance(value, numpy.generic):
+        value = value.item()
+    if isinstance(value, float) and value != value:
+        return 'nan'
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return 'a %s object' % type(value).__name__
 
 
 def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
@@ -85,12 +116,62 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
     docs/tuning.md) tunes them in its first averagings, with the plain
     optimizer or double buffering; ``overlap`` and ``shard_state`` refuse
     it (a ValueError on every rank).
+
+    Every rank must pass the same keywords and an optimizer of the same
+    class with the same hyperparameters: they are compared here, in one
+    exchange over the communicator, and a difference is a ValueError on
+    every rank naming each one and every rank's value (a bad argument on
+    one rank: its error there, a RuntimeError naming it on the others).
     """
+    check_communicator(communicator)
+    try:
+        check_mode(actual_optimizer, communicator, double_buffering,
+                   overlap, shard_state)
+        problem = None
+    except (TypeError, ValueError) as e:
+        problem = e
+    settings = {} if problem is not None else shared_settings(
+        actual_optimizer, double_buffering=double_buffering,
+        zero_fill=zero_fill, overlap=overlap, shard_state=shard_state)
+    # One exchange: a problem on any rank, or settings that differ, is an
+    # error on every rank here, not a hang at the second update (a
+    # double-buffered rank's mean_grads_async against another's
+    # mean_grads).
+    try:
+        communicator.same(settings, 'create_multi_node_optimizer', problem)
+    except ValueError as e:
+        if problem is not None:
+            raise
+        raise ValueError('%s: every rank must pass the same (see '
+                         'docs/settings.md)' % e) from None
+    if shard_state:
+        cls = ShardedGradsOptimizer if overlap else ShardedStateOptimizer
+    else:
+        cls = DoubleBufferingOptimizer if double_buffering else \
+            OverlapOptimizer if overlap else MultiNodeOptimizer
+    return cls(actual_optimizer, communicator, zero_fill)
+
+
+def check_communicator(communicator):
+    """A TypeError, on this rank (there is nothing yet to tell the others
+    over), for what is not an mnopt communicator."""
+    if not callable(getattr(communicator, 'same', None)):
+        raise TypeError(
+            'create_multi_node_optimizer takes a communicator from '
+            "mnopt.create_communicator(...) (e.g. 'flat'); got %s" % (
+                'None' if communicator is None else
+                'a %s object' % type(communicator).__name__))
+
+
+def check_mode(actual_optimizer, communicator, double_buffering, overlap,
+               shard_state):
+    """Raise TypeError/ValueError for what this rank was given, without
+    communicating (the factory then tells every rank)."""
     check_actual_optimizer(actual_optimizer)
     tuning_problem = getattr(communicator, 'tuning_problem', None)
     if (shard_state or overlap) and tuning_problem is not None:
         # The communicator's 'auto' settings are shared, and so is this
-        # call's mode: every rank refuses alike, before any collective.
+        # call's mode (compared below): every rank refuses alike.
         problem = tuning_problem('shard_state' if shard_state
                                  else 'overlap')
         if problem is not None:
@@ -101,20 +182,27 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
                              'double_buffering: the owners update with '
                              'this iteration\'s mean (overlap=True hides '
                              'the reduce-scatter behind backward instead)')
-        return create_sharded(actual_optimizer, communicator, zero_fill,
-                              grads=overlap)
+        problem = sharding_problem(actual_optimizer, communicator,
+                                   grads=overlap)
+        if problem is not None:
+            raise ValueError(problem)
     if double_buffering and overlap:
         raise ValueError('double_buffering and overlap exclude each other: '
                          'double buffering applies last iteration\'s mean, '
                          'overlap this one\'s')
-    cls = DoubleBufferingOptimizer if double_buffering else \
-        OverlapOptimizer if overlap else MultiNodeOptimizer
-    return cls(actual_optimizer, communicator, zero_fill)
 
 
 def create_sharded(actual_optimizer, communicator, zero_fill, grads=False):
     """The sharded optimizer (``grads``: stage 2, the gradients sharded
-    too), or a ValueError saying why it cannot be."""
+    too), or a ValueError on every rank saying why it cannot be:
+    ``create_multi_node_optimizer(..., shard_state=True, overlap=grads)``."""
+    return create_multi_node_optimizer(actual_optimizer, communicator,
+                                       zero_fill=zero_fill, overlap=grads,
+                                       shard_state=True)
+
+
+def sharding_problem(actual_optimizer, communicator, grads):
+    """Why a sharded optimizer (``grads``: stage 2) cannot be, or None."""
     problem = communicator.sharding_problem() or \
         optimizer_problem(actual_optimizer)
     if problem is None and grads and \
@@ -123,7 +211,4 @@ def create_sharded(actual_optimizer, communicator, zero_fill, grads=False):
                    'a background thread during backward, which needs '
                    'MPI_THREAD_MULTIPLE; this MPI was initialised with a '
                    'lower thread level')
-    if problem is not None:
-        raise ValueError(problem)
-    cls = ShardedGradsOptimizer if grads else ShardedStateOptimizer
-    return cls(actual_optimizer, communicator, zero_fill)
+    return problem

@@ -157,12 +157,18 @@ def unequal(values, what):
     return None
 
 
-def same(comm, settings, what, stall_warning=None, timeout=None):
+def same(comm, settings, what, problem=None, stall_warning=None,
+         timeout=None):
     """Raise ValueError on every rank unless every rank passed equal
     ``settings`` (a dict); the error names each setting that differs and
-    every rank's value.  Returns ``settings``."""
-    message = disagreement(
-        everyone(comm, dict(settings), what, stall_warning, timeout), what)
+    every rank's value.  Returns ``settings``.
+
+    ``problem``: this rank's exception found checking them (or None),
+    raised as ``raise_together`` raises it, in the same exchange."""
+    said = everyone(comm, (describe(problem), dict(settings)), what,
+                    stall_warning, timeout)
+    settle(problem, [p for p, _ in said], what)
+    message = disagreement([s for _, s in said], what)
     if message:
         raise ValueError(message)
     return settings
