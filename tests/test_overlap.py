@@ -221,3 +221,40 @@ def _to_wire(values, wire):
     if wire == 'float16':
         return values.astype(numpy.float16)
     return grad_buffer.float32_to_bfloat16_bits(values)
+
+
+def test_no_empty_gradient_set_is_averaged():
+    """From the third update on every gradient is in a bucket: nothing is
+    left for after backward, and no empty set is averaged (a collective
+    and a layout check a step), timed by compression='auto''s guard or
+    kept in its snapshot."""
+    comm = mnopt.create_communicator('flat', bucket_bytes=600,
+                                     compression='auto')
+    model = Net()
+    opt = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=0.05), comm, overlap=True
+    ).setup(model)
+    averaged, average = [], comm.mean_grads_async
+
+    def recorded(named, *args, **kwds):
+        named = list(named)
+        averaged.append([n for n, _ in named])
+        return average(named, *args, **kwds)
+    comm.mean_grads_async = recorded
+    for x, t in batches(comm.rank)[:10]:
+        opt.update(model, x, t)
+    buckets = opt.overlap_stats['buckets']
+    assert buckets > 3
+    # The first two updates: everything after backward; then the buckets.
+    assert len(averaged) == 2 + 8 * buckets
+    assert [] not in averaged
+    guard = comm.averaging.low_rank.guard
+    sets = set(guard.choices) | set(guard.trials)
+    assert len(guard.choices) == buckets   # each timed and decided
+    assert all(names for _, names in sets), sets
+    state = {}
+    opt.serialize(chainer.serializers.DictionarySerializer(state))
+    kept = [v for k, v in state.items() if 'choice_names' in k]
+    assert len(kept) == len(guard.choices)
+    assert all(len(names) for names in kept)
+    comm.finalize()

@@ -152,6 +152,7 @@ class Overlap(object):
         self.wraps = collections.OrderedDict()   # name -> times wrapped
         self.early = {}      # name -> (gradient received, its copy)
         self.handles = []
+        self.rest = []       # (name, gradient) no bucket holds
         self.next_bucket = 0
         self.remaining = None if self.plan is None else \
             [len(b) for b in self.plan]
@@ -274,10 +275,13 @@ class Overlap(object):
         return {n for names in self.plan for n in names}
 
     def finish(self):
-        """Hand the communicator whatever backward did not (every rank the
-        same averagings, in the same order), then return the handles.
-        Gradients that a node vouched for must then be adopted (``adopt``)
-        once the handles are done."""
+        """Hand the communicator the buckets backward did not (every rank
+        the same averagings, in the same order), then return the handles.
+        What no bucket holds waits in ``rest`` for ``send_rest``, which
+        every rank calls alike once the ranks have said whether any holds
+        some (the optimizer's step exchange): usually none does, and an
+        empty set is never averaged.  Gradients that a node vouched for
+        must then be adopted (``adopt``) once the handles are done."""
         params = self.params()
         covered = self.launch_remaining(params)
         self.stats['buckets'] = 0 if self.plan is None else len(self.plan)
@@ -287,9 +291,18 @@ class Overlap(object):
         rest = [n for n in sorted(params) if params[n].array is not None
                 and (n not in covered or (n in self.early
                                           and n not in self.clean))]
-        named = [(n, g) for n, g in ((n, self.gradient(params[n]))
-                                     for n in rest) if g is not None]
-        self.handles.append(self.send(named))
+        self.rest = [(n, g) for n, g in ((n, self.gradient(params[n]))
+                                         for n in rest) if g is not None]
+        return self.handles
+
+    def send_rest(self, anyone_has_rest):
+        """Queue the averaging of ``rest`` if ``anyone_has_rest`` (the
+        same on every rank: a rank without one then sends its empty set,
+        which the layout check refuses on every rank, as it should);
+        returns the handles."""
+        if anyone_has_rest:
+            self.handles.append(self.send(self.rest))
+        self.rest = []
         return self.handles
 
     def adopt(self):

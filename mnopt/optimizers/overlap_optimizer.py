@@ -78,9 +78,13 @@ class OverlapOptimizer(MultiNodeOptimizer):
         overlap.forward_backward(lossfun, args, kwds,
                                  self.actual_optimizer._loss_scale,
                                  self.actual_optimizer.t)
-        handles = overlap.finish()
-        step = self._next_step()
-        for handle in handles:
+        overlap.finish()
+        # Whether any rank has gradients no bucket holds rides on the
+        # step's exchange: from the third update on usually none does,
+        # and no empty set is averaged (a collective, a layout check and,
+        # with compression='auto', a guard's trials of its own).
+        step, anyone_has_rest = self._agree_step(bool(overlap.rest))
+        for handle in overlap.send_rest(anyone_has_rest):
             self._blocked(handle.wait)
         if step is BROADCAST:
             overlap.forget_plan()

@@ -182,18 +182,27 @@ class MultiNodeOptimizer(object):
         would hang the job, so a parameter set that changed on some ranks
         only is an error on every rank.
         """
+        return self._agree_step(False)[0]
+
+    def _agree_step(self, pending):
+        """``(_next_step's step, whether any rank is pending)``, in the
+        step's one exchange: ``pending`` is this rank's say on something
+        every rank must then do alike (overlap: gradients left to average
+        after backward), so that none is done where no rank needs it."""
         loaded, changed = self._take_param_set()
         votes = self.communicator.everyone(
-            (loaded, changed), 'the multi-node optimizer\'s next step')
-        if any(v_loaded for v_loaded, _ in votes):
-            return RESUME
-        if any(v_changed != changed for _, v_changed in votes):
+            (loaded, changed, bool(pending)),
+            'the multi-node optimizer\'s next step')
+        anyone_pending = any(v[2] for v in votes)
+        if any(v[0] for v in votes):
+            return RESUME, anyone_pending
+        if any(v[1] != changed for v in votes):
             raise RuntimeError(
                 'the parameter set changed on ranks %s but not on ranks %s; '
                 'every rank must add or initialise parameters at the same '
-                'update' % ([r for r, (_, c) in enumerate(votes) if c],
-                            [r for r, (_, c) in enumerate(votes) if not c]))
-        return BROADCAST if changed else AVERAGE
+                'update' % ([r for r, v in enumerate(votes) if v[1]],
+                            [r for r, v in enumerate(votes) if not v[1]]))
+        return BROADCAST if changed else AVERAGE, anyone_pending
 
     def _take_param_set(self):
         """(whether a snapshot was loaded since the last update, whether
