@@ -8,7 +8,8 @@ import os
 import numpy
 from mpi4py import MPI
 
-from mnopt.benchmarking.harness import bus_bandwidth
+from mnopt.benchmarking import harness
+from mnopt.benchmarking.harness import bus_bandwidth, print_heading, print_row
 from mnopt.benchmarking.workloads import (grad_list, link_holding,
                                           resnet50_grad_shapes)
 
@@ -23,6 +24,8 @@ def _limit_case(comm, n_elements, chunk):
 
 
 SIGN_COMMS = {}  # case label -> its sign-compressed communicator
+#: The table's columns: 31 + 6 x (1 + 7) = 79, within 80.
+LABEL_WIDTH, CELL_WIDTH = 31, 7
 
 
 def build_cases(args, world):
@@ -130,15 +133,17 @@ def report(cases, times, total, world, args, link_bytes=None):
     limit = min([m for m, c in zip(medians, cases) if c[1] == 'limit'],
                 default=None)
     rows = []
-    print('# mean_grads, ResNet-50 gradients (%d float32, %.1f MB), '
-          'N=%d, %d repetitions, slowest rank; algbw = bytes/time, busbw = '
-          'algbw*2(N-1)/N (what each rank\'s link carries on a ring); '
-          'MNOPT_ALLREDUCE=%s' % (total, nbytes / 1e6, world.size,
-                                  args.reps, os.environ.get(
-                                      'MNOPT_ALLREDUCE') or 'auto'))
-    print('%-34s %9s %9s %9s %9s %9s %9s' % (
-        'case', 'median ms', 'min ms', 'max ms', 'algbw GB/s', 'busbw GB/s',
-        'x limit'))
+    print_heading(
+        'mean_grads, ResNet-50 gradients (%d float32, %.1f MB), N=%d, %d '
+        'repetitions after %d warm-up, slowest rank; algbw = bytes/time, '
+        "busbw = algbw*2(N-1)/N (what each rank's link carries on a ring); "
+        'MNOPT_ALLREDUCE=%s' % (total, nbytes / 1e6, world.size, args.reps,
+                                harness.WARMUP, os.environ.get(
+                                    'MNOPT_ALLREDUCE') or 'auto'))
+    print_row('case', ('median', 'min', 'max', 'algbw', 'busbw', 'x'),
+              LABEL_WIDTH, CELL_WIDTH)
+    print_row('', ('ms', 'ms', 'ms', 'GB/s', 'GB/s', 'limit'), LABEL_WIDTH,
+              CELL_WIDTH)
     for (label, kind, _), t, med in zip(cases, times, medians):
         row = {'case': label, 'kind': kind, 'median_s': float(med),
                'min_s': float(t.min()), 'max_s': float(t.max()),
@@ -150,10 +155,12 @@ def report(cases, times, total, world, args, link_bytes=None):
         if link_bytes is not None:
             row['link_tx_bytes'] = link_bytes[len(rows)]
         rows.append(row)
-        print('%-34s %9.1f %9.1f %9.1f %9.3f %9.3f %9s' % (
-            label, med * 1e3, t.min() * 1e3, t.max() * 1e3,
-            row['algbw_GBps'], row['busbw_GBps'],
-            '%.2f' % row['x_limit'] if limit else '-'))
+        print_row(label, ('%.1f' % (med * 1e3), '%.1f' % (t.min() * 1e3),
+                          '%.1f' % (t.max() * 1e3),
+                          '%.3f' % row['algbw_GBps'],
+                          '%.3f' % row['busbw_GBps'],
+                          '%.2f' % row['x_limit'] if limit else '-'),
+                  LABEL_WIDTH, CELL_WIDTH)
     if args.json:
         with open(args.json, 'w') as f:
             json.dump({'n_ranks': world.size, 'n_elements': total,

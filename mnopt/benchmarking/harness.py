@@ -22,9 +22,17 @@ def spread(values):
             'max': max(values)}
 
 
-def run_cases(cases, world, reps, warmup=2, progress=''):
-    """Time each case ``reps`` times, round-robin; returns the slowest
-    rank's times, shape (cases, reps)."""
+#: Untimed rounds of every case before its ``reps`` timed repetitions
+#: (the first averagings allocate buffers and warm caches).
+WARMUP = 2
+#: The widest line a table of the benchmark prints (a terminal's).
+COLUMNS = 80
+
+
+def run_cases(cases, world, reps, warmup=WARMUP, progress=''):
+    """Time each case ``reps`` times, round-robin, after ``warmup``
+    untimed rounds; returns the slowest rank's times, shape (cases,
+    reps)."""
     times = numpy.zeros((len(cases), reps))
     for rep in range(warmup + reps):
         for i, (_, _, fn) in enumerate(cases):
@@ -35,13 +43,40 @@ def run_cases(cases, world, reps, warmup=2, progress=''):
             if rep >= warmup:
                 times[i, rep - warmup] = dt
         if world.rank == 0:
-            sys.stderr.write('\r%srepetition %d/%d ' % (progress, rep + 1,
-                                                         warmup + reps))
+            sys.stderr.write('\r%s%s ' % (progress,
+                                          round_name(rep, warmup, reps)))
             sys.stderr.flush()
     if world.rank == 0:
         sys.stderr.write('\r' + ' ' * 60 + '\r')
     world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # the slowest rank
     return times
+
+
+def round_name(rep, warmup, reps):
+    """The progress line's name of round ``rep`` (from 0): the warm-up
+    rounds, then the repetitions, counted as the table counts them."""
+    if rep < warmup:
+        return 'warm-up %d/%d' % (rep + 1, warmup)
+    return 'repetition %d/%d' % (rep - warmup + 1, reps)
+
+
+def print_row(label, cells, label_width, cell_width):
+    """One row of a table: ``label`` left-aligned in ``label_width``
+    columns, then each cell right-aligned in ``cell_width`` (the widths a
+    table picks to fit COLUMNS); a longer label takes a line of its own,
+    the cells go on the next."""
+    if len(label) > label_width:
+        print(label)
+        label = ''
+    print(('%-*s' % (label_width, label) + ''.join(
+        ' %*s' % (cell_width, c) for c in cells)).rstrip())
+
+
+def print_heading(text):
+    """A table's heading: ``# `` lines within COLUMNS."""
+    import textwrap
+    print(textwrap.fill(text, COLUMNS - 1, initial_indent='# ',
+                        subsequent_indent='# ', break_on_hyphens=False))
 
 
 def bus_bandwidth(algbw, n):

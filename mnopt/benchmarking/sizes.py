@@ -5,7 +5,7 @@ import numpy
 from mpi4py import MPI
 
 from mnopt.benchmarking import harness
-from mnopt.benchmarking.harness import bus_bandwidth
+from mnopt.benchmarking.harness import bus_bandwidth, print_heading, print_row
 
 
 SWEEP_SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
@@ -60,17 +60,22 @@ def _human(nbytes):
     return '%d TiB' % nbytes
 
 
+#: The sweep's columns: size and case (37), then 5 x (1 + 7): 77.
+LABEL_WIDTH, CELL_WIDTH = 37, 7
+
+
 def print_sweep(rows, world):
-    print('# mean_grads of one float32 array, N=%d, slowest rank; '
-          'algbw = bytes/time, busbw = algbw*2(N-1)/N' % world.size)
-    print('%10s  %-28s %10s %10s %10s %9s %9s' % (
-        'size', 'case', 'median ms', 'min ms', 'max ms', 'algbw GB/s',
-        'busbw GB/s'))
+    print_heading('mean_grads of one float32 array, N=%d, slowest rank; '
+                  'algbw = bytes/time, busbw = algbw*2(N-1)/N' % world.size)
+    print_row('    size  case', ('median', 'min', 'max', 'algbw', 'busbw'),
+              LABEL_WIDTH, CELL_WIDTH)
+    print_row('', ('ms', 'ms', 'ms', 'GB/s', 'GB/s'), LABEL_WIDTH,
+              CELL_WIDTH)
     for r in rows:
-        print('%10s  %-28s %10.3f %10.3f %10.3f %9.3f %9.3f' % (
-            _human(r['bytes']), r['case'], r['median_s'] * 1e3,
-            r['min_s'] * 1e3, r['max_s'] * 1e3, r['algbw_GBps'],
-            r['busbw_GBps']))
+        print_row('%8s  %s' % (_human(r['bytes']), r['case']), [
+            '%.3f' % v for v in (r['median_s'] * 1e3, r['min_s'] * 1e3,
+                                 r['max_s'] * 1e3, r['algbw_GBps'],
+                                 r['busbw_GBps'])], LABEL_WIDTH, CELL_WIDTH)
 
 
 def plot_sweep(rows, path, title):

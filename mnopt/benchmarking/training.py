@@ -77,11 +77,12 @@ def double_buffering(args, world):
     med = dict((c[1], m) for c, m in zip(cases, numpy.median(times, axis=1)))
     if world.rank != 0:
         return None
-    print('# double buffering: %s %s, N=%d, ResNet-50 gradients; per step, '
-          'over blocks of %d steps; compute SIMULATED: sleep %.1f ms per step '
-          '(forward + backward + update)'
-          % (comm.name, comm.allreduce_grad_dtype or 'float32', world.size,
-             STEPS_PER_BLOCK, compute_s * 1e3))
+    harness.print_heading(
+        'double buffering: %s %s, N=%d, ResNet-50 gradients; per step, over '
+        'blocks of %d steps, %d repetitions after %d warm-up; compute '
+        'SIMULATED: sleep %.1f ms per step (forward + backward + update)'
+        % (comm.name, comm.allreduce_grad_dtype or 'float32', world.size,
+           STEPS_PER_BLOCK, args.reps, harness.WARMUP, compute_s * 1e3))
     for (label, kind, _), row in zip(cases, times):
         print('%-26s %8.1f ms  (min %.1f, max %.1f)' % (
             label, med[kind] * 1e3, row.min() * 1e3, row.max() * 1e3))
@@ -139,9 +140,12 @@ def scaling(args, world):
               'steps': {k: float(numpy.median(t))
                         for (_, k, _), t in zip(cases, times)}}
     if world.rank == 0:
-        print('# scaling: %d nodes x %d ranks, %s, compute SIMULATED %.0f ms '
-              'per step' % (probe.inter_size, probe.intra_size,
-                            args.communicators[0], args.compute_ms))
+        harness.print_heading(
+            'scaling: %d node%s x %d rank%s, %s, compute SIMULATED %.0f ms '
+            'per step, %d repetitions after 1 warm-up' % (
+                probe.inter_size, '' if probe.inter_size == 1 else 's',
+                probe.intra_size, '' if probe.intra_size == 1 else 's',
+                args.communicators[0], args.compute_ms, args.reps))
         for (label, kind, _), t in zip(cases, times):
             print('%-28s %8.1f ms per step (min %.1f, max %.1f)' % (
                 label, result['steps'][kind] * 1e3, t.min() * 1e3,
