@@ -39,6 +39,25 @@ from mnopt.communicators.wires import Wires, current_wires
 from mnopt.stall import watched
 
 
+def named_pairs(named_grads, what):
+    """``named_grads`` as a list of (name, array) pairs, or a TypeError
+    that says what ``what`` takes (before any collective: every rank that
+    passes the same kind of argument gets it)."""
+    if isinstance(named_grads, dict):
+        raise TypeError(
+            '%s takes a list of (name, array) pairs, not a dict: pass '
+            'sorted(grads.items()) (in the same order on every rank)' % what)
+    named = list(named_grads)
+    for i, pair in enumerate(named):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(
+                "%s takes a list of (name, array) pairs, e.g. [('w', "
+                "array)]; item %d is %s" % (what, i, 'a %s' % type(
+                    pair).__name__ if not isinstance(pair, (tuple, list))
+                    else 'of %d elements' % len(pair)))
+    return named
+
+
 class Averaging(object):
     """What every averaging of one communicator shares: its groups and
     background thread (``resources``, a Resources), the averaging in
@@ -261,8 +280,8 @@ class AveragingPipeline(object):
         # The caller is blocked for all of it: exposed communication.
         with self.timeline.span('wait', 'comm'), \
                 self.averaging.timed('caller'):
-            self._mean(self.averaging.sync_group, list(named_grads),
-                       iteration)
+            self._mean(self.averaging.sync_group,
+                       named_pairs(named_grads, 'mean_grads'), iteration)
 
     @watched('mean_grads_async')
     def mean_grads_async(self, named_grads: Iterable[tuple[str, Any]],
@@ -280,7 +299,7 @@ class AveragingPipeline(object):
         """
         release_collected()
         averaging = self.averaging
-        named = list(named_grads)
+        named = named_pairs(named_grads, 'mean_grads_async')
         if not queue:
             averaging.in_flight.wait()
         executor = averaging.background()
