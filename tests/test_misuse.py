@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 import mnopt
@@ -50,6 +51,126 @@ def test_what_is_not_a_chainer_optimizer_is_refused(naive_comm):
                                             r'Optimizer, e\.g\. .*; got '
                                             + said):
             mnopt.create_multi_node_optimizer(wrong, naive_comm)
+
+
+@needs_chainer
+@pytest.mark.parametrize('options', [
+    {}, {'double_buffering': True}, {'overlap': True},
+    {'shard_state': True}])
+def test_an_update_before_setup_says_to_call_setup_first(naive_comm,
+                                                         options):
+    opt = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.SGD(), naive_comm, **options)
+    for args in [(), (lambda: None,)]:
+        with pytest.raises(RuntimeError, match=r'no model yet: call '
+                                               r'optimizer\.setup\(model\) '
+                                               r'first'):
+            opt.update(*args)
+    # and then it trains
+    model = chainer.links.Linear(2, 1)
+    opt.setup(model)
+    x = numpy.ones((1, 2), numpy.float32)
+    for _ in range(3):
+        opt.update(lambda: chainer.functions.sum(model(x)))
+
+
+# ------------------------------------------------- the communicator
+
+def test_gradients_in_a_dict_are_refused_saying_what_to_pass(naive_comm):
+    array = numpy.ones(3, numpy.float32)
+    for call in (naive_comm.mean_grads, naive_comm.mean_grads_async):
+        with pytest.raises(TypeError, match=r'^%s takes a list of \(name, '
+                                            r'array\) pairs, not a dict: '
+                                            r'pass sorted\(grads\.items'
+                                            r'\(\)\)' % call.__name__):
+            call({'w': array})
+    with pytest.raises(TypeError, match=r"pairs, e\.g\. \[\('w', array\)"
+                                        r'\]; item 1 is a ndarray'):
+        naive_comm.mean_grads([('v', array), array])
+    with pytest.raises(TypeError, match='item 0 is of 3 elements'):
+        naive_comm.mean_grads_async([('v', array, 1)])
+    grads = [('w', numpy.full(3, WORLD.rank, numpy.float32))]
+    naive_comm.mean_grads(grads)   # still in step on every rank
+    numpy.testing.assert_allclose(grads[0][1], (WORLD.size - 1) / 2.0)
+
+
+@pytest.mark.parametrize('name,covered_by', [
+    ('two_dimensional', "use 'hierarchical'"),
+    ('single_node', "use 'pure_nccl' on GPUs .* 'flat' otherwise"),
+    ('non_cuda_aware', "use 'hierarchical' .*no CUDA-aware MPI needed"),
+    ('dummy', 'mnopt has none that skips the communication.*python -m '
+              'mnopt.benchmark')])
+def test_chainermn_names_mnopt_lacks_say_what_covers_them(name, covered_by):
+    """Every rank gets the error (create_communicator's start-up
+    exchange), naming the communicator to use instead."""
+    with pytest.raises(ValueError, match="ChainerMN's '%s' communicator is "
+                                         'not in mnopt: %s' % (
+                                             name, covered_by)):
+        mnopt.create_communicator(name)
+
+
+@needs_chainer
+@pytest.mark.parametrize('compression,dropped', [
+    ('sign', "sign compression's state .*error-feedback residuals"),
+    ('powersgd', "PowerSGD's state .*warm-start factors")])
+def test_a_compressed_snapshot_resumed_without_it_warns(compression,
+                                                        dropped):
+    from conftest import warns_on_rank_0
+    saved = {}
+    for given in (compression, None):
+        comm = mnopt.create_communicator('flat', compression=given)
+        model = chainer.links.Linear(20, 30)
+        opt = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.SGD(), comm).setup(model)
+        x = numpy.ones((2, 20), numpy.float32)
+        for _ in range(3):
+            opt.update(lambda: chainer.functions.sum(model(x)))
+        if given:
+            opt.serialize(chainer.serializers.DictionarySerializer(saved))
+            assert any('mnopt_compression' in k for k in saved)
+        else:
+            with warns_on_rank_0(comm, 'the snapshot holds %s.*, which '
+                                       'this communicator, without '
+                                       'compression, drops: .*create the '
+                                       'communicator '
+                                       "with compression='%s'"
+                                 % (dropped, compression)):
+                opt.serialize(chainer.serializers.NpzDeserializer(saved))
+            with _no_warning():
+                # a snapshot without compression state: nothing said
+                opt.serialize(chainer.serializers.NpzDeserializer(
+                    {k: v for k, v in saved.items()
+                     if 'mnopt_compression' not in k}, strict=False))
+        comm.finalize()
+
+
+def _no_warning():
+    from conftest import mnopt_records
+    import contextlib
+
+    @contextlib.contextmanager
+    def quiet():
+        with mnopt_records() as records:
+            yield
+        assert [r.getMessage() for r in records
+                if r.levelno >= logging.WARNING] == []
+    return quiet()
+
+
+def test_a_rank_file_given_as_the_snapshot_says_which_to_pass(tmp_path):
+    from mnopt.extensions.loadable import rank_file_problem
+    shared = tmp_path / 'snapshot_iter_80.npz'
+    rank0 = tmp_path / 'snapshot_iter_80.rank0.npz'
+    rank0.write_bytes(b'')
+    # Without the shared file beside it, it is not a rank file of ours.
+    assert rank_file_problem(str(rank0)) is None
+    shared.write_bytes(b'')
+    assert rank_file_problem(str(rank0)) == (
+        "snapshot_iter_80.rank0.npz is rank 0's file of a snapshot, not "
+        'the snapshot: pass %s (every rank then reads its own file beside '
+        'it)' % shared)
+    assert rank_file_problem(str(shared)) is None
+    assert rank_file_problem(str(tmp_path / 'a.rank12.npz')) is None
 
 
 # ------------------------------------------------- started without mpiexec

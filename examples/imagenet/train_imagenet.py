@@ -30,7 +30,7 @@ import numpy
 from chainer import training
 from chainer.training import extensions
 from mnopt.extensions.loadable import (
-    newest_loadable, npz_is_whole, npz_problem)
+    newest_loadable, npz_is_whole, npz_problem, rank_file_problem)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import embedded_data  # NOQA
@@ -569,6 +569,8 @@ def resume(path, trainer, comm, optimizer):
     try:
         if not os.path.isfile(path):
             raise FileNotFoundError('no snapshot at %r' % path)
+        if rank_file_problem(path):
+            raise ValueError(rank_file_problem(path))
         saved_size = ranks_that_wrote(path)
         if saved_size is None:
             raise ValueError('it does not say how many ranks wrote it, and '

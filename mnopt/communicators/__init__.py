@@ -22,12 +22,29 @@ _REGISTRY = {
                          'ReductionServerCommunicator'),
 }
 NAMES = tuple(_REGISTRY) + ('auto',)
+#: ChainerMN's communicator names that mnopt has no communicator of, and
+#: what to use instead (docs/chainermn.md).
+CHAINERMN_NAMES = {
+    'two_dimensional': "use 'hierarchical' (within each node, then across "
+                       'nodes, as two_dimensional does)',
+    'single_node': "use 'pure_nccl' on GPUs (NCCL, as single_node), 'flat' "
+                   "otherwise; 'auto' picks between them",
+    'non_cuda_aware': "use 'hierarchical' (mnopt stages GPU arrays through "
+                      'host memory itself: no CUDA-aware MPI needed), or '
+                      "'pure_nccl'",
+    'dummy': 'mnopt has none that skips the communication (as dummy '
+             'does): python -m mnopt.benchmark times the averaging apart '
+             'from training',
+}
 
 
 def communicator_class(name):
     if name == 'auto':
         from mnopt.gpu.diagnosis import gpu_available
         name = 'pure_nccl' if gpu_available() else 'flat'
+    if name in CHAINERMN_NAMES:
+        raise ValueError("ChainerMN's %r communicator is not in mnopt: %s"
+                         % (name, CHAINERMN_NAMES[name]))
     if name not in _REGISTRY:
         raise ValueError('unknown communicator %r; choose one of %s'
                          % (name, ', '.join(NAMES)))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from mnopt.transport import buffers, layouts
 from mnopt import grad_buffer
 from mnopt.arrays import array_module, named_grads, to_host
+from mnopt.communicators.compression import warn_of_dropped_state
 from mnopt.stall import watched
 
 if TYPE_CHECKING:
@@ -97,9 +98,12 @@ class ChainerGlue(object):
         ChainerMN) loads and changes nothing.  Loaded residuals wait until
         the first averaging of their layout builds its codec.
         """
-        if self.compression is None:
-            return
         import chainer   # the Chainer layer's call
+        if self.compression is None:
+            if local and self.rank == 0 and isinstance(
+                    serializer, chainer.serializer.Deserializer):
+                warn_of_dropped_state(serializer)
+            return
         averaging = self.averaging
         averaging.in_flight.wait()
         state = averaging.signs if self.compression == 'sign' \

@@ -123,3 +123,33 @@ class SignCompression(object):
         self.loaded_residuals = loaded
         for group in averaging.groups():
             group.forget_sign_codecs()
+
+
+def warn_of_dropped_state(serializer):
+    """A communicator without compression loads a snapshot (``serializer``:
+    its ``mnopt_compression`` part, this rank's) written with one: warn,
+    naming the state it drops (the resumed run averages plainly, its
+    error feedback lost)."""
+    def read(key):   # None where absent (a strict one raises KeyError)
+        try:
+            return serializer(key, None)
+        except KeyError:
+            return None
+    kind = read('kind')
+    if kind is not None and str(kind) == 'powersgd':
+        dropped = ("PowerSGD's state (compression='powersgd' or 'auto': "
+                   'its error-feedback residuals, its warm-start factors '
+                   "and 'auto''s choices)")
+        again = "compression='powersgd' (or 'auto')"
+    elif read('n_residuals') is not None:
+        dropped = ("sign compression's state (compression='sign': its "
+                   'error-feedback residuals)')
+        again = "compression='sign'"
+    else:
+        return
+    logger.warning('mnopt: warning: the snapshot holds %s, which this '
+                   'communicator, without compression, drops: the resumed '
+                   'run averages uncompressed from here; create the '
+                   'communicator with %s to continue it as it was',
+                   dropped, again)
+

@@ -4,6 +4,7 @@ of one write, the same on every rank (shared by multi_node_snapshot's
 autoload and the multi-node checkpointer)."""
 
 import os
+import re
 import zipfile
 
 from mnopt import log
@@ -38,6 +39,29 @@ def npz_problem(path):
         return '%s is damaged (member %s fails its CRC check)' % (
             name, bad_member)
     return None
+
+
+#: One rank's file of a snapshot written by every rank beside a shared
+#: file (``snapshot_iter_80.rank0.npz`` beside ``snapshot_iter_80.npz``).
+_RANK_FILE = re.compile(r'^(?P<shared>.+)\.rank(?P<rank>\d+)\.npz$')
+
+
+def rank_file_problem(path):
+    """Why ``path``, given as the snapshot to load, is not one: it is one
+    rank's file beside the snapshot's shared file, which is the one to
+    pass (each rank then finds its own); None otherwise.  Checked before
+    a loader derives the rank files from ``path``, which would name
+    ``...rank0.rank0.npz`` missing."""
+    found = _RANK_FILE.match(os.path.basename(path))
+    if found is None:
+        return None
+    shared = os.path.join(os.path.dirname(path), found.group('shared')
+                          + '.npz')
+    if not os.path.isfile(shared):
+        return None
+    return ("%s is rank %s's file of a snapshot, not the snapshot: pass %s "
+            '(every rank then reads its own file beside it)' % (
+                os.path.basename(path), found.group('rank'), shared))
 
 
 def npz_is_whole(path):

@@ -46,6 +46,12 @@ def stepped(update):
     (once: an update that calls another's records one step)."""
     @functools.wraps(update)
     def recorded(self, *args, **kwds):
+        if self.actual_optimizer.target is None:
+            # Before any collective: every rank that skipped setup says so.
+            raise RuntimeError(
+                'the multi-node optimizer has no model yet: call '
+                'optimizer.setup(model) first (as with any Chainer '
+                'optimizer), then optimizer.update(...)')
         tl = self._timeline()
         if not tl or self.__dict__.get('_in_step'):
             return update(self, *args, **kwds)
