@@ -40,21 +40,15 @@ from mnopt.stall import watched
 
 
 def named_pairs(named_grads, what):
-    """``named_grads`` as a list of (name, array) pairs, or a TypeError
-    that says what ``what`` takes (before any collective: every rank that
-    passes the same kind of argument gets it)."""
-    if isinstance(named_grads, dict):
-        raise TypeError(
-            '%s takes a list of (name, array) pairs, not a dict: pass '
-            'sorted(grads.items()) (in the same order on every rank)' % what)
-    named = list(named_grads)
-    for i, pair in enumerate(named):
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise TypeError(
-                "%s takes a list of (name, array) pairs, e.g. [('w', "
-                "array)]; item %d is %s" % (what, i, 'a %s' % type(
-                    pair).__name__ if not isinstance(pair, (tuple, list))
-                    else 'of %d elements' % len(pair)))
+    """``named_grads`` as a list of (name, array) pairs, else a TypeError
+    saying what ``what`` takes (before any collective)."""
+    named = None if isinstance(named_grads, dict) else list(named_grads)
+    bad = 'a dict' if named is None else next((
+        'item %d, a %s' % (i, type(p).__name__) for i, p in enumerate(named)
+        if not isinstance(p, (tuple, list)) or len(p) != 2), None)
+    if bad:
+        raise TypeError('%s takes a list of (name, array) pairs: pass '
+                        'sorted(grads.items()), not %s' % (what, bad))
     return named
 
 
