@@ -80,14 +80,13 @@ def test_gradients_in_a_dict_are_refused_saying_what_to_pass(naive_comm):
     array = numpy.ones(3, numpy.float32)
     for call in (naive_comm.mean_grads, naive_comm.mean_grads_async):
         with pytest.raises(TypeError, match=r'^%s takes a list of \(name, '
-                                            r'array\) pairs, not a dict: '
-                                            r'pass sorted\(grads\.items'
-                                            r'\(\)\)' % call.__name__):
+                                            r'array\) pairs: pass sorted\('
+                                            r'grads\.items\(\)\), not a '
+                                            r'dict$' % call.__name__):
             call({'w': array})
-    with pytest.raises(TypeError, match=r"pairs, e\.g\. \[\('w', array\)"
-                                        r'\]; item 1 is a ndarray'):
+    with pytest.raises(TypeError, match=r'not item 1, a ndarray$'):
         naive_comm.mean_grads([('v', array), array])
-    with pytest.raises(TypeError, match='item 0 is of 3 elements'):
+    with pytest.raises(TypeError, match='not item 0, a tuple$'):
         naive_comm.mean_grads_async([('v', array, 1)])
     grads = [('w', numpy.full(3, WORLD.rank, numpy.float32))]
     naive_comm.mean_grads(grads)   # still in step on every rank
