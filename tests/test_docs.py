@@ -182,9 +182,12 @@ def test_user_pages_name_no_commits(page):
 # -- user pages: what to do and what to expect; dates go to the history -----
 
 _DATE = re.compile(r'\b20\d\d-[01]\d-[0-3]\d\b')
-# The one user page that dates its figures (each current figure with its
-# date and command); earlier figures are in docs/results/history.md.
+# benchmarks.md may date a table's figures, in one sentence that says so
+# ('Measured on 2026-11-25, ...'), at most one such sentence per table;
+# earlier figures are in docs/results/history.md.
 _DATED_PAGES = ('docs/benchmarks.md',)
+_MEASURED_ON = re.compile(r'^Measured on\b')
+_TABLE_RULE = re.compile(r'^\|(\s*:?-{3,}:?\s*\|)+\s*$', re.M)
 
 
 def _user_pages():
@@ -193,17 +196,161 @@ def _user_pages():
     return [_rel(p) for p in pages]
 
 
-@pytest.mark.parametrize('page', [p for p in _user_pages()
-                                  if p not in _DATED_PAGES])
+def _line(text, at):
+    return text.count('\n', 0, at) + 1
+
+
+def _sentence_start(text, at):
+    """Where the sentence holding ``text[at]`` begins: after the last full
+    stop followed by a space, or blank line, before it."""
+    ends = [m.end() for m in re.finditer(r'\.\s+|\n\s*\n', text[:at])]
+    return ends[-1] if ends else 0
+
+
+def _misdated(page, text):
+    """The dates a page should not carry: on a user page any date; on
+    benchmarks.md a date outside a 'Measured on ...' sentence, or more
+    such sentences than tables."""
+    if page not in _DATED_PAGES:
+        return ['%s:%d: %s' % (page, _line(text, m.start()), m.group(0))
+                for m in _DATE.finditer(text)]
+    found, sentences = [], set()
+    for m in _DATE.finditer(text):
+        start = _sentence_start(text, m.start())
+        if _MEASURED_ON.match(text[start:].lstrip()):
+            sentences.add(start)
+        else:
+            found.append('%s:%d: %s (not in a "Measured on" sentence)'
+                         % (page, _line(text, m.start()), m.group(0)))
+    tables = len(_TABLE_RULE.findall(text))
+    if len(sentences) > tables:
+        found.append('%s: %d "Measured on" sentences for %d tables'
+                     % (page, len(sentences), tables))
+    return found
+
+
+@pytest.mark.parametrize('page', _user_pages())
 def test_user_pages_carry_no_dated_measurements(page):
-    """A figure on a user page is the current one, its date and command in
-    docs/benchmarks.md#current-figures; what it was before, and when, is
-    in docs/results/history.md and CHANGELOG.md."""
-    text = _read(os.path.join(ROOT, page))
-    found = ['%s:%d: %s' % (page, text.count('\n', 0, m.start()) + 1,
-                            m.group(0)) for m in _DATE.finditer(text)]
+    """A figure on a user page is the current one, its command in
+    docs/benchmarks.md#current-figures, where one 'Measured on' sentence
+    per table dates it; what it was before, and when, is in
+    docs/results/history.md and CHANGELOG.md."""
+    found = _misdated(page, _read(os.path.join(ROOT, page)))
     assert not found, ('dated measurements on a user page (move them to '
                        'docs/results/history.md):\n' + '\n'.join(found))
+
+
+def test_benchmarks_md_dates_only_its_tables():
+    """The checker itself: on benchmarks.md a table's 'Measured on'
+    sentence passes; a rerun's date in prose fails, and so does a second
+    dated sentence for one table."""
+    table = '| case | s |\n|---|---|\n| flat | 1.0 |\n'
+    page = 'docs/benchmarks.md'
+    assert not _misdated(page, 'Measured on 2026-11-25, 3 runs.\n\n' + table)
+    assert _misdated(page, 'Rerun 2026-11-25: 1.84x slower.\n\n' + table)
+    assert _misdated(page, 'Measured on 2026-11-25.  Measured on '
+                     '2026-11-22 too.\n\n' + table)
+    assert _misdated('docs/zero.md', 'Measured on 2026-11-25.\n\n' + table)
+
+
+# -- every ratio says which way it goes -------------------------------------
+
+# A ratio: '1.84x', '1.64-1.87x', '2×' (not '1024x1024', '0x1f').
+_RATIO = re.compile(r'(?<![\w.])\d+(?:\.\d+)?(?:\s*[-–]\s*\d+(?:\.\d+)?)?'
+                    r'[x×](?![\w])')
+# Which way it goes, said in words...
+_DIRECTION = re.compile(
+    r'\b(?:faster|slower|quicker|fewer|more|less|larger|smaller|longer|'
+    r'shorter|higher|lower|bigger|greater|speed-?ups?|slow-?downs?|'
+    r'as (?:long|much|many|fast|large|big)|the size of|times)\b', re.I)
+# ... or by the ratio's own terms just before it: 'ring / server 1.42x',
+# '`flat` / gloo: 0.98x' (not a spread's 'min / median / max') ...
+_QUOTIENT = re.compile(r"(?<![\w`'-])(?!(?:min|median|max)\b)[A-Za-z_`']"
+                       r"[\w`'-]*\s/\s[`(]?(?!(?:min|median|max)\b)[A-Za-z_]")
+_QUOTIENT_REACH = 60
+# ... or right after it: '1.06x the bound', '1.10x of its bound'.
+_OF_WHAT = re.compile(r'\s*(?:of|the|its|their)\b', re.I)
+
+
+def _says_which_way(text):
+    """``text`` (a sentence, a cell, a header) says which way its ratios
+    go: a direction word anywhere in it; else a quotient just before each
+    ratio, or 'of' / 'the' right after it (a header, which holds no ratio:
+    a quotient anywhere)."""
+    if _DIRECTION.search(text):
+        return True
+    ratios = list(_RATIO.finditer(text))
+    if not ratios:
+        return bool(_QUOTIENT.search(text))
+    return any(_OF_WHAT.match(text, m.end()) or _QUOTIENT.search(
+        text, max(0, m.start() - _QUOTIENT_REACH), m.start())
+        for m in ratios)
+
+
+def _cells(line):
+    return [c.strip() for c in line.strip().strip('|').split('|')]
+
+
+def _bare_ratios(text):
+    """(line, text) of each ratio that does not say which way it goes: in
+    prose, no direction in its sentence; in a table, none in its cell,
+    its column's header or its row's first cell."""
+    text = _FENCE.sub(lambda m: '\n' * m.group(0).count('\n'), text)
+    text = re.sub(r'`[^`\n]*`', lambda m: 'C' * len(m.group(0)), text)
+    lines, bare, prose = text.split('\n'), [], []
+    header = None
+    for number, line in enumerate(lines, 1):
+        if not line.lstrip().startswith('|'):
+            header = None
+            prose.append(line)
+            continue
+        prose.append('')
+        cells = _cells(line)
+        if header is None:
+            header = cells
+            continue
+        for k, cell in enumerate(cells):
+            head = header[k] if k < len(header) else ''
+            if _RATIO.search(cell) and not any(
+                    _says_which_way(t) for t in (cell, head, cells[0])):
+                bare.append((number, cell))
+    prose = '\n'.join(prose)
+    start = 0
+    for sentence in re.split(r'(?<=[.;:!?])\s+(?=[A-Z(*`-])|;\s+|'
+                             r'\n\s*\n|\n\s*[-*]\s', prose):
+        at = prose.find(sentence, start)
+        start = max(start, at)
+        if _RATIO.search(sentence) and not _says_which_way(sentence):
+            bare.append((_line(prose, at), ' '.join(sentence.split())))
+    return bare
+
+
+@pytest.mark.parametrize('page', _user_pages())
+def test_every_ratio_says_which_way_it_goes(page):
+    """'1.84x' alone leaves the reader to guess; '1.84x slower than a raw
+    Allreduce' does not.  (docs/results/ is the record, not held to it.)"""
+    found = ['%s:%d: %s' % (page, number, sentence)
+             for number, sentence in
+             _bare_ratios(_read(os.path.join(ROOT, page)))]
+    assert not found, ('ratios that do not say which way they go (add '
+                       '"faster than", "as long as", "of", ...):\n'
+                       + '\n'.join(found))
+
+
+def test_a_bare_ratio_is_found():
+    """The checker itself: '1.84x' alone fails, in prose and in a table
+    whose header does not say which way; with its direction it passes."""
+    assert _bare_ratios('`flat` float32 is 1.84x at N=2.\n')
+    assert _bare_ratios('| case | ratio |\n|---|---|\n| flat | 1.84x |\n')
+    assert _bare_ratios('The paper reports 1.8x at 16 nodes.\n')
+    assert _bare_ratios('17.2 s (min / median / max) against 52.4 s, '
+                        '3.0x in the pairs.\n')
+    assert not _bare_ratios('ring / server 1.42x at 1 Gbit/s.\n')
+    assert not _bare_ratios('`flat` float32 is 1.84x slower than a raw '
+                            'Allreduce.\n')
+    assert not _bare_ratios('It takes 1.06x the bound; 1024x1024 layers.\n')
+    assert not _bare_ratios('| case | speed-up (x faster) |\n|---|---|\n'
+                            '| flat | 1.84x |\n')
 
 
 # -- a figure quoted on several pages says the same everywhere --------------
