@@ -344,3 +344,46 @@ def test_bad_arguments_in_the_background_are_an_error_everywhere():
             comm.reduce_scatter_mean_async(named, per).wait()
     finally:
         comm.finalize()
+
+
+def test_no_empty_gradient_set_is_reduce_scattered():
+    """From the third update on every gradient is in a bucket: nothing is
+    left for after backward, and no empty set is reduce-scattered (a
+    collective and a layout check a step); no other collective of the
+    step is empty either."""
+    comm = mnopt.create_communicator('flat', bucket_bytes=600)
+    try:
+        numpy.random.seed(comm.rank)
+        model = Net()
+        opt = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.Adam(), comm, shard_state=True,
+            overlap=True).setup(model)
+        calls = []
+
+        def recorded(method):
+            original = getattr(comm, method)
+
+            def record(named, *args, **kwds):
+                named = list(named)
+                calls.append((method, [n for n, _ in named]))
+                return original(named, *args, **kwds)
+            setattr(comm, method, record)
+        for method in ('reduce_scatter_mean_async', 'reduce_scatter_mean',
+                       'allgather_params', 'mean_grads_async', 'mean_grads'):
+            recorded(method)
+        updates = 10
+        for x, t in batches(comm.rank, updates):
+            opt.update(model, x, t)
+        buckets = opt.overlap_stats['buckets']
+        assert buckets > 3
+        assert opt.overlap_stats['during_backward'] == buckets
+    finally:
+        comm.finalize()
+    empty = [method for method, names in calls if not names]
+    assert empty == [], calls
+    scattered = [names for method, names in calls
+                 if method == 'reduce_scatter_mean_async']
+    # The first two updates: everything after backward; then the buckets.
+    assert len(scattered) == 2 + (updates - 2) * buckets
+    # Every update but the first (a broadcast) gathers the parameters.
+    assert [m for m, _ in calls].count('allgather_params') == updates - 1

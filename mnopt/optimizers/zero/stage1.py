@@ -70,19 +70,23 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         return total
 
     # ------------------------------------------------------------ steps
-    def _next_step(self):
-        """As the unsharded optimizer's, plus: every rank's problems (an
-        unsupported hook, a snapshot of another sharding) are raised on
-        every rank, and a snapshot must be loaded on every rank or on
-        none."""
+    def _agree_step(self, pending):
+        """``(step, whether any rank is pending)`` in the step's one
+        exchange, as the unsharded optimizer's (``_next_step`` is the step
+        alone; stage 2's ``pending``: gradients left to reduce-scatter
+        after backward), plus: every rank's problems (an unsupported
+        hook, a snapshot of another sharding) are raised on every rank,
+        and a snapshot must be loaded on every rank or on none."""
         loaded, changed = self._take_param_set()
         problem = optimizer_problem(self.actual_optimizer)
         if loaded and problem is None and self._loaded_share is not None:
             problem = self._loaded_share[1]
         votes = self.communicator.everyone(
-            (loaded, changed, problem), 'the sharded optimizer\'s next step')
-        bad = ['rank %d: %s' % (r, p) for r, (_, _, p) in enumerate(votes)
-               if p]
+            (loaded, changed, problem, bool(pending)),
+            'the sharded optimizer\'s next step')
+        anyone_pending = any(v[3] for v in votes)
+        bad = ['rank %d: %s' % (r, v[2]) for r, v in enumerate(votes)
+               if v[2]]
         if bad:
             raise ValueError('sharded optimizer: %s' % '; '.join(bad))
         if any(v[0] for v in votes):
@@ -93,14 +97,14 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
                     'loaded one, ranks %s did not)'
                     % ([r for r, v in enumerate(votes) if v[0]],
                        [r for r, v in enumerate(votes) if not v[0]]))
-            return RESUME
+            return RESUME, anyone_pending
         if any(v[1] != changed for v in votes):
             raise RuntimeError(
                 'the parameter set changed on ranks %s but not on ranks %s; '
                 'every rank must add or initialise parameters at the same '
                 'update' % ([r for r, v in enumerate(votes) if v[1]],
                             [r for r, v in enumerate(votes) if not v[1]]))
-        return BROADCAST if changed else AVERAGE
+        return BROADCAST if changed else AVERAGE, anyone_pending
 
     def _make_replicas_agree(self):
         """After every rank loaded its share: the owners from the

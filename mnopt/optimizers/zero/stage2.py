@@ -73,11 +73,12 @@ class ShardedOverlap(Overlap):
         return self.comm.reduce_scatter_mean_async(named, per_rank)
 
     def finish(self):
-        """Queue the buckets backward did not finish, then one
-        reduce-scatter of the rest: the parameters outside the plan, and
-        the gradients that planned parameters got from a use outside
-        their link (added to the mean in ``adopt``).  Returns the
-        handles."""
+        """Queue the buckets backward did not finish; the rest (the
+        parameters outside the plan, and the gradients that planned
+        parameters got from a use outside their link, added to the mean
+        in ``adopt``) waits in ``rest`` for ``send_rest``'s one
+        reduce-scatter, where any rank has some (overlap's ``finish``).
+        Returns the handles."""
         params = self.params()
         covered = self.launch_remaining(params)
         if self.plan is None:
@@ -90,9 +91,8 @@ class ShardedOverlap(Overlap):
         self.extra = {n for n in self.fired if params[n].grad is not None}
         rest = [n for n in sorted(params) if params[n].array is not None
                 and (n not in covered or n in self.extra)]
-        self.handles.append(self.send(
-            [(n, g) for n, g in ((n, self.gradient(params[n]))
-                                 for n in rest) if g is not None]))
+        self.rest = [(n, g) for n, g in ((n, self.gradient(params[n]))
+                                         for n in rest) if g is not None]
         return self.handles
 
     def adopt(self):
@@ -182,20 +182,20 @@ class ShardedGradsOptimizer(ShardedStateOptimizer):
                                 actual.t)
             order, per_rank = self._plan()   # owners of new parameters
             used = dict(self.owners)
-            handles = ov.finish()
+            ov.finish()
+            # Whether any rank has gradients no bucket holds rides on the
+            # step's exchange: from the third update on usually none
+            # does, and no empty set is reduce-scattered (a collective
+            # and a layout check a step).
+            step, anyone_has_rest = self._agree_step(bool(ov.rest))
+            ov.send_rest(anyone_has_rest)
         except Exception:
-            # A bucket's error (every rank has it) or the loss's: nothing
-            # is left running.
+            # A bucket's error or the step's (every rank has it), or the
+            # loss's; what is in flight fails or ends alike: wait for it,
+            # so that nothing is left running.
             self._wait_all(ov.handles, quiet=True)
             raise
-        try:
-            step = self._next_step()
-        except Exception:
-            # Every rank raises this; what is in flight fails or ends
-            # alike: wait for it, so that nothing is left running.
-            self._wait_all(handles, quiet=True)
-            raise
-        self._wait_all(handles)
+        self._wait_all(ov.handles)
         ov.adopt()
         if step is BROADCAST:
             ov.forget_plan()
