@@ -99,6 +99,30 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
     assert 'snapshot   %s' % (tmp_path / 'snapshot_iter_4.npz') in proc.stdout
 
 
+def test_the_plots_say_their_units():
+    pytest.importorskip('matplotlib')
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from conftest import imagenet_example_module
+    plots = imagenet_example_module('plots')
+    points = {key: [[1, 0.5], [2, 0.25]] for _, keys in plots.FIGURES
+              for key in keys}
+    for file_name, keys in plots.FIGURES:
+        figure = plots.figure_of(plt, file_name, keys, points)
+        try:
+            assert figure.axes[0].get_xlabel() == 'epoch'
+            label = figure.axes[0].get_ylabel()
+            assert label, file_name
+            if file_name == 'communication.png':
+                # Observed in seconds, drawn in milliseconds.
+                assert label == 'milliseconds per step'
+                assert list(figure.axes[0].lines[0].get_ydata()) == \
+                    [500.0, 250.0]
+        finally:
+            plt.close(figure)
+
+
 @pytest.mark.parametrize('double_buffering', [False, True])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
                                                 double_buffering):

@@ -23,6 +23,12 @@ import numpy
 FIGURES = (('accuracy.png', ('main/accuracy', 'validation/main/accuracy')),
            ('loss.png', ('main/loss', 'validation/main/loss')),
            ('communication.png', ('comm/exposed', 'comm/hidden')))
+#: Each figure's y axis: (its label, with the unit, and the factor from
+#: the observed values to it): the communication in milliseconds per
+#: step, as the table shows it (observed in seconds).
+Y_AXES = {'accuracy.png': ('accuracy (fraction of images right)', 1),
+          'loss.png': ('loss (softmax cross entropy)', 1),
+          'communication.png': ('milliseconds per step', 1e3)}
 #: The extension's name in the trainer, so in the snapshot.
 NAME = 'epoch_plots'
 #: Where the snapshot keeps its state.
@@ -146,18 +152,28 @@ def draw(points, out):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     for file_name, keys in FIGURES:
-        drawn = [k for k in keys if points.get(k)]
-        if not drawn:
+        figure = figure_of(plt, file_name, keys, points)
+        if figure is None:
             continue
-        figure = plt.figure()
-        axes = figure.add_subplot(111)
-        axes.set_xlabel('epoch')
-        axes.grid()
-        for key in drawn:
-            epochs, means = zip(*points[key])
-            axes.plot(epochs, means, marker='x', label=key)
-        legend = axes.legend(bbox_to_anchor=(1.05, 1), loc=2,
-                             borderaxespad=0.)
-        figure.savefig(os.path.join(out, file_name),
-                       bbox_extra_artists=(legend,), bbox_inches='tight')
+        figure.savefig(os.path.join(out, file_name), bbox_extra_artists=(
+            figure.axes[0].get_legend(),), bbox_inches='tight')
         plt.close(figure)
+
+
+def figure_of(plt, file_name, keys, points):
+    """The figure ``file_name`` of ``keys``' points (None where none has
+    any), its y axis labelled in its unit (Y_AXES)."""
+    drawn = [k for k in keys if points.get(k)]
+    if not drawn:
+        return None
+    label, scale = Y_AXES[file_name]
+    figure = plt.figure()
+    axes = figure.add_subplot(111)
+    axes.set_xlabel('epoch')
+    axes.set_ylabel(label)
+    axes.grid()
+    for key in drawn:
+        epochs, means = zip(*points[key])
+        axes.plot(epochs, [m * scale for m in means], marker='x', label=key)
+    axes.legend(bbox_to_anchor=(1.05, 1), loc=2, borderaxespad=0.)
+    return figure
