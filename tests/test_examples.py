@@ -346,6 +346,55 @@ def test_resume_auto_skips_a_damaged_snapshot(tmp_path, data_cache,
     assert (out / 'snapshot_iter_6.npz').exists()
 
 
+def test_resume_auto_refuses_another_configurations_snapshot(
+        tmp_path, data_cache, two_snapshots):
+    out = copy_of(two_snapshots, tmp_path)
+    proc = train(2, out, data_cache, '--iteration', '6', '--arch', 'nin',
+                 '--resume', 'auto', timeout=120)
+    assert proc.returncode != 0
+    said = ('train_imagenet.py: --resume auto: the newest snapshot in %s is '
+            'snapshot_iter_4.npz, and it is of a run with --arch smallcnn '
+            '--insize 48 --n-classes 8; this run has --arch nin --insize 48 '
+            '--n-classes 8. Run with its settings to continue it, give '
+            'another --out to start afresh' % out)
+    assert proc.stderr.count(said) == 2, proc.stderr[-3000:]  # every rank
+    assert 'resumed from' not in proc.stdout
+    assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+
+
+def set_config(path, **config):
+    """Rewrite the configuration the shared file ``path`` records, as if
+    another run had written it (its time of writing kept)."""
+    written = os.stat(str(path))
+    with numpy.load(str(path)) as f:
+        members = {k: f[k] for k in f.files}
+    key = 'extensions/rank_snapshot/config'
+    members[key] = numpy.asarray(json.dumps(
+        dict(json.loads(str(members[key])), **config), sort_keys=True))
+    with open(str(path), 'wb') as f:
+        numpy.savez(f, **members)
+    os.utime(str(path), ns=(written.st_atime_ns, written.st_mtime_ns))
+
+
+def test_resume_auto_never_falls_back_to_another_configuration(
+        tmp_path, data_cache, two_snapshots):
+    # The newest snapshot damaged, the one before it another run's, of
+    # another model: skipped, said, and the run starts afresh.
+    out = copy_of(two_snapshots, tmp_path)
+    set_config(out / 'snapshot_iter_2.npz', arch='nin')
+    damage_stored_member(str(out / 'snapshot_iter_4.npz'))
+    proc = train(2, out, data_cache, '--iteration', '2', '--resume', 'auto',
+                 timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'resumed from' not in proc.stdout, proc.stdout[-3000:]
+    assert 'training   2 iterations this run in' in proc.stdout
+    assert 'skipping snapshot snapshot_iter_2.npz, which not every rank ' \
+        'can load: rank 0: it is of a run with --arch nin --insize 48 ' \
+        '--n-classes 8; this run has --arch smallcnn' in proc.stderr, \
+        proc.stderr[-3000:]
+    assert 'skipping snapshot snapshot_iter_4.npz' in proc.stderr
+
+
 @pytest.mark.parametrize('rank', [0, 1])
 def test_resume_with_a_rank_file_missing_is_an_error(tmp_path, data_cache,
                                                      two_snapshots, rank):

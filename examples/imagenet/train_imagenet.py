@@ -689,38 +689,52 @@ def snapshots_by_write(out):
 
 
 def newest_complete_snapshot(out, comm, config):
-    """The newest written snapshot in ``out`` that every rank can resume
-    from (a crash mid-write leaves the others behind; damaged bytes are
-    found by the zip CRCs), or None; rank 0 warns naming each newer one
-    skipped.  Newest by when it was written (rank 0's listing, for every
-    rank), not by its iteration: another run in the same --out.  Exits on
-    every rank, saying why, where that snapshot's run had another
-    ``config`` than this one."""
+    """The newest written snapshot in ``out`` of this run's ``config``
+    that every rank can resume from (a crash mid-write leaves the others
+    behind; damaged bytes are found by the zip CRCs), or None; rank 0 warns
+    naming each newer one skipped.  Newest by when it was written (rank
+    0's listing, for every rank), not by its iteration: another run in the
+    same --out.  Exits on every rank, saying why, where the newest written
+    snapshot is whole and of another ``config`` (another run's folder); an
+    older one of another config, reached past damaged ones, is skipped."""
     order = comm.everyone(snapshots_by_write(out) if comm.rank == 0
                           else None, 'the order of the snapshots')[0]
     position = {'snapshot_iter_%d.npz' % i: k for k, i in enumerate(order)}
     names = ['snapshot_iter_%d.npz' % i for i in snapshot_iterations(out)]
-    newest = newest_loadable(
-        comm, {name: _resume_problem(os.path.join(out, name), comm)
-               for name in names}, key=lambda n: position.get(n, -1))
-    if newest is None:
-        return None
-    path = os.path.join(out, newest)
-    problem = None
+    problems = {name: _resume_problem(os.path.join(out, name), comm)
+                for name in names}
+    refusal = None
+    if comm.rank == 0:   # the shared files: one reader says for everyone
+        differs = {name: other_config(os.path.join(out, name), config)
+                   for name in names if problems[name] is None}
+        problems.update((n, p) for n, p in differs.items() if p)
+        newest = 'snapshot_iter_%d.npz' % order[-1] if order else None
+        if differs.get(newest):
+            refusal = (
+                '--resume auto: the newest snapshot in %s is %s, and %s. Run '
+                'with its settings to continue it, give another --out to '
+                'start afresh, or --resume PATH to name a snapshot' % (
+                    out, newest, differs[newest]))
+    # Rank 0's word, the same message on every rank.
+    refusal = comm.everyone(refusal, 'whether the snapshot fits this run')[0]
+    if refusal:
+        sys.exit('train_imagenet.py: ' + refusal)
+    newest = newest_loadable(comm, problems,
+                             key=lambda n: position.get(n, -1))
+    return None if newest is None else os.path.join(out, newest)
+
+
+def other_config(path, config):
+    """None where the snapshot whose shared file is ``path`` was written
+    with ``config`` (or records none: written before the example recorded
+    it), else how the two differ, in the example's flags."""
     with numpy.load(path) as f:
         saved = json.loads(str(f[CONFIG_KEY])) if CONFIG_KEY in f.files \
             else None
-    if saved is not None and saved != config:
-        problem = ValueError(
-            '--resume auto: the newest snapshot in %s, %s, is of a run with '
-            '%s; this run has %s: run with its settings, give another --out '
-            'to start afresh, or --resume PATH to name a snapshot' % (
-                out, newest, _flags(saved), _flags(config)))
-    try:
-        comm.raise_together(problem, 'whether the snapshot fits this run')
-    except (ValueError, RuntimeError) as e:
-        sys.exit('train_imagenet.py: %s' % e)
-    return path
+    if saved is None or saved == config:
+        return None
+    return 'it is of a run with %s; this run has %s' % (_flags(saved),
+                                                        _flags(config))
 
 
 def _flags(config):
