@@ -51,6 +51,13 @@ __version__ = '0.1.0'
 # Chainer 7.8.1 under NumPy 2 (a no-op under NumPy 1 or once Chainer is in).
 _mnopt_chainer_numpy2.install_import_hook()
 
+# A rank launched as one of several that dies of an uncaught exception
+# aborts the job, also before its first create_communicator (which every
+# other rank would wait in for ever): mnopt/global_except_hook.py.  It
+# starts nothing here.
+from mnopt import global_except_hook  # noqa: E402
+global_except_hook.install_at_import()
+
 #: The core, imported on first use: ``import mnopt`` must not start MPI
 #: (importing mpi4py.MPI initialises it), because the processes a script's
 #: multiprocessing forkserver starts import the script, and with it mnopt,

@@ -3,26 +3,114 @@
 Without it, the other ranks wait forever in their next collective.  This
 does what ``python -m mpi4py script.py`` does, for scripts launched as
 plain ``python script.py``.
+
+``import mnopt`` installs it in a process that an MPI launcher started as
+one of several (``install_at_import``), so that a rank failing before its
+first ``create_communicator`` ends the job too: MPI's start waits for
+every rank, so without the abort the others would wait there for ever.
 """
 
 import logging
+import os
+import signal
 import sys
 import time
 
+from mnopt import launched
 from mnopt import log
 
 logger = log.get(__name__)
 
 _installed = False
+#: The process ``install_at_import`` found launched as one of several (its
+#: pid: a fork of it is not), or None.
+_launched_pid = None
 
 #: Seconds to let the launcher forward this rank's output before the abort
 #: tears the job down (without it the traceback was sometimes lost).
 FORWARD_SECONDS = 1.0
 
 
+#: Seconds a process that failed before MPI started gives MPI to start
+#: (it starts once every rank starts it: the others may still be busy
+#: before their create_communicator) before the process ends itself by a
+#: signal instead, which MPICH's and Open MPI's mpiexec take as the end of
+#: the job (a plain non-zero exit does not end MPICH's).
+START_MPI_SECONDS = 10
+
+#: The variables in which launchers give a process its rank in the job
+#: (for the message before MPI has started): MPICH's and Intel MPI's
+#: Hydra, Open MPI, PMIx, MVAPICH2, Slurm.
+RANK_VARIABLES = ('PMI_RANK', 'OMPI_COMM_WORLD_RANK', 'PMIX_RANK',
+                  'MV2_COMM_WORLD_RANK', 'SLURM_PROCID')
+
+
 def _abort_hook(exc_type, exc_value, exc_traceback):
     _previous(exc_type, exc_value, exc_traceback)
-    abort('uncaught exception')
+    if _mpi_started():
+        abort('uncaught exception')
+    elif _launched_pid == os.getpid() and not _multiprocessing_child():
+        abort_before_mpi('uncaught exception')
+
+
+def _mpi_started():
+    """Whether MPI runs in this process (told without starting it)."""
+    mpi = sys.modules.get('mpi4py.MPI')
+    try:
+        return mpi is not None and mpi.Is_initialized() and \
+            not mpi.Is_finalized()
+    except Exception:
+        return False
+
+
+def _multiprocessing_child():
+    """Whether this process is one that multiprocessing started (a
+    forkserver's or spawn's child imports the script, and mnopt with it,
+    with the launcher's variables but is no rank of the job)."""
+    mp = sys.modules.get('multiprocessing')
+    return mp is not None and mp.parent_process() is not None
+
+
+def install_at_import(environ=None):
+    """Install the hook (``add_hook``) where ``environ`` (os.environ) says
+    that a launcher started this process as one of several (MPI's
+    variables: mnopt/launched.py), unless multiprocessing started it.
+    Starts nothing: MPI starts only if an exception reaches the hook."""
+    global _launched_pid
+    sizes = launched.job_sizes(os.environ if environ is None else environ)
+    if any(n > 1 for n in sizes.values()) and not _multiprocessing_child():
+        _launched_pid = os.getpid()
+        add_hook()
+
+
+def abort_before_mpi(why, code=1):
+    """Abort the job from a process in which MPI has not started: say
+    ``why``, start MPI (which waits for every rank to start it) and abort;
+    if MPI has not started after START_MPI_SECONDS, end this process by
+    SIGALRM, which the launcher takes as the end of the job."""
+    rank = next(('rank ' + os.environ[v] for v in RANK_VARIABLES
+                 if v in os.environ), 'this process')
+    log.say(logger, logging.ERROR,
+            'mnopt: %s on %s before MPI started; aborting the MPI job',
+            why, rank, last_words=True)
+    log.flush(__name__)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        # MPI's start holds the GIL: only a signal ends a wait that is
+        # too long.  The default action of SIGALRM ends the process.
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(START_MPI_SECONDS)
+        from mpi4py import MPI
+        if not MPI.Is_initialized():   # mpi4py.rc.initialize = False
+            MPI.Init_thread()
+        signal.alarm(0)
+    except Exception:
+        return
+    _abort_started(code)
 
 
 def abort(why, code=1):
@@ -40,9 +128,18 @@ def abort(why, code=1):
             'mnopt: %s on rank %d; aborting the MPI job', why,
             MPI.COMM_WORLD.rank, last_words=True)
     log.flush(__name__)
+    _abort_started(code)
+
+
+def _abort_started(code):
+    """MPI_Abort over COMM_WORLD (MPI started), once the launcher has had
+    the time to forward what this process said; nothing where this
+    process is alone in its world."""
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.size == 1:
+        return
     time.sleep(FORWARD_SECONDS)
     MPI.COMM_WORLD.Abort(code)
-
 
 
 def run_or_abort(fn, *args):
@@ -64,8 +161,20 @@ _previous = sys.excepthook
 
 
 def add_hook():
+    """Abort the job when an exception reaches sys.excepthook (once
+    printed by the hook it replaces)."""
     global _installed, _previous
     if not _installed:
         _previous = sys.excepthook
         sys.excepthook = _abort_hook
         _installed = True
+
+
+def remove_hook():
+    """Undo ``add_hook`` (``create_communicator(abort_on_exception=
+    False)`` after ``import mnopt`` installed it), where the hook is still
+    sys.excepthook."""
+    global _installed
+    if _installed and sys.excepthook is _abort_hook:
+        sys.excepthook = _previous
+        _installed = False
