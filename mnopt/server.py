@@ -28,6 +28,7 @@ the protocol (mnopt/server_protocol.py), the job's roles and channels
 """
 
 import argparse
+import sys
 import threading
 import time
 
@@ -63,6 +64,15 @@ def main(argv=None):
     waiting.kind()
     world = MPI.COMM_WORLD
     the_job = job(default_role='server')
+    if not the_job.workers:
+        # Every process sees the same roles: each exits, the first says why.
+        if world.rank == the_job.servers[0]:
+            print('python -m mnopt.server: error: no workers: every process '
+                  'of the job is a reduction server.  Launch the training '
+                  'script beside the servers, as in mpiexec -n W python '
+                  'train.py : -n S python -m mnopt.server (workers first)',
+                  file=sys.stderr, flush=True)
+        sys.exit(2)
     # Mirror the workers' start-up: the split and the two channels.
     _, chans = the_job.channels()
     index = the_job.servers.index(world.rank)
