@@ -28,6 +28,7 @@ from mnopt import sign
 from mnopt import step_stats
 from mnopt import timeline as timelines
 from mnopt.transport import agreement
+from mnopt.transport import waiting
 from mnopt.arrays import array_module
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.background import thread_setup
@@ -93,6 +94,9 @@ class Averaging(object):
         #: each in ``stats``).
         self.allgathers = self.agreements = 0
         self._lock = threading.Lock()
+        #: (duplicate, request) of the background's MPI_Comm_idup while
+        #: its wait is unfinished (``_duplicate``).
+        self._pending_duplicate = None
 
     sync_group = property(lambda self: self.resources.sync_group)
     async_group = property(lambda self: self.resources.async_group)
@@ -141,12 +145,25 @@ class Averaging(object):
                 raise RuntimeError(
                     'asynchronous averaging needs MPI_THREAD_MULTIPLE; this '
                     'MPI was initialised with a lower thread level')
-            # Dup is collective: every rank reaches this at the same call.
-            resources.async_group = self._make_group()(self._mpi_comm.Dup())
+            resources.async_group = self._make_group()(self._duplicate())
             resources.executor = ThreadPoolExecutor(
                 1, thread_name_prefix='mnopt-%s' % self._name,
                 initializer=_setup_averaging_thread, initargs=(self.timeline,))
         return resources.executor
+
+    def _duplicate(self):
+        """A duplicate of the communicator for the background thread,
+        made collectively, maybe long after this rank arrives: MPI's Dup
+        would hold the caller without a look at Python's signals (Ctrl-C
+        ignored) until the last rank arrives; an Idup is waited for
+        between polls, and a wait an exception ended is taken up again at
+        the next call (the other ranks' duplicate is this one)."""
+        if self._pending_duplicate is None:
+            self._pending_duplicate = self._mpi_comm.Idup()
+        duplicate, request = self._pending_duplicate
+        waiting.wait_all([request], pace=waiting.PATIENT)
+        self._pending_duplicate = None
+        return duplicate
 
 
 def _setup_averaging_thread(timeline):

@@ -383,6 +383,11 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     @watched('split')
     def split(self, color: int, key: int) -> CommunicatorBase:
         """A communicator of the same kind over ``mpi_comm.Split``."""
+        # Every rank arrives first at an exchange, waited for between
+        # polls (a late rank is reported, Ctrl-C ends the job): MPI's
+        # Split blocks the caller's thread without a look at Python's
+        # signals, so it must not be where the ranks wait for a late one.
+        self._agree(agreement.everyone, (color, key), 'split')
         sub = self.mpi_comm.Split(color, key)
         # Every setting, from the one record of them: a new setting
         # cannot be forgotten here.
