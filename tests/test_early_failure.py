@@ -90,6 +90,20 @@ def test_the_hook_is_installed_only_in_a_launched_process(tmp_path):
     assert 'parent True' in run()
 
 
+def test_abort_on_exception_false_removes_the_hook_import_installed():
+    code = ('import sys, mnopt\n'
+            'print("installed", sys.excepthook is not sys.__excepthook__)\n'
+            'mnopt.create_communicator("flat", abort_on_exception=False)\n'
+            'print("kept", sys.excepthook is not sys.__excepthook__)\n')
+    # One process whose environment says it is one of two: MPI starts
+    # alone (with a warning), which this check does not mind.
+    out = subprocess.run(
+        [sys.executable, '-c', code], capture_output=True, text=True,
+        cwd=REPO, timeout=slack(120),
+        env=dict(os.environ, PMI_SIZE='2', PYTHONPATH=python_path())).stdout
+    assert 'installed True' in out and 'kept False' in out, out
+
+
 WORKER = r'''
 import mnopt
 mnopt.create_communicator('reduction_server')

@@ -153,11 +153,13 @@ def create_communicator(communicator_name: str = 'auto',
     rank's value.  The communicator keeps its settings (``comm.settings``);
     ``comm.split`` makes one of the same kind with the same.
     """
+    from mnopt import global_except_hook
     if abort_on_exception:
         # First: whatever fails below (a bad setting on one rank) must end
         # the job, not leave the other ranks waiting for this one.
-        from mnopt import global_except_hook
         global_except_hook.add_hook()
+    else:   # the hook import mnopt installed in a launched process
+        global_except_hook.remove_hook()
     from mpi4py import MPI
     from mnopt import launched
     launched.warn_if_alone(MPI.COMM_WORLD.Get_size())
