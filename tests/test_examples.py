@@ -31,6 +31,25 @@ def data_cache(tmp_path_factory):
                               IMAGES_PER_CLASS, VAL_PER_CLASS)
 
 
+def shown(text):
+    """The example's output as a terminal shows it: without the progress
+    bar's cursor movements."""
+    return re.sub(r'\x1b\[\d*[A-Za-z]', '', text)
+
+
+def unwrapped(text):
+    """The example's output with its wrapped lines (the header's and the
+    summary's, continued under their text) joined again."""
+    return re.sub(r'\n {11}(?=\S)', ' ', shown(text))
+
+
+def within_80_columns(text):
+    """The lines of ``text`` longer than 80 columns, but a line of one
+    path alone (a path is never broken, so it can be copied)."""
+    return [line for line in text.splitlines()
+            if len(line) > 80 and len(line.split()) > 1]
+
+
 def train(n, out, cache, *flags, timeout=240, plot=False):
     """The example on ``n`` ranks; without its plots unless ``plot``
     (matplotlib took half of a short job's time)."""
@@ -52,11 +71,15 @@ def train(n, out, cache, *flags, timeout=240, plot=False):
     ['--communicator', 'flat', '--overlap', '--shard-state', '--loaderjob',
      '2'],   # ZeRO stage 2
     ['--communicator', 'flat', '--mnbn'],   # smallcnn's batch norms
+    ['--communicator', 'flat', '--compression', 'auto'],
 ], ids=['flat-nin', 'hierarchical-fp16', 'naive-double-buffering',
-        'overlap-stage2-loader-processes', 'mnbn'])
+        'overlap-stage2-loader-processes', 'mnbn', 'compression-auto'])
 def test_a_few_iterations(tmp_path, data_cache, flags):
     proc = train(2, tmp_path, data_cache, '--iteration', '4', *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The header and the summary within 80 columns, table included.
+    assert not within_80_columns(shown(proc.stdout)), shown(proc.stdout)
+    proc.stdout = unwrapped(proc.stdout)
     assert 'mnopt ImageNet example: 2 ranks' in proc.stdout
     assert proc.stdout.count('mnopt ImageNet example') == 1  # rank 0 only
     assert (tmp_path / 'log').exists()
@@ -71,19 +94,30 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
     assert proc.stdout.count('== mnopt: 2 ranks, communicator %s, wire %s'
                              % (name, wire)) == 1, proc.stdout[-2000:]
     assert 'training   4 iterations this run in' in proc.stdout
-    # The table: every line within 80 columns, in units and words (the
-    # log keeps the raw values).
-    shown = re.sub(r'\x1b\[\d*[A-Za-z]', '', proc.stdout)  # the bar's
-    assert all(len(line) <= 80 for line in shown.splitlines()
-               if not line.startswith(('mnopt ImageNet', '== mnopt',
-                                       'snapshot ', 'plots ', 'training '))
-               ), shown
-    rows = [line.split() for line in shown.splitlines()
+    # The closing line names the modes the header names, in its words.
+    header = re.search(r'^mnopt ImageNet example: (.*)$', proc.stdout,
+                       re.M).group(1)
+    closing = re.search(r'^== mnopt: (.*)$', proc.stdout, re.M).group(1)
+    assert header.startswith(closing + ', '), (header, closing)
+    for flag, mode in (('--double-buffering', 'double buffering'),
+                       ('--overlap', 'overlap'),
+                       ('--shard-state', 'sharded optimizer state'),
+                       ('--mnbn', 'multi-node batch normalization'),
+                       ('--compression', 'auto compression rank 1')):
+        assert (', ' + mode in closing) == (flag in flags), closing
+    if '--compression' in flags:
+        # What 'auto' chose, or that it has not yet: it times each
+        # gradient set both ways first.
+        assert re.search(r'^compression .* against .* plain \(\d+\.\d%\); '
+                         r'auto (chose PowerSGD for \d+ of \d+|had not '
+                         r'chosen yet)', proc.stdout, re.M), proc.stdout
+    # The table in units and words (the log keeps the raw values).
+    rows = [line.split() for line in proc.stdout.splitlines()
             if line.split()[:1] == ['0']]
     assert rows and all(r[-2] in ('none', 'r0', 'r1') for r in rows), rows
     # The bus bandwidth in units (absent before the first averaging ends).
     assert any(r[-3].endswith('B/s') for r in rows), rows
-    assert 'e+' not in shown and 'e-' not in shown, shown
+    assert 'e+' not in proc.stdout and 'e-' not in proc.stdout, proc.stdout
     # Each step's communication in the log (CommunicationReport), with who
     # the ranks waited for.
     with open(str(tmp_path / 'log')) as f:
@@ -96,7 +130,15 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
              '--overlap': 'overlap hid '}
     for flag, line in hides.items():
         assert (line in proc.stdout) == (flag in flags), proc.stdout[-2000:]
-    assert 'snapshot   %s' % (tmp_path / 'snapshot_iter_4.npz') in proc.stdout
+    assert summary_snapshot(proc.stdout) == str(tmp_path /
+                                                'snapshot_iter_4.npz')
+
+
+def summary_snapshot(stdout):
+    """The snapshot the summary names (the path may have a line of its
+    own)."""
+    return re.search(r'^snapshot\s+(\S+) \(--resume auto continues from '
+                     r'it\)', unwrapped(stdout), re.M).group(1)
 
 
 def test_the_plots_say_their_units():
@@ -346,6 +388,44 @@ def test_resume_auto_skips_a_damaged_snapshot(tmp_path, data_cache,
     assert (out / 'snapshot_iter_6.npz').exists()
 
 
+def test_a_run_on_other_ranks_in_the_same_out_keeps_to_itself(tmp_path,
+                                                             data_cache):
+    # make run, then make run NP=3 in the same --out: the 2-rank run's
+    # snapshot is at a later iteration (10) than any of the 3-rank run's.
+    proc = train(2, tmp_path, data_cache, '--iteration', '10',
+                 '--snapshot-interval', '10', '--keep-snapshots', '5')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # An epoch on 3 ranks: 27 images each, 4 a step: 7 iterations, the
+    # last no multiple of the log's interval (5).
+    proc = train(3, tmp_path, data_cache, '--epoch', '1',
+                 '--keep-snapshots', '5')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary_snapshot(proc.stdout) == str(tmp_path /
+                                                'snapshot_iter_7.npz')
+    with open(str(tmp_path / 'log')) as f:
+        log = json.load(f)
+    assert [e['iteration'] for e in log] == [5, 7], log
+    assert 'validation/main/accuracy' in log[-1], log
+    summary = unwrapped(proc.stdout)
+    assert re.search(r'^validation accuracy .* \(iteration 7, epoch 1;',
+                     summary, re.M), summary
+    assert re.search(r'^ +1 +7 ', summary, re.M), summary  # the table's
+    # --resume auto continues the run that wrote last, not the other's
+    # later iteration; its summary counts this run's iterations alone.
+    proc = train(3, tmp_path, data_cache, '--iteration', '9', '--resume',
+                 'auto')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'resumed from %s at iteration 7' % (
+        tmp_path / 'snapshot_iter_7.npz') in proc.stdout, proc.stdout
+    summary = unwrapped(proc.stdout)
+    assert re.search(r'^training   2 iterations this run \(7 before the '
+                     r'resume\) in [\d.]+ s: \d+ images/s', summary,
+                     re.M), summary
+    assert 'nan' not in summary
+    assert summary_snapshot(proc.stdout) == str(tmp_path /
+                                                'snapshot_iter_9.npz')
+
+
 def test_resume_auto_refuses_another_configurations_snapshot(
         tmp_path, data_cache, two_snapshots):
     out = copy_of(two_snapshots, tmp_path)
@@ -387,12 +467,37 @@ def test_resume_auto_never_falls_back_to_another_configuration(
                  timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'resumed from' not in proc.stdout, proc.stdout[-3000:]
-    assert 'training   2 iterations this run in' in proc.stdout
+    assert 'training   2 iterations this run in' in unwrapped(proc.stdout)
     assert 'skipping snapshot snapshot_iter_2.npz, which not every rank ' \
         'can load: rank 0: it is of a run with --arch nin --insize 48 ' \
         '--n-classes 8; this run has --arch smallcnn' in proc.stderr, \
         proc.stderr[-3000:]
     assert 'skipping snapshot snapshot_iter_4.npz' in proc.stderr
+
+
+def test_a_resumed_powersgd_runs_summary(tmp_path, data_cache):
+    flags = ['--compression', 'powersgd', '--powersgd-rank', '2',
+             '--double-buffering', '--snapshot-interval', '3']
+    proc = train(2, tmp_path, data_cache, '--iteration', '3', *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train(2, tmp_path, data_cache, '--iteration', '5', '--resume',
+                 'auto', *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)   # the summary, for whoever reads the test's output
+    summary = unwrapped(proc.stdout)
+    assert re.search(r'^== mnopt: 2 ranks, communicator \w+, wire float32, '
+                     r'powersgd compression rank 2, double buffering$',
+                     summary, re.M), summary
+    assert re.search(r'^training   2 iterations this run \(3 before the '
+                     r'resume\) in [\d.]+ s: \d+ images/s', summary,
+                     re.M), summary
+    assert 'nan' not in summary
+    # PowerSGD's factors against the plain gradients, per step.
+    sent = re.search(r'^compression ([\d.]+) (\w+) a step on the wire '
+                     r'against ([\d.]+) (\w+) plain \(([\d.]+)%\)$',
+                     summary, re.M)
+    assert sent, summary
+    assert 0 < float(sent.group(5)) < 100, sent.group(0)
 
 
 @pytest.mark.parametrize('rank', [0, 1])

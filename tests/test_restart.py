@@ -8,6 +8,7 @@ file) and with PowerSGD (each rank's residuals too)."""
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -124,6 +125,25 @@ def test_killed_rank_restart_is_bit_identical(tmp_path, data_cache, mode):
         'snapshot_iter_')[1].split('.npz')[0])
     assert resumed in (after - INTERVAL, after)   # both in epoch 1
     assert EPOCH < resumed < 2 * EPOCH
+    # The restarted run's summary: its own iterations, the ones before the
+    # resume apart, at a rate (not nan); its own last snapshot.
+    closing = out[out.rindex('== mnopt'):]
+    # Within 80 columns (a path alone on its line is never broken).
+    assert all(len(line) <= 80 or len(line.split()) == 1
+               for line in closing.splitlines()), closing
+    closing = re.sub(r'\n {11}(?=\S)', ' ', closing)
+    assert re.search(r'^training   %d iterations this run \(%d before the '
+                     r'resume\) in [\d.]+ s: \d+ images/s' % (
+                         ITERATIONS - resumed, resumed), closing, re.M), \
+        closing
+    assert 'nan' not in closing
+    assert re.search(r'^snapshot\s+%s ' % re.escape(str(
+        part / ('snapshot_iter_%d.npz' % ITERATIONS))), closing, re.M), \
+        closing
+    # The plots it drew, by name, in the folder it names once.
+    assert bool(re.search(r'^plots      accuracy\.png, loss\.png, '
+                          r'communication\.png in %s$' % re.escape(str(part)),
+                          closing, re.M)) == (mode == PLOTTED), closing
     snapshot_models_equal(whole / ('snapshot_iter_%d.npz' % ITERATIONS),
                           part / ('snapshot_iter_%d.npz' % ITERATIONS))
     snapshot_plots_equal(whole / ('snapshot_iter_%d.npz' % ITERATIONS),

@@ -4,6 +4,7 @@ two name the same), and the summary at the end, of this run alone (a
 resumed run's iterations before the resume are counted apart)."""
 
 import os
+import textwrap
 import time
 
 import chainer
@@ -11,6 +12,18 @@ from chainer import training
 import numpy
 
 import plots
+
+
+#: Where a summary line's continuation starts: under the first line's text.
+INDENT = ' ' * 11
+
+
+def wrapped(line, width=80):
+    """``line`` within ``width`` columns, continued under its text, as the
+    table's legend is (a path longer than a line stays whole, on a line of
+    its own, so it can be copied)."""
+    return textwrap.fill(line, width, subsequent_indent=INDENT,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def modes(args, comm):
@@ -105,9 +118,9 @@ def compression_line(comm, args, report, gradient_bytes):
         return None
     model_bytes = gradient_bytes
     sent = report.totals['bytes'] / report.totals['steps']
-    line = ('compression %s of gradients per step on the wire against '
-            '%s plain (%.1f%%)' % (_size(sent), _size(model_bytes),
-                                   100.0 * sent / max(model_bytes, 1)))
+    line = ('compression %s a step on the wire against %s plain (%.1f%%)'
+            % (_size(sent), _size(model_bytes),
+               100.0 * sent / max(model_bytes, 1)))
     low_rank = getattr(comm.averaging, 'low_rank', None)
     guard = getattr(low_rank, 'guard', None)
     if args.compression == 'auto' and guard is not None:
@@ -154,18 +167,19 @@ def summary(trainer, comm, args, throughput, averaging_seconds, elapsed,
     if compressed:
         lines.append(compressed)
     if last:
-        lines.append('validation accuracy %.3f, loss %.3f (epoch %d; chance '
-                     '%.3f)' % (last['validation/main/accuracy'],
-                                last['validation/main/loss'], last['epoch'],
-                                1.0 / args.n_classes))
+        lines.append('validation accuracy %.3f, loss %.3f (iteration %d, '
+                     'epoch %d; chance %.3f)' % (
+                         last['validation/main/accuracy'],
+                         last['validation/main/loss'], last['iteration'],
+                         last['epoch'], 1.0 / args.n_classes))
     out = args.out
-    drawn = [os.path.join(out, f) for f, _ in plots.FIGURES
+    drawn = [f for f, _ in plots.FIGURES
              if args.plot and os.path.exists(os.path.join(out, f))]
     if drawn:
-        lines.append('plots      ' + ', '.join(drawn))
+        lines.append('plots      %s in %s' % (', '.join(drawn), out))
     if snapshot:
         lines.append('snapshot   %s (--resume auto continues from it)'
                      % snapshot)
-    text = '\n'.join(lines)
+    text = '\n'.join(wrapped(line) for line in lines)
     print(text, flush=True)
     return text

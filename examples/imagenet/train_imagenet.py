@@ -884,11 +884,12 @@ def main(argv=None):
                        trigger=plots.every_iteration)
 
     if comm.rank == 0:
-        print('mnopt ImageNet example: %d ranks, communicator %s, %s, %s, '
-              '%s, batch %d per rank, %d training images'
-              % (comm.size, comm.name, run_summary.modes(args, comm),
-                 args.arch, 'GPU' if device >= 0 else 'CPU', args.batchsize,
-                 len(train) * comm.size))
+        print(run_summary.wrapped(
+            'mnopt ImageNet example: %d ranks, communicator %s, %s, %s, %s, '
+            'batch %d per rank, %d training images'
+            % (comm.size, comm.name, run_summary.modes(args, comm),
+               args.arch, 'GPU' if device >= 0 else 'CPU', args.batchsize,
+               len(train) * comm.size)))
     if args.resume == 'auto':
         args.resume = newest_complete_snapshot(args.out, comm, config)
         if comm.rank == 0 and os.environ.get('MNOPT_RESTART', '0') != '0':
