@@ -126,10 +126,11 @@ def compression_line(comm, args, report, gradient_bytes):
     if args.compression == 'auto' and guard is not None:
         chosen = list(guard.choices.values())
         compressed = sum(c == 'compressed' for c in chosen)
-        line += ('; auto chose PowerSGD for %d of %d gradient sets, plain '
-                 'for the rest' % (compressed, len(chosen)) if chosen else
-                 '; auto had not chosen yet (it times each gradient set '
-                 'both ways first)')
+        line += ('; auto chose PowerSGD for %d of %d gradient sets%s' % (
+            compressed, len(chosen),
+            ', plain for the rest' if compressed < len(chosen) else '')
+            if chosen else '; auto had not chosen yet (it times each '
+            'gradient set both ways first)')
     return line
 
 
