@@ -89,7 +89,9 @@ def create_communicator(communicator_name: str = 'auto',
             ``comm.tuned_settings`` says what was chosen).
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
-            the other ranks hanging).
+            the other ranks hanging); ``import mnopt`` already installs it
+            in a process an MPI launcher started as one of several, and
+            False removes it.
         compression: None; ``'sign'``: signSGD with majority vote (see
             mnopt/sign.py): every rank's gradients become signs and one
             scale per array; the result is the element-wise majority sign
