@@ -350,6 +350,8 @@ class AveragingPipeline(object):
         step = averaging.next_step()
         # Warm-up counts iterations; the votes' coin, averagings.
         warm = step if iteration is None else iteration
+        if averaging.comm_hook is not None:
+            return averaging.comm_hook.mean(self, group, named, xp, step)
         if self.compression == 'sign' and warm >= self.warmup_steps:
             return averaging.signs.mean(group, averaging.label(group), named,
                                         xp, step, self._vote, self.timeline,

@@ -41,6 +41,7 @@ from mnopt.communicators.chainer_glue import ChainerGlue
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
 from mnopt.communicators.communicator_base import CommunicatorBase
 from mnopt.communicators.compression import SignCompression
+from mnopt.communicators.registered_hook import CommHookRegistration
 from mnopt.communicators.low_rank import PowerSGDCompression
 from mnopt.communicators.janitor import release_after_collection
 from mnopt.communicators.janitor import release_collected, start_janitor
@@ -83,7 +84,7 @@ def _label(kind, mpi_comm):
 
 class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
                           ChainerMNCollectives, ChainerGlue,
-                          CommunicatorBase):
+                          CommHookRegistration, CommunicatorBase):
     """A data-parallel communicator on MPI (ChainerMN's API).
 
     Subclasses set ``name`` and implement ``_sum(buffer, group)``: sum the
@@ -148,6 +149,8 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         #: of collectives across ranks: the same on each of its ranks.
         self.timeline_name = label
         self.averaging.timeline = self.timeline
+        #: register_comm_hook's RegisteredHook, or None: plain averaging.
+        self.averaging.comm_hook = None
         #: The tuning of the settings passed as 'auto' (tuning.py); the
         #: values every averaging runs with, tuned or not.
         self.averaging.tuner = Tuner(

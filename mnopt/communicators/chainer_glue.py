@@ -99,6 +99,11 @@ class ChainerGlue(object):
         the first averaging of their layout builds its codec.
         """
         import chainer   # the Chainer layer's call
+        hook = self.averaging.comm_hook   # docs/hooks.md: its state
+        if hook is not None and local:
+            self.averaging.in_flight.wait()
+            hook.serialize(serializer['comm_hook'], not isinstance(
+                serializer, chainer.serializer.Deserializer))
         if self.compression is None:
             if local and self.rank == 0 and isinstance(
                     serializer, chainer.serializer.Deserializer):

@@ -96,6 +96,11 @@ class ShardedCollectives(object):
     def sharding_problem(self) -> str | None:
         """Why this communicator cannot run a sharded optimizer (a
         sentence), or None."""
+        if self.averaging.comm_hook is not None:
+            return ('a comm hook averages whole buckets; a sharded '
+                    'optimizer reduce-scatters, so that each rank receives '
+                    'the mean of its share only: register the hook without '
+                    'shard_state, or take it away (hook=None) first')
         if self.compression == 'sign':
             return ("compression='sign' sends one bit per gradient element "
                     'and every rank decodes the whole vote; a sharded '
