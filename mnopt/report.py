@@ -26,6 +26,7 @@ import sys
 
 from mnopt import report_rules as rules
 from mnopt import report_plot, step_stats, timeline, trace_analysis
+from mnopt import timeline_window
 
 #: '1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second (shared
 #: with the CommunicationReport: mnopt/step_stats.py).
@@ -38,13 +39,34 @@ def _cells(s):
         for k in ('compute', 'exposed', 'hidden', 'idle'))
 
 
+def _window_lines(a):
+    """What part of the job the traces hold: a window of its steps, a
+    file cut at its cap."""
+    lines, window = [], a.get('window')
+    if window and 'steps' in window:
+        start, stop = window['steps'].split(':')
+        lines.append('A window of the job: steps %s to %s only (%s=%s).' % (
+            start, int(stop) - 1 if stop else 'its end',
+            timeline_window.STEPS_ENV, window['steps']))
+    elif window:
+        lines.append('A window of the job: the steps between '
+                     'comm.start_timeline() and comm.stop_timeline() only.')
+    for rank, cut in sorted((a.get('truncated') or {}).items()):
+        lines.append('Rank %s: its file reached %s=%d bytes (noticed at '
+                     'step %s): what came after its last event is missing.'
+                     % (
+                         rank, timeline_window.MAX_BYTES_ENV,
+                         cut.get('max_bytes', 0), cut.get('step')))
+    return lines
+
+
 def format_text(a):
     """The report as text (``analyze``'s result)."""
     files = a['files'] if len(a['files']) <= 3 else [
         a['files'][0], '...', a['files'][-1]]
     lines = ['mnopt report: %d rank%s (%s); clocks aligned: %s' % (
         len(a['ranks']), '' if len(a['ranks']) == 1 else 's',
-        ', '.join(files), a['alignment']), '']
+        ', '.join(files), a['alignment'])] + _window_lines(a) + ['']
     if a['overall']:
         lines.append('Mean step, where its time goes:')
         head = ('', 'step', 'compute', 'exposed comm', 'hidden comm', 'idle')

@@ -64,6 +64,7 @@ import threading
 import time
 
 from mnopt import log
+from mnopt import timeline_window
 
 logger = log.get(__name__)
 
@@ -99,7 +100,7 @@ class NullTimeline(object):
 
     path = None
     record = instant = counter = mark_job = name_thread = flush = close = \
-        staticmethod(_nothing)
+        begin_step = start = stop = staticmethod(_nothing)
 
     def __bool__(self):
         return False
@@ -141,8 +142,14 @@ class Timeline(object):
     """
 
     def __init__(self, path, rank, origin=None, flush_every=0.5,
-                 batch=1024, role='rank', append=False):
+                 batch=1024, role='rank', append=False, steps=None,
+                 max_bytes=timeline_window.DEFAULT_MAX_BYTES):
         self.path, self.rank = path, int(rank)
+        #: Which steps it records (MNOPT_TIMELINE_STEPS, or the calls
+        #: start() and stop()); ``max_bytes``: the file's cap (0: none).
+        self.window = timeline_window.Window(steps)
+        self.max_bytes, self._written, self._full = max_bytes, 0, False
+        self._by_call = False       # start() or stop() was called
         self.origin = ORIGIN if origin is None else origin
         self._batch, self._first = batch, True
         self._events = []           # appended without a lock (one C call)
@@ -157,6 +164,7 @@ class Timeline(object):
         else:
             self._file = open(path, 'w', encoding='utf-8')
             self._file.write('[\n')
+            self._written = 2
         unix_us = (time.time() - (clock() - self.origin)) * 1e6
         for name, args in (('process_name', {'name': '%s %d' % (role,
                                                                  self.rank)}),
@@ -167,6 +175,10 @@ class Timeline(object):
                                             'rank': self.rank,
                                             'host': socket.gethostname()})):
             self._events.append(('M', name, None, 0.0, None, 0, args))
+        if steps is not None:
+            # The report says that the file holds a window of the job.
+            self._events.append(('M', 'mnopt_window', None, 0.0, None, 0, {
+                'steps': timeline_window.describe(steps)}))
         self.flush()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._flusher = threading.Thread(
@@ -215,12 +227,14 @@ class Timeline(object):
     def span(self, name, cat='', **args):
         """A context manager recording a complete event around its block;
         ``as s`` gives ``s.set(**args)`` for args known inside it."""
+        if not self.window.recording:     # outside the window: the no-op
+            return _NULL_SPAN
         return _Span(self, name, cat, args)
 
     def record(self, name, cat, start, end, **args):
         """A complete event from ``start`` to ``end``, two ``clock()``
         readings (seconds) taken elsewhere on this thread."""
-        if self._closed:
+        if self._closed or not self.window.recording:
             return
         self._events.append(('X', name, cat, start, end - start,
                              self._tid(), args))
@@ -229,7 +243,7 @@ class Timeline(object):
 
     def instant(self, name, cat='', **args):
         """A moment on this thread (a stall noticed, a rebuild)."""
-        if not self._closed:
+        if not self._closed and self.window.recording:
             self._events.append(('i', name, cat, clock(), None, self._tid(),
                                  args))
 
@@ -244,8 +258,54 @@ class Timeline(object):
 
     def counter(self, name, **values):
         """A counter track of this process (``bytes_in_flight=n``)."""
-        if not self._closed:
+        if not self._closed and self.window.recording:
             self._events.append(('C', name, None, clock(), None, 0, values))
+
+    # -- the window (mnopt/timeline_window.py) -------------------------------
+
+    def begin_step(self, owner, kind='averaging'):
+        """A step of ``owner`` begins ('optimizer': an update, 'averaging':
+        a mean_grads call): its number where ``owner`` counts this
+        timeline's steps, else None.  Recording starts or stops there as
+        MNOPT_TIMELINE_STEPS says."""
+        if self._closed:
+            return None
+        was = self.window.recording
+        number = self.window.begin_step(owner, kind)
+        if self.window.recording != was:
+            self._window_changed('steps')
+        return number
+
+    def start(self):
+        """Record from now on (``comm.start_timeline()``)."""
+        self._set_by_call(True)
+
+    def stop(self):
+        """Record nothing until ``start()``; what was recorded is written
+        at once (``comm.stop_timeline()``)."""
+        self._set_by_call(False)
+
+    def _set_by_call(self, on):
+        was = self.window.recording
+        self.window.set_by_call(on)    # refused under MNOPT_TIMELINE_STEPS
+        if self._closed:
+            return
+        if not self._by_call:
+            self._by_call = True
+            self._events.append(('M', 'mnopt_window', None, 0.0, None, 0,
+                                 {'by': 'calls'}))
+        if on != was:
+            self._window_changed('call')
+
+    def _window_changed(self, by):
+        """An instant where recording started or stopped; a stop has what
+        came before it written now."""
+        on = self.window.recording
+        self._events.append(('i', 'timeline_start' if on else 'timeline_stop',
+                             'window', clock(), None, self._tid(),
+                             {'step': self.window.step, 'by': by}))
+        if not on:
+            self._wake.set()
 
     # -- writing -----------------------------------------------------------
 
@@ -277,16 +337,42 @@ class Timeline(object):
                 return
             batch = self._events[:n]
             del self._events[:n]      # appends since only add after them
-            text = ',\n'.join(self._encode(ev) for ev in batch)
+            lines = [] if self._full else [self._encode(ev) for ev in batch]
+            if self.max_bytes and lines:
+                lines = self._within_cap(lines)
+            if not lines:
+                return
+            text = ',\n'.join(lines)
             try:
                 self._file.write(text if self._first else ',\n' + text)
                 self._file.flush()
+                self._written += len(text) + (0 if self._first else 2)
             except (OSError, ValueError) as e:     # a full disk: give up
                 self._closed = True
                 self._file = None
                 log.say(logger, logging.WARNING, 'mnopt: the timeline %s '
                         'stopped recording: %s', self.path, e)
             self._first = False
+
+    def _within_cap(self, lines):
+        """The ``lines`` that fit under ``max_bytes``; where the cap is
+        reached, a note saying so instead of the rest (then nothing more
+        is written: said once in the log too)."""
+        room = self.max_bytes - self._written
+        for i, line in enumerate(lines):
+            room -= len(line) + 2
+            if room < 0:
+                self._full = True
+                log.say(logger, logging.WARNING, 'mnopt: the timeline %s '
+                        'reached %s=%d bytes: it records nothing more (raise '
+                        'it, or record fewer steps with %s=START:STOP)',
+                        self.path, timeline_window.MAX_BYTES_ENV,
+                        self.max_bytes, timeline_window.STEPS_ENV)
+                return lines[:i] + [self._encode((
+                    'M', 'mnopt_truncated', None, 0.0, None, 0, {
+                        'max_bytes': self.max_bytes, 'step': self.window.step,
+                        'at_us': round((clock() - self.origin) * 1e6, 3)}))]
+        return lines
 
     def _flush_loop(self, every):
         while not self._stop.is_set():
@@ -386,8 +472,10 @@ def open_from_environment(rank, explicit=None, role='rank'):
             os.makedirs(parent, exist_ok=True)
             # A file this process wrote and closed (every communicator
             # recording there was finalized) goes on: a later one appends.
-            tl = _open[path] = Timeline(path, rank, role=role,
-                                        append=tl is not None)
+            tl = _open[path] = Timeline(
+                path, rank, role=role, append=tl is not None,
+                steps=timeline_window.steps_setting(),
+                max_bytes=timeline_window.max_bytes_setting())
         return tl
 
 

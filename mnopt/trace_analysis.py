@@ -57,6 +57,8 @@ class RankTrace(object):
         self.spans, self.threads, self.unix_us = [], {}, None
         self.job = None          # the job's id (mnopt_job), where recorded
         self.host = None         # its host's name (mnopt_clock), where too
+        self.window = None       # mnopt_window's args: a window of the job
+        self.truncated = None    # mnopt_truncated's: the file's cap reached
         self.offset = 0.0        # added to this rank's times: the shared axis
 
     def named(self, names, tid=None, other_than=None):
@@ -103,6 +105,10 @@ def load_traces(paths):
                 r.host = args.get('host')
             elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_job':
                 r.job = r.job or args.get('job')
+            elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_window':
+                r.window = args
+            elif ev['ph'] == 'M' and ev.get('name') == 'mnopt_truncated':
+                r.truncated = args
             elif ev['ph'] == 'X':
                 ts = float(ev.get('ts', 0))
                 r.spans.append((ev.get('name'), ev.get('cat'), ev.get('tid'),
@@ -413,6 +419,11 @@ def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
         'host_of': {rank: r.host for rank, r in sorted(ranks.items())},
         'cast': any(r.named(('cast',)) for r in ranks.values()),
         # The job tuned its pipeline ('auto' settings: its exchanges).
+        # A window of the job (MNOPT_TIMELINE_STEPS, or start_timeline()
+        # and stop_timeline()), and the files cut at their cap.
+        'window': next((r.window for r in ranks.values() if r.window), None),
+        'truncated': {rank: r.truncated for rank, r in sorted(ranks.items())
+                      if r.truncated},
         'tuned': any(args.get('op') == 'tuning'
                      for r in ranks.values()
                      for name, _, _, _, _, args in r.spans if name == 'wait'),

@@ -288,6 +288,7 @@ class AveragingPipeline(object):
         that averages an iteration in pieces passes the same for each.
         """
         release_collected()
+        self.timeline.begin_step(self.averaging)   # its window's step
         # The caller is blocked for all of it: exposed communication.
         with self.timeline.span('wait', 'comm'), \
                 self.averaging.timed('caller'):
@@ -313,6 +314,7 @@ class AveragingPipeline(object):
         named = named_pairs(named_grads, 'mean_grads_async')
         if not queue:
             averaging.in_flight.wait()
+        self.timeline.begin_step(averaging)    # as mean_grads'
         executor = averaging.background()
         xp = array_module([a for _, a in named])
         device, ready = caller_ready(named, xp)

@@ -50,6 +50,7 @@ from mnopt.communicators.node_split import node_split
 from mnopt.communicators.resources import Resources
 from mnopt.communicators.resources import hold_timeline, let_go_of_timeline
 from mnopt.communicators.sharded import ShardedCollectives
+from mnopt.communicators.timeline_calls import TimelineCalls
 from mnopt.communicators.tuning import Tuner
 from mnopt.stall import watched
 
@@ -84,7 +85,8 @@ def _label(kind, mpi_comm):
 
 class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
                           ChainerMNCollectives, ChainerGlue,
-                          CommHookRegistration, CommunicatorBase):
+                          CommHookRegistration, TimelineCalls,
+                          CommunicatorBase):
     """A data-parallel communicator on MPI (ChainerMN's API).
 
     Subclasses set ``name`` and implement ``_sum(buffer, group)``: sum the

@@ -14,6 +14,7 @@ from mnopt.transport import allreduce
 from mnopt.transport import waiting
 from mnopt import _sched
 from mnopt import cores
+from mnopt import timeline_window
 
 #: The settings every rank must share, and why: a mix would hang or
 #: corrupt the averaging.  Keyword arguments by name, environment
@@ -57,6 +58,9 @@ SHARED_SETTINGS = {
                        'Allreduce hangs',
     'MNOPT_RANKS_PER_NODE': "which ranks form a node: the node split's "
                             'collectives differ otherwise',
+    'MNOPT_TIMELINE_STEPS': 'the steps the timelines record: ranks that '
+                            'record other steps leave the report no '
+                            'collective to line up',
 }
 
 
@@ -74,7 +78,14 @@ def environment_settings():
         'MNOPT_BLAS_THREADS': cores.blas_threads_setting(),
         'MNOPT_THREAD_SLICE_US': _sched.slice_us(),
         'MNOPT_WAIT': waiting.kind(),
+        'MNOPT_TIMELINE_STEPS': _window(timeline_window.steps_setting()),
+        'MNOPT_TIMELINE_MAX_BYTES': timeline_window.max_bytes_setting(),
     }
+
+
+def _window(steps):
+    """MNOPT_TIMELINE_STEPS as the exchange compares it ('100:120')."""
+    return None if steps is None else timeline_window.describe(steps)
 
 
 def shared_settings(kind, settings):
