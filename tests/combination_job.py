@@ -63,17 +63,33 @@ def communicator(case, out):
     kwargs = {'allreduce_grad_dtype': case['wire']}
     if case['observe'] == 'timeline':
         kwargs['timeline'] = os.path.join(out, 'trace.json')
-    if case['compression'] is not None:
+    if case['compression'] not in (None, 'hook'):
         kwargs['compression'] = case['compression']
     if case['tune'] == 'auto':
         kwargs.update({name: 'auto' for name in TUNED[case['comm']]})
     base = mnopt.create_communicator(case['comm'], **kwargs)
-    if not case['split']:
-        return base, [base]
-    # The same ranks, as a communicator of the same kind made by split():
-    # it must keep every setting of the one it came from.
-    sub = base.split(0, base.rank)
-    return sub, [sub, base]
+    made = [base]
+    if case['split']:
+        # The same ranks, as a communicator of the same kind made by
+        # split(): it must keep every setting of the one it came from.
+        made.insert(0, base.split(0, base.rank))
+    if case['compression'] == 'hook':
+        made[0].register_comm_hook({}, topk_hook)
+    return made[0], made
+
+
+def topk_hook(residuals, bucket, comm):
+    """A user's comm hook (docs/hooks.md's top-k, a quarter of each
+    bucket sent), its residuals in the snapshots."""
+    grad = bucket.buffer() + residuals.get(bucket.key(), 0)
+    k = max(1, grad.size // 4)
+    top = numpy.argpartition(abs(grad), grad.size - k)[-k:]
+    indices, values = comm.allgather(top), comm.allgather(grad[top])
+    grad[top] = 0
+    residuals[bucket.key()] = grad
+    total = numpy.zeros_like(grad)
+    numpy.add.at(total, indices.ravel(), values.ravel())
+    return total / comm.size
 
 
 class Recorder(object):

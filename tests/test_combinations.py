@@ -45,8 +45,9 @@ allpairspy = pytest.importorskip('allpairspy')
 FACTORS = collections.OrderedDict([
     ('mode', ['sync', 'double_buffering', 'overlap', 'shard_state',
               'stage2']),
-    # Sign votes, PowerSGD, PowerSGD where it pays ('auto').
-    ('compression', [None, 'sign', 'powersgd', 'auto']),
+    # Sign votes, PowerSGD, PowerSGD where it pays ('auto'), a user's
+    # comm hook (top-k with error feedback: combination_job.topk_hook).
+    ('compression', [None, 'sign', 'powersgd', 'auto', 'hook']),
     ('resume', ['none', 'same', 'grow', 'shrink', 'lost', 'stale']),
     ('comm', ['naive', 'flat', 'hierarchical', 'reduction_server']),
     ('wire', [None, 'float16', 'bfloat16']),
@@ -90,6 +91,11 @@ def refused(case):
         # naive has nothing to tune; compression, overlap and ZeRO
         # average in ways a tuning cannot time (docs/tuning.md).
         return "='auto'"
+    if case['compression'] == 'hook' and case['wire'] is not None:
+        # The hook decides what travels (docs/hooks.md).
+        return 'allreduce_grad_dtype=None'
+    if sharded and case['compression'] == 'hook':
+        return 'a comm hook averages whole buckets'
     if sharded and case['compression'] is not None:
         # Each rank would need the mean of its share only (docs/limits.md).
         return 'compression=%r' % (case['compression'],)
