@@ -58,6 +58,23 @@ _mnopt_chainer_numpy2.install_import_hook()
 from mnopt import global_except_hook  # noqa: E402
 global_except_hook.install_at_import()
 
+
+def _set_log_level():
+    """$MNOPT_LOG_LEVEL: the level of the 'mnopt' loggers, without code
+    (a bad value is create_communicator's ValueError, on every rank:
+    importing mnopt must not fail for it)."""
+    import logging
+    from mnopt import _env
+    try:
+        level = _env.log_level()
+    except ValueError:
+        return
+    if level is not None:
+        logging.getLogger('mnopt').setLevel(level)
+
+
+_set_log_level()
+
 #: The core, imported on first use: ``import mnopt`` must not start MPI
 #: (importing mpi4py.MPI initialises it), because the processes a script's
 #: multiprocessing forkserver starts import the script, and with it mnopt,

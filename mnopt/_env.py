@@ -42,3 +42,21 @@ def choice(name, default, choices):
         raise ValueError('%s=%r: one of %s was expected'
                          % (name, value, ', '.join(choices)))
     return value
+
+
+#: $MNOPT_LOG_LEVEL's values: the level of the 'mnopt' loggers, set
+#: without code (INFO: the tuner's and the compression guard's choices,
+#: snapshot writes; DEBUG: also each bucket layout).
+LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR')
+
+
+def log_level():
+    """$MNOPT_LOG_LEVEL, upper-cased (``info`` is INFO); None where unset
+    or empty; anything else is a ValueError naming the levels."""
+    value = os.environ.get('MNOPT_LOG_LEVEL', '')
+    if value == '':
+        return None
+    if value.upper() not in LOG_LEVELS:
+        raise ValueError('MNOPT_LOG_LEVEL=%r: one of %s was expected'
+                         % (value, ', '.join(LOG_LEVELS)))
+    return value.upper()

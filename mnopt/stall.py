@@ -160,10 +160,18 @@ _Method = TypeVar('_Method', bound=Callable[..., Any])
 def watched(name: str, collective: bool = True
             ) -> Callable[[_Method], _Method]:
     """Decorator: run a communicator method as watched operation ``name``
-    on ``self._monitor`` (``collective=False``: point to point)."""
+    on ``self._monitor`` (``collective=False``: point to point).
+
+    ``self.check_calls``: None, or MNOPT_DEBUG=detail's check
+    (mnopt/transport/collective_check.py), run inside the watched
+    operation before the method: one attribute test when off."""
     def wrap(method):
         def run(self, *args, **kwargs):
             with self._monitor.op(name, collective):
+                if self.check_calls is not None:
+                    args, kwargs = self.check_calls(
+                        name, method, (self,) + args, kwargs)
+                    return method(*args, **kwargs)
                 return method(self, *args, **kwargs)
         run.__name__ = method.__name__
         run.__doc__ = method.__doc__

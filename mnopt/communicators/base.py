@@ -29,6 +29,7 @@ from mpi4py import MPI
 from mnopt import _env
 from mnopt.transport import allreduce, buffers
 from mnopt.transport import agreement
+from mnopt.transport import collective_check
 from mnopt import cores
 from mnopt import grad_buffer
 from mnopt import overflow
@@ -169,6 +170,9 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
         intra.Free()
         leaders.Free()
         resources.sync_group = self._make_group(mpi_comm.Dup())
+        if collective_check.mode() == 'detail' and mpi_comm.size > 1:
+            self.check_calls = resources.call_check = \
+                collective_check.CollectiveCheck(mpi_comm.Dup())
 
     #: Averagings so far (warm-up, and the votes' coin).
     steps = property(lambda self: self.averaging.steps,

@@ -50,6 +50,9 @@ class CommunicatorBase(object):
     #: Where this rank records its timeline (mnopt/timeline.py): a
     #: Timeline, or timeline.NULL (false) when off.  Per rank, not shared.
     timeline: Any = timelines.NULL
+    #: MNOPT_DEBUG=detail's check of each collective across ranks before
+    #: it runs (mnopt/transport/collective_check.py), or None: off.
+    check_calls: Any = None
 
     if TYPE_CHECKING:
         # For type checkers the interface takes no arguments.

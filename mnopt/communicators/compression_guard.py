@@ -17,6 +17,15 @@ every rank, so each set's exchange comes at the same averaging
 everywhere.
 """
 
+import logging
+
+from mpi4py import MPI
+
+from mnopt import log
+
+#: Each choice, at INFO on rank 0 ($MNOPT_LOG_LEVEL=INFO).
+_logger = log.get(__name__)
+
 #: The two ways a gradient set is averaged.
 PLAIN, COMPRESSED = 'plain', 'compressed'
 #: Averagings of each way per gradient set before the choice.
@@ -52,9 +61,18 @@ class CompressionGuard(object):
         plain, compressed = self.trials.setdefault(key, ([], []))
         (plain if way == PLAIN else compressed).append(seconds)
         if len(compressed) == ROUNDS and len(plain) == ROUNDS:
-            best, _ = quickest([min(plain), min(compressed) / MARGIN])
+            best, slowest = quickest([min(plain), min(compressed) / MARGIN])
             self.choices[key] = (PLAIN, COMPRESSED)[best]
             del self.trials[key]
+            if MPI.COMM_WORLD.rank == 0:
+                log.say(_logger, logging.INFO,
+                        "mnopt: compression='auto': %s (%d arrays from %s) "
+                        'is averaged %s: plain %.2f ms, compressed %.2f ms '
+                        '(the slowest rank\'s best of %d; compressed must '
+                        'take under %d%% of plain)', key[0], len(key[1]),
+                        key[1][0] if key[1] else '-', self.choices[key],
+                        slowest[0] * 1e3, slowest[1] * MARGIN * 1e3,
+                        ROUNDS, round(MARGIN * 100))
 
     def forget_trials(self):
         """Drop the trials under way (a snapshot was loaded: they start

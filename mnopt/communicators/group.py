@@ -10,8 +10,11 @@ an NCCL communicator, a server channel) is its own object, the group's
 ``state``; the sharded collectives keep theirs in ``sharded``.
 """
 
+import logging
+
 from mpi4py import MPI
 
+from mnopt import log
 from mnopt.transport import layouts
 from mnopt import grad_buffer
 from mnopt import sign
@@ -70,6 +73,7 @@ class Group(object):
             buffer = self._keep(self._buffers, key, grad_buffer.GradBuffer(
                 layout, xp, **buffer_options))
             buffer.options = buffer_options
+            _log_layout(buffer, named)
         return buffer
 
     def sign_codec_for(self, named, xp, error_feedback):
@@ -117,3 +121,19 @@ class Group(object):
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
         self.comm = MPI.COMM_NULL
+
+
+#: Each new bucket layout, at DEBUG ($MNOPT_LOG_LEVEL=DEBUG), on every
+#: rank: ranks whose layouts differ show it side by side.
+_logger = log.get(__name__)
+
+
+def _log_layout(buffer, named):
+    if not _logger.isEnabledFor(logging.DEBUG):
+        return
+    _logger.debug(
+        'mnopt: a gradient set of %d arrays (%s ... %s), %d '
+        'elements on the wire as %s, in %d bucket(s) of up to %d elements',
+        len(named), named[0][0] if named else '-',
+        named[-1][0] if named else '-', buffer.wire.size, buffer.layout.wire,
+        len(buffer.buckets), buffer.bucket_elems)

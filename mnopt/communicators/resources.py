@@ -49,6 +49,8 @@ class Resources(object):
         self.sync_group = self.async_group = None
         self.executor = None
         self.monitor = None
+        #: MNOPT_DEBUG=detail's check (its own duplicate communicator).
+        self.call_check = None
         #: The timeline this communicator holds (hold_timeline).
         self.timeline = timelines.NULL
 
@@ -67,6 +69,9 @@ class Resources(object):
             for group in groups:
                 if group is not None:
                     group.free()
+        call_check, self.call_check = self.call_check, None
+        if call_check is not None:
+            call_check.free()
         monitor, self.monitor = self.monitor, None
         if monitor is not None:
             monitor.free()

@@ -11,6 +11,7 @@ report, its BLAS threads, a colocated server's memory, ...).
 
 from mnopt import _env
 from mnopt.transport import allreduce
+from mnopt.transport import collective_check
 from mnopt.transport import waiting
 from mnopt import _sched
 from mnopt import cores
@@ -23,8 +24,9 @@ from mnopt import timeline_window
 #: window (flow control of one worker's pushes), server_memory (a
 #: colocated server's staging) and stats, timeline and MNOPT_TIMELINE
 #: (each rank writes its own file), MNOPT_BLAS_THREADS,
-#: MNOPT_THREAD_SLICE_US, MNOPT_WAIT (how a rank waits: the same bits)
-#: and MNOPT_SINGLE_RANK_AVERAGING (one rank only).
+#: MNOPT_THREAD_SLICE_US, MNOPT_WAIT (how a rank waits: the same bits),
+#: MNOPT_LOG_LEVEL (what a rank logs) and MNOPT_SINGLE_RANK_AVERAGING
+#: (one rank only).
 #: Which settings are tuned ('auto') is compared as well (``tuned`` in
 #: shared_settings): the window is each rank's own, but a tuning's
 #: exchanges hang unless every rank tunes the same settings.
@@ -61,6 +63,8 @@ SHARED_SETTINGS = {
     'MNOPT_TIMELINE_STEPS': 'the steps the timelines record: ranks that '
                             'record other steps leave the report no '
                             'collective to line up',
+    'MNOPT_DEBUG': "'detail' makes an exchange before every collective: "
+                   'a rank without it would not join that exchange',
 }
 
 
@@ -80,6 +84,8 @@ def environment_settings():
         'MNOPT_WAIT': waiting.kind(),
         'MNOPT_TIMELINE_STEPS': _window(timeline_window.steps_setting()),
         'MNOPT_TIMELINE_MAX_BYTES': timeline_window.max_bytes_setting(),
+        'MNOPT_DEBUG': collective_check.mode(),
+        'MNOPT_LOG_LEVEL': _env.log_level(),
     }
 
 

@@ -62,6 +62,7 @@ import chainer
 import numpy
 from chainer.training import extension
 
+from mnopt import log
 from mnopt.extensions.loadable import newest_loadable, npz_problem
 # npz_is_whole: imported from here by code written before it moved.
 from mnopt.extensions.loadable import npz_is_whole  # NOQA
@@ -70,6 +71,9 @@ from mnopt.extensions.snapshot_records import (
     RecordingSets, recorded_sets, shard_size, write_id)
 from mnopt.iterators.resize import load_resizing_iterators
 from mnopt.optimizers.zero.trainer import load_shards_of, sharded_optimizers
+
+#: Each snapshot write, at INFO ($MNOPT_LOG_LEVEL=INFO shows them).
+_logger = log.get(__name__)
 
 
 def parse_replica_sets(replica_sets, size):
@@ -218,8 +222,21 @@ class _MultiNodeSnapshot(extension.Extension):
                 problem = e
         self.comm.raise_together(problem, 'multi_node_snapshot at '
                                  'iteration %d' % iteration)
+        if self.is_master:
+            _logger.info('mnopt: rank %d wrote the snapshot of iteration '
+                         '%d: %s', self.comm.rank, iteration,
+                         self._written_file(trainer))
         if self.n_retains > 0 and not callable(self.base):
             self._prune(trainer.out)
+
+    def _written_file(self, trainer):
+        """The path of the file this rank just wrote (for the log)."""
+        name = self.snapshot.filename
+        try:
+            name = name(trainer) if callable(name) else name.format(trainer)
+        except Exception:   # a filename of the user's own making
+            pass
+        return os.path.join(trainer.out, str(name))
 
     def on_error(self, trainer, exc, tb):
         if self.is_master:
