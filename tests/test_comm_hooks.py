@@ -278,3 +278,37 @@ def test_topk_residuals_are_in_the_snapshot(comm, tmp_path):
     assert sorted(residuals) == sorted(saved)
     for key in saved:
         assert numpy.array_equal(residuals[key], saved[key])
+
+
+@needs_chainer
+def test_a_topk_run_resumed_from_its_snapshots_is_the_uninterrupted_one(
+        tmp_path):
+    """Each rank's residuals come back with its own snapshot: the resumed
+    run ends with the uninterrupted run's bits."""
+    _, hook = page_hook('topk_hook')
+    path = str(tmp_path / ('opt%d.npz' % WORLD.rank))
+
+    def run(updates, load=False, save=False):
+        comm = mnopt.create_communicator('flat', bucket_bytes=256)
+        try:
+            comm.register_comm_hook({}, hook)
+            model, x, t = model_and_batch()
+            opt = mnopt.create_multi_node_optimizer(
+                chainer.optimizers.MomentumSGD(lr=0.1), comm)
+            opt.setup(model)
+            if load:   # as a trainer's snapshot holds both
+                chainer.serializers.load_npz(path, opt)
+                chainer.serializers.load_npz(path + '.model', model)
+            for _ in range(updates):
+                opt.update(model, x, t)
+            if save:
+                chainer.serializers.save_npz(path, opt)
+                chainer.serializers.save_npz(path + '.model', model)
+            return [p.array.copy() for _, p in sorted(model.namedparams())]
+        finally:
+            comm.finalize()
+
+    uninterrupted = run(6)
+    run(3, save=True)
+    resumed = run(3, load=True)
+    assert every_rank(resumed) == every_rank(uninterrupted)
