@@ -81,7 +81,8 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
                                 communicator: CommunicatorBase,
                                 double_buffering: bool = False,
                                 zero_fill: bool = True, overlap: bool = False,
-                                shard_state: bool = False
+                                shard_state: bool = False,
+                                accumulation_steps: int = 1
                                 ) -> Any:  # acts as actual_optimizer
     """Wrap a Chainer optimizer so it averages gradients over all ranks.
 
@@ -111,6 +112,12 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
             during backward and the other ranks' gradients freed then.
             Not with double_buffering, the reduction_server
             communicator or any compression.
+        accumulation_steps: average once per this many calls of
+            ``update`` (Horovod's ``backward_passes_per_step``, DDP's
+            ``no_sync()``; docs/accumulation.md): the gradients of K
+            backward passes are summed, divided by K and averaged once,
+            and the wrapped optimizer updates once (``t`` counts
+            updates).  With every mode above.
 
     A communicator with 'auto' settings (``bucket_bytes='auto'``, ...:
     docs/tuning.md) tunes them in its first averagings, with the plain
@@ -127,12 +134,15 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
     try:
         check_mode(actual_optimizer, communicator, double_buffering,
                    overlap, shard_state)
+        check_accumulation_steps(accumulation_steps)
         problem = None
     except (TypeError, ValueError) as e:
         problem = e
     settings = {} if problem is not None else shared_settings(
         actual_optimizer, double_buffering=double_buffering,
         zero_fill=zero_fill, overlap=overlap, shard_state=shard_state)
+    if problem is None:
+        settings['accumulation_steps'] = int(accumulation_steps)
     # One exchange: a problem on any rank, or settings that differ, is an
     # error on every rank here, not a hang at the second update (a
     # double-buffered rank's mean_grads_async against another's
@@ -149,7 +159,19 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
     else:
         cls = DoubleBufferingOptimizer if double_buffering else \
             OverlapOptimizer if overlap else MultiNodeOptimizer
-    return cls(actual_optimizer, communicator, zero_fill)
+    optimizer = cls(actual_optimizer, communicator, zero_fill)
+    optimizer._accumulate_over(int(accumulation_steps))
+    return optimizer
+
+
+def check_accumulation_steps(steps):
+    """A whole number of backward passes per update, at least 1."""
+    if isinstance(steps, bool) or not isinstance(
+            steps, (int, numpy.integer)) or steps < 1:
+        raise ValueError(
+            'accumulation_steps must be a whole number of backward passes '
+            'per update, at least 1 (as Horovod\'s '
+            'backward_passes_per_step); got %r' % (steps,))
 
 
 def check_communicator(communicator):

@@ -145,7 +145,33 @@ class Overlap(object):
         #: Buckets of the last iteration, and how many were handed to the
         #: communicator during backward.
         self.stats = {'buckets': 0, 'during_backward': 0}
+        #: Gradient accumulation's earlier micro-steps ({name: sum}) and
+        #: K, for the update being averaged: ``accumulated``.
+        self.sums, self.steps, self.folded = {}, 1, set()
         self.reset()
+
+    def accumulated(self, sums, steps):
+        """The next backward is the last of ``steps`` micro-steps whose
+        earlier ones summed to ``sums`` ({name: array}, taken out of the
+        parameters): each gradient that leaves gets its sum added, and
+        the total divided by ``steps`` (``fold``)."""
+        self.sums, self.steps, self.folded = sums, steps, set()
+
+    def fold(self, name, grad, final=True):
+        """``grad`` (an array this update owns) plus the earlier
+        micro-steps' sum of ``name``, over K, in place; ``final``: the
+        sum is used up (a copy that may yet be dropped is not final).
+        ``grad`` alone without accumulation."""
+        if self.steps == 1:
+            return grad
+        if name not in self.folded:
+            earlier = self.sums.get(name)
+            if earlier is not None:
+                grad += earlier
+            if final:
+                self.folded.add(name)
+        grad /= grad.dtype.type(self.steps)
+        return grad
 
     def reset(self):
         """The state of one iteration (before its forward pass)."""
@@ -227,8 +253,9 @@ class Overlap(object):
         bucket; False to take it from Chainer (the parameter then gets
         none)."""
         # A copy is averaged: Chainer still holds the gradient it passed
-        # (and would add another use's to it, if any).
-        self.early[name] = (grad, grad.copy())
+        # (and would add another use's to it, if any: the parameter is
+        # then averaged with the rest, its sum folded in again there).
+        self.early[name] = (grad, self.fold(name, grad.copy(), final=False))
         return None
 
     def launch(self, b, params):
@@ -247,7 +274,19 @@ class Overlap(object):
         kept, else its gradient (zeros if none, with zero_fill)."""
         if name in self.early:
             return self.early[name][1]
-        return self.gradient(params[name])
+        return self.summed_gradient(name, params[name])
+
+    def summed_gradient(self, name, param):
+        """``gradient``, with the earlier micro-steps' sum folded in (a
+        parameter without a gradient of its own gets the sum's mean)."""
+        grad = self.gradient(param)
+        if grad is None and name in self.sums and name not in self.folded:
+            # Used in earlier micro-steps only (and no zero_fill).
+            grad = param.grad = self.sums[name]
+            self.folded.add(name)
+            grad /= grad.dtype.type(self.steps)
+            return grad
+        return grad if grad is None else self.fold(name, grad)
 
     def send(self, named):
         """Queue one averaging of this iteration's gradients; its handle."""
@@ -291,8 +330,10 @@ class Overlap(object):
         rest = [n for n in sorted(params) if params[n].array is not None
                 and (n not in covered or (n in self.early
                                           and n not in self.clean))]
-        self.rest = [(n, g) for n, g in ((n, self.gradient(params[n]))
-                                         for n in rest) if g is not None]
+        self.rest = [(n, g) for n, g in (
+            (n, self.summed_gradient(n, params[n])) for n in rest)
+            if g is not None]
+        self.accumulated({}, 1)
         return self.handles
 
     def send_rest(self, anyone_has_rest):

@@ -73,6 +73,9 @@ class OverlapOptimizer(MultiNodeOptimizer):
         if lossfun is None:
             return super(OverlapOptimizer, self).update(None, *args, **kwds)
         overlap = self._overlap
+        if self._accumulation.end():
+            overlap.accumulated(self._accumulation.take_sums(self.target),
+                                self._accumulation.steps)
         # Warm-up (``warmup_steps``) counts iterations, not buckets: every
         # averaging of this update is of iteration t.
         overlap.forward_backward(lossfun, args, kwds,

@@ -10,6 +10,7 @@ import chainer
 import numpy
 
 from mnopt import timeline as timelines
+from mnopt.optimizers.accumulation import Accumulation
 
 
 LOADED = object()  # _param_set after a snapshot was loaded
@@ -43,22 +44,29 @@ def digest(named_arrays):
 
 def stepped(update):
     """``update`` recorded as one 'step' in the communicator's timeline
-    (once: an update that calls another's records one step)."""
+    (once: an update that calls another's records one step), after the
+    accumulation's count: a micro-step (``accumulation_steps``) only
+    accumulates, here, whatever the variant."""
     @functools.wraps(update)
-    def recorded(self, *args, **kwds):
+    def recorded(self, lossfun=None, *args, **kwds):
         if self.actual_optimizer.target is None:
             # Before any collective: every rank that skipped setup says so.
             raise RuntimeError(
                 'the multi-node optimizer has no model yet: call '
                 'optimizer.setup(model) first (as with any Chainer '
                 'optimizer), then optimizer.update(...)')
-        tl = self._timeline()
-        if not tl or self.__dict__.get('_in_step'):
-            return update(self, *args, **kwds)
+        if self.__dict__.get('_in_step'):
+            return update(self, lossfun, *args, **kwds)
         object.__setattr__(self, '_in_step', True)
         try:
-            with tl.span('step', 'compute'):
-                return update(self, *args, **kwds)
+            # Each update() call is a step of the timeline's window (the
+            # first optimizer's count: mnopt/timeline_window.py).
+            tl = self._timeline()
+            with tl.span('step', 'compute',
+                         step=tl.begin_step(self, 'optimizer')):
+                if self._micro_step(lossfun, args, kwds):
+                    return None
+                return update(self, lossfun, *args, **kwds)
         finally:
             object.__setattr__(self, '_in_step', False)
     return recorded
@@ -100,6 +108,27 @@ class MultiNodeOptimizer(object):
         object.__setattr__(self, '_param_set', None)
         #: Seconds the caller has spent blocked in gradient averaging.
         object.__setattr__(self, 'communication_time', 0.0)
+        object.__setattr__(self, '_accumulation', Accumulation(1))
+
+    def _accumulate_over(self, steps):
+        """Average once per ``steps`` calls of ``update``
+        (mnopt/optimizers/accumulation.py)."""
+        object.__setattr__(self, '_accumulation', Accumulation(steps))
+
+    def _micro_step(self, lossfun, args, kwds):
+        """True where this call only accumulates (its backward, if it has
+        a loss function, added to the gradients).  On the K-th call
+        without a loss function, the user's K backward passes are
+        divided by K here; with one, ``_backward`` (or the overlapped
+        variants' ``take_sums``) ends the count."""
+        acc = self._accumulation
+        if acc.micro_step(self.target):
+            if lossfun is not None:
+                self._backward(lossfun, args, kwds, clear=acc.done == 1)
+            return True
+        if lossfun is None and acc.end():
+            acc.divide(self.target)
+        return False
 
     def _blocked(self, fn, *args):
         """Run ``fn`` and add its duration to ``communication_time``."""
@@ -128,17 +157,25 @@ class MultiNodeOptimizer(object):
         object.__setattr__(self, '_param_set', None)
         return self
 
-    def _backward(self, lossfun, args, kwds):
+    def _backward(self, lossfun, args, kwds, clear=None):
+        """Forward and backward; the gradients cleared first unless they
+        hold earlier micro-steps' sum (``clear``: a micro-step's say; by
+        default the K-th call's, which then divides the sum by K)."""
         target = self.target
         tl = self._timeline()
+        summed = 0 if clear is not None else self._accumulation.end()
         with tl.span('forward', 'compute'):
             loss = lossfun(*args, **kwds)
-        if getattr(self.actual_optimizer, '_use_cleargrads', True):
+        if clear is False or summed:
+            pass   # the gradients hold the update's earlier micro-steps
+        elif getattr(self.actual_optimizer, '_use_cleargrads', True):
             target.cleargrads()
         else:
             target.zerograds()
         with tl.span('backward', 'compute'):
             loss.backward(loss_scale=self.actual_optimizer._loss_scale)
+        if summed:
+            self._accumulation.divide(target)
 
     def _current_param_set(self):
         return [(name, p.array is not None)
@@ -158,6 +195,9 @@ class MultiNodeOptimizer(object):
         self._serialize_state(serializer)   # waits for double buffering
         self.communicator.serialize_compression(
             serializer['mnopt_compression'], shared=False)
+        if self._accumulation.steps > 1:
+            # This rank's micro-steps: its own, as the residuals above.
+            self._accumulation.serialize(serializer, self.target)
         if isinstance(serializer, chainer.serializer.Deserializer):
             # Chainer's updater loads the optimizer before the model, so the
             # parameters may not have their data yet: the next update takes
@@ -197,8 +237,9 @@ class MultiNodeOptimizer(object):
         after backward), so that none is done where no rank needs it."""
         loaded, changed = self._take_param_set()
         votes = self.communicator.everyone(
-            (loaded, changed, bool(pending)),
+            (loaded, changed, bool(pending), self._take_resumed()),
             'the multi-node optimizer\'s next step')
+        self._check_resumed([v[3] for v in votes])
         anyone_pending = any(v[2] for v in votes)
         if any(v[0] for v in votes):
             return RESUME, anyone_pending
@@ -209,6 +250,25 @@ class MultiNodeOptimizer(object):
                 'update' % ([r for r, v in enumerate(votes) if v[1]],
                             [r for r, v in enumerate(votes) if not v[1]]))
         return BROADCAST if changed else AVERAGE, anyone_pending
+
+    def _take_resumed(self):
+        """The micro-steps a snapshot restored on this rank since the
+        last update (0 if none), for the step's exchange."""
+        resumed, self._accumulation.resumed = self._accumulation.resumed, 0
+        return resumed
+
+    def _check_resumed(self, resumed):
+        """Every rank restored as many micro-steps (``resumed``: each
+        rank's ``_take_resumed``), or an error on every rank: the ranks
+        would average sums of different numbers of batches."""
+        if any(r != resumed[0] for r in resumed):
+            raise RuntimeError(
+                'a snapshot taken in the middle of a gradient accumulation '
+                '(accumulation_steps=%d) restored %s micro-steps on ranks '
+                '0..%d: load the same snapshot on every rank '
+                '(multi_node_snapshot\'s autoload does), or take snapshots '
+                'right after an update' % (
+                    self._accumulation.steps, resumed, len(resumed) - 1))
 
     def _take_param_set(self):
         """(whether a snapshot was loaded since the last update, whether

@@ -82,8 +82,9 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         if loaded and problem is None and self._loaded_share is not None:
             problem = self._loaded_share[1]
         votes = self.communicator.everyone(
-            (loaded, changed, problem, bool(pending)),
+            (loaded, changed, problem, bool(pending), self._take_resumed()),
             'the sharded optimizer\'s next step')
+        self._check_resumed([v[4] for v in votes])
         anyone_pending = any(v[3] for v in votes)
         bad = ['rank %d: %s' % (r, v[2]) for r, v in enumerate(votes)
                if v[2]]

@@ -47,7 +47,7 @@ class ShardedOverlap(Overlap):
 
     def keep(self, name, grad):
         """Take the gradient: a copy for the bucket, none for Chainer."""
-        self.early[name] = grad.copy()
+        self.early[name] = self.fold(name, grad.copy())
         self.fired.add(name)
         return False   # the parameter gets no gradient from Chainer
 
@@ -58,7 +58,7 @@ class ShardedOverlap(Overlap):
             return self.early[name] if self._owners()[name] == \
                 self.comm.rank else self.early.pop(name)   # the job's alone
         # Unused by its link this time: zeros, or what a use outside gave.
-        return self.gradient(params[name])
+        return self.summed_gradient(name, params[name])
 
     def send(self, named):
         """Queue the reduce-scatter of ``named`` laid out by owner."""
@@ -91,8 +91,10 @@ class ShardedOverlap(Overlap):
         self.extra = {n for n in self.fired if params[n].grad is not None}
         rest = [n for n in sorted(params) if params[n].array is not None
                 and (n not in covered or n in self.extra)]
-        self.rest = [(n, g) for n, g in ((n, self.gradient(params[n]))
-                                         for n in rest) if g is not None]
+        self.rest = [(n, g) for n, g in (
+            (n, self.summed_gradient(n, params[n])) for n in rest)
+            if g is not None]
+        self.accumulated({}, 1)
         return self.handles
 
     def adopt(self):
@@ -177,6 +179,9 @@ class ShardedGradsOptimizer(ShardedStateOptimizer):
             object.__setattr__(self, 'owners', dict(loaded[0]))
         ov, actual, comm = self._overlap, self.actual_optimizer, \
             self.communicator
+        if self._accumulation.end():
+            ov.accumulated(self._accumulation.take_sums(self.target),
+                           self._accumulation.steps)
         try:
             ov.forward_backward(lossfun, args, kwds, actual._loss_scale,
                                 actual.t)

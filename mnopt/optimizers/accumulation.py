@@ -1,0 +1,115 @@
+"""Gradient accumulation (``create_multi_node_optimizer(...,
+accumulation_steps=K)``, Horovod's ``backward_passes_per_step``, DDP's
+``no_sync()``): K local backward passes per averaging, their gradients
+summed in the parameters' ``grad`` and divided by K once, before the
+averaging, so that the update is that of one step over the K batches.
+
+The sum lives where Chainer puts gradients anyway: a micro-step's
+backward adds to ``param.grad`` (it is cleared only before the first
+micro-step of each update), so accumulating costs no memory beyond the
+gradients themselves.  The overlapped variants take the sum out before
+the K-th backward (``take_sums``) and add it to each gradient as its
+bucket leaves (mnopt/optimizers/overlap.py's ``fold``).
+
+The count of micro-steps and the partial sums are this rank's own (its
+own batches'): a snapshot keeps them beside the agreed state, and the
+next update restores them, so a run resumed mid-accumulation continues
+bit for bit."""
+
+import chainer
+import numpy
+
+#: Where a snapshot keeps them (under the optimizer's key).
+KEY = 'mnopt_accumulation'
+
+
+class Accumulation(object):
+    """One optimizer's count of micro-steps: ``steps`` (K) per update,
+    ``done`` of them accumulated since the last update."""
+
+    def __init__(self, steps):
+        self.steps = steps
+        self.done = 0
+        #: From a snapshot, until the next update puts them back:
+        #: (micro-steps done, {name: partial sum}).
+        self.loaded = None
+        #: The micro-steps a loaded snapshot restored: told in the next
+        #: step exchange, where every rank must have restored as many.
+        self.resumed = 0
+
+    def micro_step(self, target):
+        """Count this call; True where it only accumulates (not the K-th
+        of its update).  The caller then runs backward, clearing the
+        gradients first where ``done`` is 1 (the first of the update)."""
+        self.restore(target)
+        if self.done + 1 < self.steps:
+            self.done += 1
+            return True
+        return False
+
+    def end(self):
+        """The K-th call: the number of micro-steps whose sum the
+        gradients hold (0 with K=1); the count starts again."""
+        done, self.done = self.done, 0
+        return done
+
+    def divide(self, target):
+        """The K-th call's gradients (the sum of K backward passes) divided
+        by K, in place."""
+        for _, param in sorted(target.namedparams()):
+            if param.grad is not None:
+                param.grad /= param.grad.dtype.type(self.steps)
+
+    def take_sums(self, target):
+        """The sums of the micro-steps before the K-th, taken out of the
+        parameters (whose ``grad`` is then None): {name: array}."""
+        sums = {}
+        for name, param in target.namedparams():
+            if param.grad is not None:
+                sums[name] = param.grad
+                param.grad = None
+        return sums
+
+    # ------------------------------------------------------------ snapshots
+    def serialize(self, serializer, target):
+        """The count and the partial sums (``param.grad`` between
+        micro-steps).  A snapshot without them (written without
+        accumulation, or between updates) loads as no micro-step done."""
+        sums = serializer[KEY]
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            sums('done', numpy.int64(self.done))
+            names = [n for n, p in sorted(target.namedparams())
+                     if self.done and p.grad is not None]
+            sums('names', numpy.array(names, dtype=str))
+            for name in names:
+                sums['grads'](name.replace('/', '|'),
+                              dict(target.namedparams())[name].grad)
+            return
+        try:
+            done = int(sums('done', None))
+            names = [str(n) for n in sums('names', None)]
+        except KeyError:
+            done, names = 0, []
+        grads = sums['grads']
+        self.loaded = (done, {n: grads(n.replace('/', '|'), None)
+                              for n in names})
+        self.done = 0
+
+    def restore(self, target):
+        """A loaded snapshot's count and partial sums, back in place
+        (on the parameters' devices): at the first call after the load,
+        when the model has its data."""
+        if self.loaded is None:
+            return
+        done, sums = self.loaded
+        self.loaded = None
+        self.done, self.resumed = done, done
+        params = dict(target.namedparams())
+        for name, param in params.items():
+            param.grad = None
+        for name, host in sums.items():
+            param = params.get(name)
+            if param is None or param.array is None:
+                continue
+            with chainer.using_device(param.device):
+                param.grad = param.device.xp.asarray(host)

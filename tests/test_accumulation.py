@@ -1,0 +1,222 @@
+"""Gradient accumulation (``create_multi_node_optimizer(...,
+accumulation_steps=K)``, docs/accumulation.md): K micro-steps over
+batches of b give the parameters of one step over the K*b batch, in
+every mode, on every CPU communicator and wire, with compression and the
+tuner; a snapshot taken mid-accumulation resumes bit for bit; bad or
+differing values are an error on every rank.
+
+Run serially and under mpiexec -n 2 and -n 3."""
+
+import numpy
+import pytest
+
+chainer = pytest.importorskip(
+    'chainer', reason='the Chainer layer (the numpy1 and numpy2 stacks run it)')
+import chainer.functions as F   # noqa: E402
+import chainer.links as L   # noqa: E402
+
+import mnopt   # noqa: E402
+from conftest import WORLD   # noqa: E402
+
+pytestmark = pytest.mark.many_ranks
+
+K, BATCH, UPDATES = 3, 4, 4
+MODES = {
+    'sync': {},
+    'double_buffering': {'double_buffering': True},
+    'overlap': {'overlap': True},
+    'shard_state': {'shard_state': True},
+    'stage2': {'shard_state': True, 'overlap': True},
+}
+
+
+class MLP(chainer.Chain):
+    def __init__(self):
+        super(MLP, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, 16, initialW=_weights(16, 6, 1))
+            self.l2 = L.Linear(16, 4, initialW=_weights(4, 16, 2))
+
+    def __call__(self, x, t):
+        return F.softmax_cross_entropy(self.l2(F.tanh(self.l1(x))), t)
+
+
+def _weights(rows, cols, seed):
+    return numpy.random.RandomState(seed).normal(
+        0, 0.5, (rows, cols)).astype(numpy.float32)
+
+
+def micro_batch(update, micro, rank):
+    """Rank ``rank``'s micro-batch ``micro`` of update ``update``."""
+    rng = numpy.random.RandomState(1000 * update + 10 * micro + rank)
+    return (rng.normal(0, 1, (BATCH, 6)).astype(numpy.float32),
+            rng.randint(0, 4, BATCH).astype(numpy.int32))
+
+
+def whole_batch(update, rank):
+    """The K micro-batches of an update as one batch of K*b."""
+    parts = [micro_batch(update, k, rank) for k in range(K)]
+    return (numpy.concatenate([p[0] for p in parts]),
+            numpy.concatenate([p[1] for p in parts]))
+
+
+def make(comm, steps, **mode):
+    model = MLP()
+    opt = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=0.1), comm,
+        accumulation_steps=steps, **mode)
+    return model, opt.setup(model)
+
+
+def train(comm, steps, updates=UPDATES, **mode):
+    """Parameters after ``updates`` updates: K calls of ``steps``=K over
+    micro-batches, or one call over the whole batch (``steps``=1)."""
+    model, opt = make(comm, steps, **mode)
+    for u in range(updates):
+        if steps == 1:
+            opt.update(model, *whole_batch(u, comm.rank))
+        else:
+            for k in range(steps):
+                opt.update(model, *micro_batch(u, k, comm.rank))
+    if mode.get('double_buffering'):
+        opt.wait()
+    return {n: p.array.copy() for n, p in model.namedparams()}, opt
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        numpy.testing.assert_allclose(a[name], b[name], rtol=rtol,
+                                      atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_k_micro_steps_update_as_one_step_over_k_batches(comm_name, mode):
+    comm = mnopt.create_communicator(comm_name)
+    try:
+        accumulated, opt = train(comm, K, **MODES[mode])
+        whole, whole_opt = train(comm, 1, **MODES[mode])
+        assert_close(accumulated, whole)
+        # t counts updates (Horovod's), not micro-steps.
+        assert opt.t == whole_opt.t
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('setting', [
+    {'allreduce_grad_dtype': 'float16'}, {'allreduce_grad_dtype': 'bfloat16'},
+    {'compression': 'sign'}, {'compression': 'powersgd'},
+    {'bucket_bytes': 'auto'}])
+def test_wires_compression_and_tuning(setting):
+    """float16's divide-before-sum: the sum of K is divided by K before
+    it is cast.  Sign and PowerSGD: one averaging per update, so their
+    error feedback runs once per K micro-steps, as for the whole batch."""
+    name = 'naive' if 'compression' in setting else 'flat'
+    rtol = {'float16': 2e-3, 'bfloat16': 2e-2}.get(
+        setting.get('allreduce_grad_dtype'), 1e-4)
+    results = []
+    for steps in (K, 1):
+        comm = mnopt.create_communicator(name, **setting)
+        try:
+            results.append(train(comm, steps)[0])
+        finally:
+            comm.finalize()
+    assert_close(results[0], results[1], rtol=rtol, atol=rtol)
+
+
+def test_update_without_loss_function_counts_calls():
+    """The user's loop computes the gradients (clearing them only before
+    an update's first backward); every K-th call averages and updates."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, K)
+        for u in range(UPDATES):
+            model.cleargrads()
+            for k in range(K):
+                model(*micro_batch(u, k, comm.rank)).backward()
+                opt.update()
+                # The first update broadcasts; t counts the others.
+                assert opt.t == (u if k == K - 1 else max(0, u - 1))
+        whole, _ = train(comm, 1)
+        assert_close({n: p.array for n, p in model.namedparams()}, whole)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_a_snapshot_mid_accumulation_resumes_bit_for_bit(mode):
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, K, **MODES[mode])
+        calls = [(u, k) for u in range(UPDATES + 1) for k in range(K)]
+        # One micro-step into the fourth update (double buffering's
+        # first to have applied a mean, so its state is in the snapshot).
+        stop = 3 * K + 1
+        snapshot = {}
+        for i, (u, k) in enumerate(calls):
+            if i == stop:
+                for prefix, obj in (('model/', model), ('opt/', opt)):
+                    obj.serialize(chainer.serializers.DictionarySerializer(
+                        snapshot, prefix))
+                # As a file holds it (the serializer keeps references).
+                snapshot = {key: numpy.array(value, copy=True)
+                            for key, value in snapshot.items()}
+            opt.update(model, *micro_batch(u, k, comm.rank))
+        resumed_model, resumed = make(comm, K, **MODES[mode])
+        # As Chainer's trainer loads: the optimizer, then the model.
+        resumed.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, 'opt/'))
+        resumed_model.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, 'model/'))
+        for u, k in calls[stop:]:
+            resumed.update(resumed_model, *micro_batch(u, k, comm.rank))
+        if MODES[mode].get('double_buffering'):
+            opt.wait()
+            resumed.wait()
+        for (name, a), (_, b) in zip(sorted(model.namedparams()),
+                                     sorted(resumed_model.namedparams())):
+            assert a.array.tobytes() == b.array.tobytes(), name
+        assert resumed.t == opt.t
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('steps', [0, -2, 1.5, True, '4', None])
+def test_a_bad_value_is_an_error_on_every_rank(steps):
+    comm = mnopt.create_communicator('naive')
+    try:
+        with pytest.raises(ValueError, match='accumulation_steps must be a '
+                           'whole number .* got %s' % repr(steps)[:2]):
+            make(comm, steps)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_ranks_with_different_steps_fail_together():
+    comm = mnopt.create_communicator('naive')
+    try:
+        with pytest.raises(ValueError, match='accumulation_steps'):
+            make(comm, 2 if comm.rank == 0 else 3)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_a_mid_accumulation_snapshot_loaded_on_rank_0_alone_fails_together():
+    comm = mnopt.create_communicator('naive')
+    try:
+        model, opt = make(comm, K)
+        for i in range(2 * K + 1):   # one micro-step past an update
+            opt.update(model, *micro_batch(i // K, i % K, comm.rank))
+        snapshot = {}
+        opt.serialize(chainer.serializers.DictionarySerializer(snapshot))
+        resumed_model, resumed = make(comm, K)
+        if comm.rank == 0:
+            resumed.serialize(chainer.serializers.NpzDeserializer(snapshot))
+        with pytest.raises(RuntimeError, match='middle of a gradient '
+                           'accumulation'):
+            for k in range(K):
+                resumed.update(resumed_model, *micro_batch(1, k, comm.rank))
+    finally:
+        comm.finalize()
