@@ -7,6 +7,8 @@ differing values are an error on every rank.
 
 Run serially and under mpiexec -n 2 and -n 3."""
 
+import os
+
 import numpy
 import pytest
 
@@ -16,7 +18,7 @@ import chainer.functions as F   # noqa: E402
 import chainer.links as L   # noqa: E402
 
 import mnopt   # noqa: E402
-from conftest import WORLD   # noqa: E402
+from conftest import WORLD, imagenet_example_module   # noqa: E402
 
 pytestmark = pytest.mark.many_ranks
 
@@ -218,5 +220,76 @@ def test_a_mid_accumulation_snapshot_loaded_on_rank_0_alone_fails_together():
                            'accumulation'):
             for k in range(K):
                 resumed.update(resumed_model, *micro_batch(1, k, comm.rank))
+    finally:
+        comm.finalize()
+
+
+def train_example_model(comm, steps, batch, epochs=2):
+    """The ImageNet example's NIN and weight decay under Chainer's Trainer
+    and StandardUpdater (one ``update`` per iteration), ``steps``
+    iterations per update; dropout off (its masks are drawn per call).
+    Returns the parameters and the trainer's iteration count."""
+    models = imagenet_example_module('models')
+    numpy.random.seed(0)   # the lazily initialised weights (rank 0's win)
+    model = models.NIN(n_classes=4)
+    rng = numpy.random.RandomState(comm.rank)
+    images = rng.uniform(-1, 1, (24, 3, 48, 48)).astype(numpy.float32)
+    labels = rng.randint(0, 4, 24).astype(numpy.int32)
+    data = chainer.datasets.TupleDataset(images, labels)
+    order = chainer.iterators.ShuffleOrderSampler(
+        numpy.random.RandomState(7))
+    iterator = chainer.iterators.SerialIterator(data, batch,
+                                                order_sampler=order)
+    optimizer = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9), comm,
+        accumulation_steps=steps)
+    optimizer.setup(model)
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+    updater = chainer.training.StandardUpdater(iterator, optimizer)
+    trainer = chainer.training.Trainer(updater, (epochs, 'epoch'),
+                                       out=os.devnull)
+    with chainer.using_config('train', False):
+        trainer.run()
+    return ({n: p.array.copy() for n, p in model.namedparams()},
+            updater.iteration, optimizer.t)
+
+
+def test_the_trainer_makes_k_iterations_per_update():
+    """The example's case (--accumulation-steps 4 against 4 times the
+    batch): the same samples, the same epochs and parameters; K times
+    the iterations, the same number of updates."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        accumulated, iterations, t = train_example_model(comm, 4, 2)
+        whole, whole_iterations, whole_t = train_example_model(comm, 1, 8)
+        assert (iterations, t) == (4 * whole_iterations, whole_t)
+        assert_close(accumulated, whole, rtol=1e-4, atol=1e-6)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('mode', sorted(MODES))
+def test_micro_steps_do_not_communicate(mode):
+    """Only the K-th call of an update averages (overlap: during its
+    backward), whatever the mode."""
+    comm = mnopt.create_communicator('flat')
+    calls = []
+    for name in ('everyone', 'mean_grads_async', 'multi_node_mean_grad',
+                 'reduce_scatter_mean', 'reduce_scatter_mean_async',
+                 'allgather_params', 'bcast_data'):
+        def counted(*args, _original=getattr(comm, name), _name=name,
+                    **kwds):
+            calls.append(_name)
+            return _original(*args, **kwds)
+        setattr(comm, name, counted)
+    try:
+        model, opt = make(comm, K, **MODES[mode])
+        for u in range(UPDATES):
+            for k in range(K):
+                before = len(calls)
+                opt.update(model, *micro_batch(u, k, comm.rank))
+                assert (len(calls) > before) == (k == K - 1), (u, k, calls)
+        if mode in ('overlap', 'stage2'):
+            assert opt.overlap_stats['during_backward'] > 0
     finally:
         comm.finalize()

@@ -44,6 +44,8 @@ def modes(args, comm):
         said.append('overlap')
     if args.shard_state:
         said.append('sharded optimizer state')
+    if getattr(args, 'accumulation_steps', 1) > 1:
+        said.append('an update every %d iterations' % args.accumulation_steps)
     if args.mnbn:
         said.append('multi-node batch normalization')
     return ', '.join(said)

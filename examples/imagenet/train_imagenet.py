@@ -130,6 +130,12 @@ def parse_args(argv=None):
                         'updates its share of the parameters; with '
                         '--overlap the gradients too (stage 2); snapshots '
                         'hold each rank\'s share in its rank file')
+    p.add_argument('--accumulation-steps', type=int, default=1,
+                   metavar='K', help='average and update once per K '
+                   'iterations, each of --batchsize per rank: one update '
+                   'over K times the batch (docs/accumulation.md); '
+                   '--iteration, --epoch and the lr schedule count '
+                   'iterations')
     p.add_argument('--compression', choices=['sign', 'powersgd', 'auto'],
                    help='gradient compression (docs/compression.md): sign, '
                    'majority vote of signs; powersgd, low-rank factors of '
@@ -793,7 +799,8 @@ def main(argv=None):
         optimizer = mnopt.create_multi_node_optimizer(
             chainer.optimizers.MomentumSGD(momentum=0.9), comm,
             double_buffering=args.double_buffering, overlap=args.overlap,
-            shard_state=args.shard_state)
+            shard_state=args.shard_state,
+            accumulation_steps=args.accumulation_steps)
     except ValueError as e:
         sys.exit('train_imagenet.py: %s' % e)
     device = choose_device(comm, args.cpu)
