@@ -2,7 +2,9 @@
 
 Without it, the other ranks wait forever in their next collective.  This
 does what ``python -m mpi4py script.py`` does, for scripts launched as
-plain ``python script.py``.
+plain ``python script.py``.  Before the abort the failing rank reports
+the failure once (mnopt/failure_summary.py): its traceback, and what the
+other ranks were doing.
 
 ``import mnopt`` installs it in a process that an MPI launcher started as
 one of several (``install_at_import``), so that a rank failing before its
@@ -15,7 +17,9 @@ import os
 import signal
 import sys
 import time
+import traceback
 
+from mnopt import failure_summary
 from mnopt import launched
 from mnopt import log
 
@@ -41,16 +45,32 @@ START_MPI_SECONDS = 10
 #: The variables in which launchers give a process its rank in the job
 #: (for the message before MPI has started): MPICH's and Intel MPI's
 #: Hydra, Open MPI, PMIx, MVAPICH2, Slurm.
-RANK_VARIABLES = ('PMI_RANK', 'OMPI_COMM_WORLD_RANK', 'PMIX_RANK',
-                  'MV2_COMM_WORLD_RANK', 'SLURM_PROCID')
+RANK_VARIABLES = log.RANK_VARIABLES
 
 
 def _abort_hook(exc_type, exc_value, exc_traceback):
-    _previous(exc_type, exc_value, exc_traceback)
+    # The message is the traceback's last line: said once.
+    failure = ('%s (its traceback below)' % exc_type.__name__,
+               ''.join(traceback.format_exception(exc_type, exc_value,
+                                                  exc_traceback)))
+    several = _several_ranks()
+    # Python's own hook would print the traceback that the failure
+    # summary shows: once is enough.  A user's hook runs as before.
+    if not several or _previous is not sys.__excepthook__:
+        _previous(exc_type, exc_value, exc_traceback)
     if _mpi_started():
-        abort('uncaught exception')
-    elif _launched_pid == os.getpid() and not _multiprocessing_child():
-        abort_before_mpi('uncaught exception')
+        abort('uncaught exception', failure=failure)
+    elif several:
+        abort_before_mpi('uncaught exception', failure=failure)
+
+
+def _several_ranks():
+    """Whether this process is one of several ranks that the abort would
+    end (MPI's world, or before MPI starts, the launcher's variables)."""
+    if _mpi_started():
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.size > 1
+    return _launched_pid == os.getpid() and not _multiprocessing_child()
 
 
 def _mpi_started():
@@ -81,11 +101,13 @@ def install_at_import(environ=None):
     if any(n > 1 for n in sizes.values()) and not _multiprocessing_child():
         _launched_pid = os.getpid()
         add_hook()
+        failure_summary.note_start()
 
 
-def abort_before_mpi(why, code=1):
+def abort_before_mpi(why, code=1, failure=None):
     """Abort the job from a process in which MPI has not started: say
-    ``why``, start MPI (which waits for every rank to start it) and abort;
+    ``why`` (and report ``failure``: (what, traceback)), start MPI
+    (which waits for every rank to start it) and abort;
     if MPI has not started after START_MPI_SECONDS, end this process by
     SIGALRM, which the launcher takes as the end of the job."""
     rank = next(('rank ' + os.environ[v] for v in RANK_VARIABLES
@@ -93,6 +115,8 @@ def abort_before_mpi(why, code=1):
     log.say(logger, logging.ERROR,
             'mnopt: %s on %s before MPI started; aborting the MPI job',
             why, rank, last_words=True)
+    if failure is not None:
+        failure_summary.report('uncaught exception', *failure)
     log.flush(__name__)
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -113,10 +137,11 @@ def abort_before_mpi(why, code=1):
     _abort_started(code)
 
 
-def abort(why, code=1):
+def abort(why, code=1, failure=None):
     """Abort the whole MPI job (where MPI runs with more than one
-    process), saying ``why`` first; nothing said or failed here stops
-    the abort."""
+    process), saying ``why`` first, then reporting ``failure`` ((what,
+    traceback): mnopt/failure_summary.py); nothing said or failed here
+    stops the abort."""
     try:
         from mpi4py import MPI
         if not MPI.Is_initialized() or MPI.Is_finalized() \
@@ -127,6 +152,10 @@ def abort(why, code=1):
     log.say(logger, logging.ERROR,
             'mnopt: %s on rank %d; aborting the MPI job', why,
             MPI.COMM_WORLD.rank, last_words=True)
+    if failure is not None and not failure_summary.report(
+            'uncaught exception', *failure):
+        # Another rank reports an earlier failure: its turn first.
+        time.sleep(failure_summary.PEERS_WAIT_S)
     log.flush(__name__)
     _abort_started(code)
 
@@ -148,12 +177,14 @@ def run_or_abort(fn, *args):
     the main thread, instead of leaving the others to wait."""
     try:
         return fn(*args)
-    except BaseException:
+    except BaseException as e:
         import threading
-        import traceback
-        traceback.print_exc()
+        if not _several_ranks():
+            traceback.print_exc()
         abort('uncaught exception in thread %r'
-               % threading.current_thread().name)
+              % threading.current_thread().name,
+              failure=('%s (its traceback below)' % type(e).__name__,
+                       traceback.format_exc()))
         raise
 
 

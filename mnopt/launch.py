@@ -16,19 +16,102 @@ Slurm) starts and ends the ranks, and ends them all when one dies.
 It stops at the first success, at ``--max-restarts`` failures in a row, or
 when interrupted (SIGINT/SIGTERM are passed to the job, which is then not
 restarted).  Its exit status is the last attempt's.
+
+After each failed attempt it prints one failure summary
+(mnopt/failure_summary.py): which rank failed first, how, its traceback,
+and what the other ranks were doing.  The ranks write their records to a
+folder it gives them in ``MNOPT_FAILURE_DIR`` (made in the current
+directory, which a cluster's nodes usually share; removed after the
+attempt); a rank that a signal ended writes nothing, and is named from
+what MPI's launcher says on stderr (which passes through this one).
 """
 
 import argparse
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from mnopt import failure_summary
 from mnopt import log as _log
 
 logger = _log.get('mnopt.launch')   # also when run as __main__
+
+
+#: What MPI's launchers say of a rank that a signal ended: MPICH's Hydra
+#: (its pid and host, then the signal), Open MPI's (all on one line).
+HYDRA_PID = re.compile(rb'PID (\d+) RUNNING AT (\S+)')
+HYDRA_SIGNAL = re.compile(rb'EXIT STRING: .*\(signal (\d+)\)')
+OPEN_MPI = re.compile(rb'process rank (\d+) with PID (\d+) on node (\S+) '
+                      rb'exited on signal (\d+)')
+
+
+#: How long the job's stderr may stay open after the job ended (a rank
+#: its launcher left behind holds it) before the summary is printed.
+READ_S = 5.0
+
+
+def _forward(source, into, ended):
+    """Copy the job's stderr ``source`` to ``into`` line by line, noting
+    in ``ended`` the rank a signal ended, as the MPI launcher says it."""
+    where = {}
+    for line in iter(source.readline, b''):
+        try:
+            into.write(line)
+            into.flush()
+        except (OSError, ValueError):
+            pass
+        found = HYDRA_PID.search(line)
+        if found:
+            where = {'pid': int(found.group(1)),
+                     'host': found.group(2).decode(errors='replace')}
+        found = HYDRA_SIGNAL.search(line)
+        if found and where and not ended:
+            ended.update(where, signal=int(found.group(1)))
+        found = OPEN_MPI.search(line)
+        if found and not ended:
+            ended.update(rank=int(found.group(1)), pid=int(found.group(2)),
+                         host=found.group(3).decode(errors='replace'),
+                         signal=int(found.group(4)))
+
+
+def _failure_folder():
+    """A fresh folder for the ranks' records: in the current directory
+    (shared by the nodes, usually), else the temporary one."""
+    for where in (os.getcwd(), None):
+        try:
+            return tempfile.mkdtemp(prefix='.mnopt-failure-', dir=where)
+        except OSError:
+            pass
+    return None
+
+
+def _attempt(command, env):
+    """Start one attempt; returns (the child, the folder for the ranks'
+    records, {what the MPI launcher said of a rank a signal ended}, the
+    threads forwarding the job's output)."""
+    folder = _failure_folder()
+    if folder is not None:
+        env = dict(env, **{failure_summary.FOLDER_VARIABLE: folder})
+    # MPICH's Hydra reports a rank's end on stdout, Open MPI on stderr.
+    into = [getattr(stream, 'buffer', None)
+            for stream in (sys.stdout, sys.stderr)]
+    if None in into:   # a stream swapped for a text one: not followed
+        return subprocess.Popen(command, env=env), folder, {}, []
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    ended = {}
+    readers = [threading.Thread(target=_forward, daemon=True,
+                                args=(source, out, ended))
+               for source, out in zip((child.stdout, child.stderr), into)]
+    for reader in readers:
+        reader.start()
+    return child, folder, ended, readers
 
 
 def run(command, max_restarts=3, delay=1.0, log=None):
@@ -59,11 +142,20 @@ def run(command, max_restarts=3, delay=1.0, log=None):
         for attempt in range(max_restarts + 1):
             env = dict(os.environ, MNOPT_RESTART=str(attempt))
             start = time.monotonic()
-            child = subprocess.Popen(command, env=env)
+            child, folder, ended, readers = _attempt(command, env)
             status = child.wait()
+            for reader in readers:   # its output out before the summary
+                reader.join(READ_S)
+            found = failure_summary.read_folder(folder) if folder else None
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
             if status == 0 or stopping.is_set():
                 return status
             left = max_restarts - attempt
+            if found is not None:
+                say('\n'.join(failure_summary.launcher_block(
+                    found, status, attempt + 1, max_restarts + 1,
+                    ended or None)))
             say('mnopt.launch: the job exited with status %d after '
                 '%.1f s (attempt %d of %d)%s' % (
                     status, time.monotonic() - start, attempt + 1,

@@ -17,8 +17,7 @@ from mnopt import log
 #: job: MPICH's and Intel MPI's Hydra, Open MPI,
 #: MVAPICH2, and Slurm (also set in an sbatch script, where a plain
 #: ``python train.py`` is one process of an allocation of several).
-SIZE_VARIABLES = ('PMI_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE',
-                  'SLURM_NTASKS', 'SLURM_NPROCS')
+SIZE_VARIABLES = log.SIZE_VARIABLES
 
 #: How to launch, for the messages.
 HOW_TO_LAUNCH = ('start it with the launcher of the MPI library mpi4py was '

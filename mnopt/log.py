@@ -14,6 +14,11 @@ what a collected communicator left failing to release
 aborted or something failed and was ignored.  The message is the text
 mnopt writes on stderr (``mnopt: rank 1 has waited 60.0 s in ...``).
 
+In a process that is one rank of several, every line the default
+handler writes starts with the rank (``[rank 1] mnopt: ...``), so that
+what each rank said can be told apart where ranks share a terminal; a
+user's handler gets the message untagged (its format decides).
+
 So a user routes, silences or captures them as any library's::
 
     logging.getLogger('mnopt').setLevel(logging.ERROR)   # only the errors
@@ -73,12 +78,53 @@ class DefaultHandler(logging.Handler):
         try:
             # One write per record, as before: lines of ranks that share
             # a terminal do not interleave mid-line.
-            stream.write(self.format(record) + '\n')
+            stream.write(tagged(self.format(record)) + '\n')
             stream.flush()
         except RecursionError:
             raise
         except Exception:
             self.handleError(record)
+
+
+#: The variables in which launchers give a process its rank and the
+#: job's size (MPICH's and Intel MPI's Hydra, Open MPI, PMIx, MVAPICH2,
+#: Slurm), for the tag before MPI has started.
+RANK_VARIABLES = ('PMI_RANK', 'OMPI_COMM_WORLD_RANK', 'PMIX_RANK',
+                  'MV2_COMM_WORLD_RANK', 'SLURM_PROCID')
+SIZE_VARIABLES = ('PMI_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE',
+                  'SLURM_NTASKS', 'SLURM_NPROCS')
+
+
+def job_rank():
+    """(rank, size) of this process in its job: MPI's COMM_WORLD where
+    MPI runs (never started here), else what the launcher's variables say;
+    (None, 1) where nothing says."""
+    mpi = sys.modules.get('mpi4py.MPI')
+    try:
+        if mpi is not None and mpi.Is_initialized() and \
+                not mpi.Is_finalized():
+            return mpi.COMM_WORLD.rank, mpi.COMM_WORLD.size
+    except Exception:
+        pass
+    import os
+    rank = size = None
+    for name in RANK_VARIABLES:
+        if rank is None and os.environ.get(name, '').isdigit():
+            rank = int(os.environ[name])
+    for name in SIZE_VARIABLES:
+        if size is None and os.environ.get(name, '').isdigit():
+            size = int(os.environ[name])
+    return rank, size or 1
+
+
+def tagged(text):
+    """``text`` with every line tagged with this process's rank
+    (``[rank 1] ``) where it is one of several ranks; else unchanged."""
+    rank, size = job_rank()
+    if rank is None or size < 2:
+        return text
+    tag = '[rank %d] ' % rank
+    return '\n'.join(tag + line for line in text.split('\n'))
 
 
 def _pytests(handler):
@@ -140,7 +186,8 @@ def say(logger, level, message, *args, last_words=False):
         dropped = True
     if dropped and last_words:
         try:
-            sys.stderr.write((message % args if args else message) + '\n')
+            sys.stderr.write(
+                tagged(message % args if args else message) + '\n')
             sys.stderr.flush()
         except Exception:
             pass

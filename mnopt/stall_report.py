@@ -21,6 +21,22 @@ def tail(timeout, timed_out):
         if timeout else '')
 
 
+def doing(m, r, ops):
+    """What rank ``r`` of monitor ``m`` said it does (``ops``, its
+    answer: Monitor.state(), or None where it did not answer)."""
+    if ops is None:
+        return 'no answer: stopped, hung outside Python, or gone'
+    if ops:
+        return 'in ' + ', '.join(
+            '%s.%s #%d for %.1f s%s' % (m.label, name, count, t,
+                                        ' ' + d if d else '')
+            for name, count, t, d in ops)
+    if r in m.helpers:
+        return 'idle: no request in progress'
+    return ('busy outside %s: computing, or stuck before its next call'
+            % m.label)
+
+
 def describe(m, op, waited, timed_out):
     """The report: who has not arrived at ``op`` and what they do."""
     missing, arrived, helpers = [], [m.rank], []
@@ -28,22 +44,12 @@ def describe(m, op, waited, timed_out):
         if r == m.rank:
             continue
         ops = op.answers.get(r)
-        if ops is None:
-            what = 'no answer: stopped, hung outside Python, or gone'
-        elif any(name == op.name and count == op.count
-                 for name, count, _, _ in ops) and r not in m.helpers:
+        if ops is not None and r not in m.helpers and any(
+                name == op.name and count == op.count
+                for name, count, _, _ in ops):
             arrived.append(r)
             continue
-        elif ops:
-            what = 'in ' + ', '.join(
-                '%s.%s #%d for %.1f s%s' % (m.label, name, count, t,
-                                            ' ' + d if d else '')
-                for name, count, t, d in ops)
-        elif r in m.helpers:
-            what = 'idle: no request in progress'
-        else:
-            what = ('busy outside %s: computing, or stuck before its next '
-                    'call' % m.label)
+        what = doing(m, r, ops)
         (helpers if r in m.helpers else missing).append(
             '%s (%s)' % (m.name_of(r), what))
     head = 'mnopt: %s has waited %.1f s in %s%s' % (

@@ -1,7 +1,9 @@
 """The stall watchdog: the one thread per process that looks after every
 Monitor (mnopt/stall.py): asks the other ranks what they do when an
 operation is late, reports, aborts at the timeout, and runs the last-word
-protocol (mnopt/stall_last_word.py), also at exit."""
+protocol (mnopt/stall_last_word.py), also at exit; for a failing rank's
+summary (mnopt/failure_summary.py) it asks the others what they do, and
+hears whether another rank reports an earlier failure."""
 
 import atexit
 import logging
@@ -11,6 +13,7 @@ import warnings
 
 from mpi4py import MPI
 
+from mnopt import failure_summary
 from mnopt import log
 from mnopt import stall_last_word
 from mnopt import stall_report
@@ -23,6 +26,12 @@ TICK_S = 0.2
 #: answers come back within a tick or two; a stopped rank never answers).
 ANSWER_WAIT_S = 2.0
 TAG_QUESTION, TAG_ANSWER = 0x57A1, 0x57A2
+#: A rank's claim that it reports a failure: (priority, its world rank,
+#: whether it has reported it).
+TAG_CLAIM = 0x57A4
+#: How long a failing rank listens for another's claim when it asks
+#: nothing (a stall's report already holds the answers).
+CLAIM_WAIT_S = 2.5 * TICK_S
 
 
 class Watchdog(object):
@@ -38,6 +47,8 @@ class Watchdog(object):
         self._stop = threading.Event()
         self._questions = 0
         self._pending = []  # isend requests not yet known complete
+        self._claims = []   # other ranks' (priority, world rank) claims
+        self._failure = None   # this rank's failure question, answers
 
     def start(self, say_if_off=True):
         """True once the thread runs (False without THREAD_MULTIPLE)."""
@@ -52,6 +63,7 @@ class Watchdog(object):
                                         name='mnopt-watchdog')
         self._thread.start()
         atexit.register(self.stop)  # before mpi4py finalizes MPI
+        failure_summary.set_peers(self.failing, self.reported)
         return True
 
     def stop(self):
@@ -125,6 +137,11 @@ class Watchdog(object):
             if tag == TAG_QUESTION and not m.said_last_word:
                 self._pending.append(m.comm.isend(
                     (content, m.state()), dest=source, tag=TAG_ANSWER))
+            elif tag == TAG_CLAIM:
+                self._claims.append(tuple(content))
+            elif tag == TAG_ANSWER and self._failure is not None and \
+                    content[0] == self._failure['qid']:
+                self._failure['answers'][(m, source)] = content[1]
             elif tag == TAG_ANSWER:
                 qid, state = content
                 for op in m.operations():
@@ -132,6 +149,86 @@ class Watchdog(object):
                         op.answers[source] = state
             elif tag == stall_last_word.TAG_EXIT:
                 stall_last_word.hear(m, source, content)
+
+    def failing(self, priority, wait_s, question=True):
+        """This rank reports a failure (mnopt/failure_summary.py): claim
+        it on every monitor, ask the other ranks what they do (where
+        ``question``), and listen up to ``wait_s`` (CLAIM_WAIT_S without
+        a question).  Returns ({name: what it does} or None, whether no
+        other rank claimed an earlier failure)."""
+        mine = (priority, MPI.COMM_WORLD.rank)
+        here = threading.current_thread() is self._thread
+        if not here:
+            self._lock.acquire()
+        try:
+            monitors = [m for m in self._monitors if not m.said_last_word]
+            self._questions += 1
+            self._failure = {'qid': ('failure', self._questions),
+                             'answers': {}}
+            for m in monitors:
+                for r in range(m.size):
+                    if r == m.rank:
+                        continue
+                    self._pending.append(m.comm.isend(
+                        mine + (False,), dest=r, tag=TAG_CLAIM))
+                    if question:
+                        self._pending.append(m.comm.isend(
+                            self._failure['qid'], dest=r, tag=TAG_QUESTION))
+        finally:
+            if not here:
+                self._lock.release()
+        # Ranks that said their last word answer no more questions.
+        expected = sum(m.size - 1 - len(m.exited) for m in monitors)
+        deadline = time.monotonic() + (wait_s if question else CLAIM_WAIT_S)
+        while time.monotonic() < deadline and (
+                not question or len(self._failure['answers']) < expected):
+            if here:   # the watchdog reports a stall: it receives itself
+                for m in monitors:
+                    self._receive(m)
+            time.sleep(0.01)
+        # Of the ranks that claim at once, the lowest priority, then the
+        # lowest rank reports; none where one has reported already.
+        first = all(not done and mine <= (p, r)
+                    for p, r, done in self._claims)
+        if not question or not monitors:
+            return None, first
+        return self._others(monitors, self._failure['answers']), first
+
+    def reported(self):
+        """This rank has reported its failure: the others, if they fail
+        too, leave theirs unsaid (mnopt/failure_summary.py)."""
+        here = threading.current_thread() is self._thread
+        if not here:
+            self._lock.acquire()
+        try:
+            done = (0, MPI.COMM_WORLD.rank, True)
+            for m in self._monitors:
+                if not m.said_last_word:
+                    self._pending += [m.comm.isend(done, dest=r,
+                                                   tag=TAG_CLAIM)
+                                      for r in range(m.size) if r != m.rank]
+        finally:
+            if not here:
+                self._lock.release()
+
+    @staticmethod
+    def _doing(m, r, answer):
+        if r in m.exited:
+            return 'its process %s' % m.why_gone.get(r, 'exited')
+        return stall_report.doing(m, r, answer)
+
+    @staticmethod
+    def _others(monitors, answers):
+        """{name: what it does} from the answers to a failure question."""
+        others = {}
+        for m in monitors:
+            for r in range(m.size):
+                if r != m.rank:
+                    text = Watchdog._doing(m, r, answers.get((m, r)))
+                    name = m.name_of(r)
+                    others[name] = text if name not in others or \
+                        others[name] == text else others[name] + '; ' + text
+        return others
 
     def _ask(self, m, op):
         self._questions += 1
@@ -162,6 +259,12 @@ class Watchdog(object):
                                == 'exited' else 'finalized or dropped its '
                                'communicator (or its script ended)')
                     for r in gone), last_words=True)
+            self._summarize(m, op, 'exit', '%s without entering %s, '
+                            'which it therefore cannot finish' % (
+                                'exited' if m.why_gone.get(gone[0]) ==
+                                'exited' else 'finalized or dropped its '
+                                'communicator', op.label()),
+                            m.name_of(gone[0]))
             stall_report.abort()
         if not op.warned and m.warning is not None and (
                 m.timeout is None or m.warning < m.timeout):
@@ -185,7 +288,22 @@ class Watchdog(object):
                 '%s', stall_report.describe(m, op, waited, timed_out),
                 last_words=timed_out)
         if timed_out:
+            self._summarize(m, op, 'stall', 'waited %.1f s in %s%s, past '
+                            'the timeout (%.0f s, MNOPT_TIMEOUT)' % (
+                                waited, op.label(), ' (%s)' % op.detail
+                                if op.detail else '', m.timeout))
             stall_report.abort()
+
+    def _summarize(self, m, op, how, what, who=None):
+        """The failure summary of a rank that aborts from here: with what
+        the others said they do in a stall (the answers to ``op``'s
+        question), else asked now."""
+        others = None
+        if how == 'stall':
+            others = {m.name_of(r): self._doing(m, r, op.answers.get(r))
+                      for r in range(m.size) if r != m.rank}
+        if not failure_summary.report(how, what, others=others, who=who):
+            time.sleep(failure_summary.PEERS_WAIT_S)  # the reporter's turn
 
 
 _the_watchdog = None

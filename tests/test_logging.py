@@ -56,13 +56,14 @@ def run_reports(how):
 def test_by_default_the_reports_reach_stderr_as_before():
     proc = run_reports('default')
     stalls = [line for line in proc.stderr.splitlines()
-              if line.startswith(STALL)]
+              if line.startswith('[rank 0] ' + STALL)]
     # The bare message, one line, as sys.stderr.write gave it: no level,
-    # no logger name (tests and users grep these lines).
+    # no logger name (tests and users grep these lines), only the rank
+    # that said it, as a ChainerMN user's mpiexec -prepend-rank would.
     assert len(stalls) == 1 and stalls[0].endswith(STALL_REST), \
         proc.stderr[-3000:]
     overflows = [line for line in proc.stderr.splitlines()
-                 if line.startswith(OVERFLOW)]
+                 if line.startswith('[rank 0] ' + OVERFLOW)]
     assert len(overflows) == 1, proc.stderr[-3000:]
     assert 'CAPTURED' not in proc.stdout
 

@@ -1,0 +1,154 @@
+"""One failure summary (mnopt/failure_summary.py): a job that fails by an
+exception, an exit, a stall or a signal shows one block, once, at the
+end, naming the first failing rank and how, with its traceback once and
+what the other ranks were doing; under a plain mpiexec the job writes
+it, under python -m mnopt.launch the launcher, for each failed attempt.
+Every mnopt line a rank writes on stderr starts with its rank."""
+
+import os
+import re
+import sys
+
+import pytest
+
+from conftest import REPO, mpiexec, python_path, run_job, run_mpi
+
+pytestmark = pytest.mark.spawn
+
+#: Far above every wait in these jobs, except the stall's own.
+PATIENT = {'MNOPT_STALL_WARNING': '250', 'MNOPT_TIMEOUT': '300'}
+
+#: Rank 1 fails, as argv[1] says, after one averaging; the others wait in
+#: the second one.
+JOB = r'''
+import os, signal, sys, time
+import numpy
+import mnopt
+comm = mnopt.create_communicator('flat')
+grads = [('w', numpy.ones(4, 'f'))]
+comm.mean_grads(grads)
+if comm.rank == 1:
+    time.sleep(0.3)
+    how = sys.argv[1]
+    if how == 'exception':
+        raise ValueError('a bad batch on rank 1')
+    if how == 'exit':
+        sys.exit(3)
+    if how == 'stall':
+        time.sleep(200)
+    if how == 'SIGKILL':
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == 'SIGSEGV':
+        import ctypes
+        ctypes.string_at(0)
+comm.mean_grads(grads)
+'''
+
+HEADER = 'mnopt: failure summary'
+
+
+def _check_block(err, first, how, header=HEADER):
+    """The block is there once, names ``first`` and ``how``; returns its
+    lines (untagged)."""
+    assert err.count(header) == 1, err
+    assert err.count('end of the failure summary') == 1, err
+    untagged = [re.sub(r'^\[rank \d+\] ', '', line)
+                for line in err.split('\n')]
+    start = next(i for i, line in enumerate(untagged) if header in line)
+    block = untagged[start:]
+    block = block[:next(i for i, line in enumerate(block)
+                        if line == 'end of the failure summary') + 1]
+    assert block[1].startswith('first failure: %s ' % first), block
+    assert ': %s: ' % how in block[1], block
+    return block
+
+
+@pytest.mark.parametrize('ranks', [2, 3])
+def test_an_exception_is_summed_up_once_by_the_failing_rank(ranks):
+    proc = run_mpi(ranks, JOB, timeout=120, args=['exception'], env=PATIENT,
+                   module_runner=False)
+    assert proc.returncode != 0
+    err = proc.stderr
+    block = _check_block(err, 'rank 1', 'uncaught exception')
+    assert err.count('ValueError: a bad batch on rank 1') == 1, err
+    assert 'its traceback:' in block
+    assert '[rank 1] mnopt: uncaught exception on rank 1' in err
+    # Every line of the block carries the rank that wrote it.
+    assert all(line.startswith('[rank 1] ') for line in err.split('\n')
+               if 'failure summary' in line or 'first failure' in line)
+    for r in set(range(ranks)) - {1}:
+        assert any(line.startswith('  rank %d: in flat#0.mean_grads #2 '
+                                   % r) for line in block), block
+
+
+def test_an_exit_is_summed_up_once_by_a_rank_that_waited_for_it():
+    proc = run_mpi(3, JOB, timeout=120, args=['exit'], env=PATIENT,
+                   module_runner=False)
+    assert proc.returncode != 0
+    block = _check_block(proc.stderr, 'rank 1', 'exit')
+    assert 'exited without entering flat#0.mean_grads #2' in block[1]
+    assert '  rank 1: its process exited' in block
+
+
+def test_a_stall_is_summed_up_once_though_two_ranks_time_out():
+    proc = run_mpi(3, JOB, timeout=120, args=['stall'],
+                   env={'MNOPT_STALL_WARNING': '2', 'MNOPT_TIMEOUT': '4'},
+                   module_runner=False)
+    assert proc.returncode != 0
+    err = proc.stderr
+    # Ranks 0 and 2 both time out; the lower one sums up.
+    assert err.count('Timeout (4 s, MNOPT_TIMEOUT)') >= 1, err
+    block = _check_block(err, 'rank 0', 'stall')
+    assert 'past the timeout (4 s, MNOPT_TIMEOUT)' in block[1]
+    assert any(line.startswith('  rank 1: busy outside flat#0')
+               for line in block), block
+    assert 'its traceback:' not in block
+
+
+def _launched(how, ranks=3):
+    """The job under python -m mnopt.launch, once; its stderr."""
+    script = os.path.join(os.path.dirname(__file__),
+                          '.spawned_launch_%d.py' % os.getpid())
+    with open(script, 'w') as f:
+        f.write(JOB)
+    env = dict(os.environ, PYTHONPATH=python_path(), **PATIENT)
+    try:
+        proc = run_job([sys.executable, '-m', 'mnopt.launch',
+                        '--max-restarts', '1', '--delay', '0', '--']
+                       + mpiexec() + ['-n', str(ranks), sys.executable,
+                                      script, how], 180, env)
+    finally:
+        os.remove(script)
+    assert proc.returncode != 0
+    return proc.stderr
+
+
+@pytest.mark.parametrize('how,said', [
+    ('exception', 'uncaught exception'), ('SIGKILL', 'signal'),
+    ('SIGSEGV', 'signal')])
+def test_the_launcher_sums_up_each_failed_attempt(how, said):
+    err = _launched(how)
+    for attempt in (1, 2):
+        header = 'mnopt.launch: failure summary of attempt %d of 2' % attempt
+        assert err.count(header) == 1, err
+    # The ranks leave the block to the launcher: one per attempt.
+    assert HEADER not in err, err
+    assert err.count('end of the failure summary') == 2, err
+    attempts = err.split('mnopt.launch: failure summary of attempt ')
+    for text in attempts[1:]:
+        lines = text.split('\n')
+        # MPICH's mpiexec ends the other ranks by SIGKILL as well, and
+        # names one of them: which one it saw end first.
+        first = 'rank ' if how == 'SIGKILL' else 'rank 1 '
+        assert lines[1].startswith('first failure: ' + first), text
+        assert ': %s: ' % said in lines[1], text
+    if how == 'exception':
+        assert err.count('ValueError: a bad batch on rank 1') == 2, err
+    if how == 'SIGKILL':
+        assert 'killed by SIGKILL' in err, err
+    if how == 'SIGSEGV':
+        assert 'Segmentation fault' in attempts[1].split('\n')[1]
+        assert 'string_at' in attempts[1], attempts[1]
+    # Its folder for the ranks' records is gone.
+    assert not [n for n in os.listdir(REPO)
+                if n.startswith('.mnopt-failure-')]
