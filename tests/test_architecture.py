@@ -31,7 +31,7 @@ LAYERS = [
                 'mnopt.launched',
                 'mnopt.wire_dtypes', 'mnopt.timeline', 'mnopt.timeline_window',
                 'mnopt.step_stats',
-                'mnopt.global_except_hook']),
+                'mnopt.global_except_hook', 'mnopt.failure_summary']),
     ('gpu', ['mnopt.gpu']),
     ('transport', ['mnopt.transport']),
     ('codecs', ['mnopt.grad_buffer', 'mnopt.sign', 'mnopt.overflow',

@@ -193,13 +193,31 @@ def digest(value):
                           'little', signed=True)
 
 
+def ranks_text(ranks):
+    """'rank 3', 'ranks 0, 2', 'ranks 1-63' (runs of 3 or more joined)."""
+    runs, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs += ['%d-%d' % (start, r)] if r - start >= 2 else \
+                [str(n) for n in range(start, r + 1)]
+            start = None
+    return '%s %s' % ('rank' if len(ranks) == 1 else 'ranks',
+                      ', '.join(runs))
+
+
 def mismatch_message(calls):
-    """The error for ``calls`` (each rank's (kind, shown, call site))."""
+    """The error for ``calls`` (each rank's (kind, shown, call site)):
+    one line per distinct call, naming the ranks that made it."""
+    made = {}
+    for r, call in enumerate(calls):
+        made.setdefault(tuple(call), []).append(r)
     return ('MNOPT_DEBUG=detail: the ranks called collectives that do not '
-            'match: %s. %s' % ('; '.join(
-                'rank %d: %s(%s) at %s' % ((r,) + tuple(c))
-                for r, c in enumerate(calls)), ADVICE[0].upper()
-                + ADVICE[1:]))
+            'match:\n%s\n%s' % ('\n'.join(
+                '  %s: %s(%s) at %s' % ((ranks_text(ranks),) + call)
+                for call, ranks in made.items()),
+                ADVICE[0].upper() + ADVICE[1:]))
 
 
 # Point to point: the sender's description of its call goes first, with
