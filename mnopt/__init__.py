@@ -41,6 +41,8 @@ if TYPE_CHECKING:
         create_multi_node_checkpointer as create_multi_node_checkpointer)
     from mnopt.links import MultiNodeChainList as MultiNodeChainList
     from mnopt.optimizers import Signum as Signum
+    from mnopt.optimizers import UnevenInputsError as UnevenInputsError
+    from mnopt.optimizers import join as join
     from mnopt.optimizers import (
         create_multi_node_optimizer as create_multi_node_optimizer)
     from mnopt.overflow import GradientOverflowError as GradientOverflowError
@@ -96,6 +98,8 @@ _CHAINER_LAYER = {
     'functions': 'mnopt.functions',
     'create_multi_node_optimizer': 'mnopt.optimizers',
     'Signum': 'mnopt.optimizers',
+    'join': 'mnopt.optimizers',
+    'UnevenInputsError': 'mnopt.optimizers',
     'create_multi_node_evaluator': 'mnopt.evaluator',
     'scatter_dataset': 'mnopt.datasets',
     'scatter_index': 'mnopt.datasets',

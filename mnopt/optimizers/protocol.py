@@ -10,6 +10,7 @@ import chainer
 import numpy
 
 from mnopt import timeline as timelines
+from mnopt.optimizers import uneven
 from mnopt.optimizers.accumulation import Accumulation
 
 
@@ -236,10 +237,15 @@ class MultiNodeOptimizer(object):
         every rank must then do alike (overlap: gradients left to average
         after backward), so that none is done where no rank needs it."""
         loaded, changed = self._take_param_set()
+        # Inside mnopt.join: whether this rank still has data
+        # (mnopt/optimizers/uneven.py), heard by every rank alike.
+        joined = self.__dict__.get('_uneven')
         votes = self.communicator.everyone(
-            (loaded, changed, bool(pending), self._take_resumed()),
+            (loaded, changed, bool(pending), self._take_resumed(),
+             uneven.say(joined)),
             'the multi-node optimizer\'s next step')
         self._check_resumed([v[3] for v in votes])
+        uneven.hear(joined, [v[4] for v in votes])
         anyone_pending = any(v[2] for v in votes)
         if any(v[0] for v in votes):
             return RESUME, anyone_pending
@@ -338,6 +344,9 @@ class MultiNodeOptimizer(object):
             return
         self._blocked(self.communicator.multi_node_mean_grad, self.target,
                       self.zero_fill)
+        # The mean over the ranks that still have data (mnopt.join).
+        uneven.rescale(self.__dict__.get('_uneven'), self.target,
+                       self.communicator.size)
         self._apply(*args, **kwds)
 
     def __getattr__(self, name):
