@@ -67,12 +67,19 @@ def communicator(case, out):
         kwargs['compression'] = case['compression']
     if case['tune'] == 'auto':
         kwargs.update({name: 'auto' for name in TUNED[case['comm']]})
-    base = mnopt.create_communicator(case['comm'], **kwargs)
-    made = [base]
-    if case['split']:
-        # The same ranks, as a communicator of the same kind made by
-        # split(): it must keep every setting of the one it came from.
-        made.insert(0, base.split(0, base.rank))
+    if case['observe'] == 'debug':
+        # Every collective checked across ranks (docs/debugging.md); read
+        # when each communicator is made, split()'s included.
+        os.environ['MNOPT_DEBUG'] = 'detail'
+    try:
+        base = mnopt.create_communicator(case['comm'], **kwargs)
+        made = [base]
+        if case['split']:
+            # The same ranks, as a communicator of the same kind made by
+            # split(): it must keep every setting of the one it came from.
+            made.insert(0, base.split(0, base.rank))
+    finally:
+        os.environ.pop('MNOPT_DEBUG', None)
     if case['compression'] == 'hook':
         made[0].register_comm_hook({}, topk_hook)
     return made[0], made
@@ -172,6 +179,8 @@ def train(case, out, stop, snapshots):
         missed = []
         if case['observe'] == 'report' and resumed < stop:
             missed = sorted(set(OBSERVED) - set(log.log[-1]))
+        if case['observe'] == 'debug' and comm.check_calls is None:
+            missed = ['MNOPT_DEBUG=detail: no check']
     finally:
         if isinstance(iterator, chainer.iterators.MultiprocessIterator):
             iterator.finalize()

@@ -20,7 +20,7 @@ thousands of cases), and each case checks what a user would:
 - no rank sees a sample twice within an epoch;
 - an observed run shows what it promises: the timeline each phase of a
   step (step, forward, backward, update, wire), the CommunicationReport its
-  keys in the log.
+  keys in the log, MNOPT_DEBUG=detail its check of every collective.
 
 The cases run in four mpiexec jobs (tests/combination_job.py): the first
 halves at 2 and at 3 ranks, then the files are damaged as each case says,
@@ -55,8 +55,9 @@ FACTORS = collections.OrderedDict([
     ('split', [False, True]),
     ('sets', ['one', 'per_rank']),   # multi_node_snapshot's replica sets
     ('ranks', [2, 3]),   # where the case starts
-    # A timeline recorded, or a CommunicationReport in the log.
-    ('observe', ['none', 'timeline', 'report']),
+    # A timeline recorded, a CommunicationReport in the log, or every
+    # collective checked across ranks (MNOPT_DEBUG=detail).
+    ('observe', ['none', 'timeline', 'report', 'debug']),
     # Settings as numbers, or 'auto' (tuned in the first averagings: the
     # cases stop inside the tuning, so it spans snapshots and resumes).
     ('tune', ['fixed', 'auto']),

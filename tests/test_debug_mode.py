@@ -264,3 +264,12 @@ def test_snapshot_writes_are_logged_at_info(caplog, tmp_path):
             comm.rank, i, os.path.join(out, 'snapshot_iter_%d.%d'
                                        % (i, comm.rank)))
         for i in (1, 2)]
+
+
+def test_a_dict_of_gradients_gets_the_usual_error(debug_comm):
+    """Only iterators are read into a list before the check: a dict
+    reaches mean_grads as it was given, and its error says what to do."""
+    with pytest.raises(TypeError, match=r'pass sorted\(grads.items\(\)\), '
+                                        r'not a dict'):
+        debug_comm.mean_grads({'w': numpy.zeros(2, numpy.float32)})
+    assert debug_comm.allreduce_obj(1) == debug_comm.size

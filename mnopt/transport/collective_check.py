@@ -176,6 +176,15 @@ _ITERABLES = ('named_grads', 'named_params')
 _signatures = {}
 
 
+def _is_iterator(value):
+    """A generator or iterator, read once (a list, a tuple or a dict is
+    passed on as it is: the collective's own check says what is wrong)."""
+    try:
+        return iter(value) is value
+    except TypeError:
+        return False
+
+
 def _bound(method, args, kwargs):
     signature = _signatures.get(method)
     if signature is None:
@@ -296,9 +305,9 @@ class CollectiveCheck(object):
             return args, kwargs
         bound = _bound(method, args, kwargs)
         for key in _ITERABLES:
-            if key in bound.arguments and \
-                    not isinstance(bound.arguments[key], (list, tuple)):
-                bound.arguments[key] = list(bound.arguments[key])
+            value = bound.arguments.get(key)
+            if value is not None and _is_iterator(value):
+                bound.arguments[key] = list(value)
         try:
             compared, shown = describe(bound.arguments)
         except Exception as e:   # the collective's own check will say
