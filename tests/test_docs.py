@@ -492,7 +492,8 @@ def _mnopt_messages(text):
     """The lines of the page's console blocks that mnopt printed."""
     for block in re.findall(r'^```console\n(.*?)^```', text, re.S | re.M):
         for line in block.splitlines():
-            line = re.sub(r'^\[\d+\] ', '', line)  # -prepend-rank's prefix
+            # -prepend-rank's prefix, or mnopt's own rank tag
+            line = re.sub(r'^\[(rank )?\d+\] ', '', line)
             if line.startswith(('mnopt:', 'mnopt.')) or \
                     'mnopt/' in line.split(':', 1)[-1][:20]:
                 yield line
