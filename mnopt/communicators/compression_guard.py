@@ -66,15 +66,24 @@ class CompressionGuard(object):
             del self.trials[key]
             if MPI.COMM_WORLD.rank == 0:
                 log.say(_logger, logging.INFO,
-                        "mnopt: compression='auto': %s (%d arrays from %s) "
-                        'is averaged %s: plain %.2f ms, compressed %.2f ms '
-                        '(the slowest rank\'s best of %d; compressed must '
-                        'take under %d%% of plain)', key[0], len(key[1]),
-                        key[1][0] if key[1] else '-', self.choices[key],
-                        slowest[0] * 1e3, slowest[1] * MARGIN * 1e3,
-                        ROUNDS, round(MARGIN * 100))
+                        "mnopt: compression='auto': %s is averaged %s: "
+                        'plain %.2f ms, compressed %.2f ms (the slowest '
+                        "rank's best of %d; compressed must take under "
+                        '%d%% of plain)', _described(key),
+                        self.choices[key], slowest[0] * 1e3,
+                        slowest[1] * MARGIN * 1e3, ROUNDS,
+                        round(MARGIN * 100))
 
     def forget_trials(self):
         """Drop the trials under way (a snapshot was loaded: they start
         again where no choice came with it)."""
         self.trials = {}
+
+
+def _described(key):
+    """A gradient set's key for the log: 'label (N arrays from first)'."""
+    try:
+        label, names = key
+        return '%s (%d arrays from %s)' % (label, len(names), names[0])
+    except (TypeError, ValueError, IndexError):
+        return str(key)
