@@ -146,7 +146,8 @@ def train(case, out, stop, snapshots):
                 train_set, BATCH, shuffle=shuffled)
         actual = chainer.optimizers.MomentumSGD(lr=0.05)
         optimizer = mnopt.create_multi_node_optimizer(
-            actual, comm, **MODES[case['mode']])
+            actual, comm, accumulation_steps=case['accumulation'],
+            **MODES[case['mode']])
         optimizer.setup(model)
         recorder = Recorder(iterator)
         trainer = chainer.training.Trainer(

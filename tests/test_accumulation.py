@@ -293,3 +293,41 @@ def test_micro_steps_do_not_communicate(mode):
             assert opt.overlap_stats['during_backward'] > 0
     finally:
         comm.finalize()
+
+
+@pytest.mark.parametrize('mode', ['sync', 'double_buffering', 'overlap'])
+def test_a_snapshot_before_the_first_applied_update_loads(mode):
+    """Within the first K calls nothing is applied yet, so the snapshot
+    holds no optimizer state (MomentumSGD's v): it loads, and the run
+    goes on as the uninterrupted one (Chainer's strict deserializer
+    refused it: KeyError '.../v')."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, K, **MODES[mode])
+        calls = [(u, k) for u in range(UPDATES) for k in range(K)]
+        stop = K + 1   # one micro-step past the broadcast
+        for u, k in calls[:stop]:
+            opt.update(model, *micro_batch(u, k, comm.rank))
+        snapshot = {}
+        for prefix, obj in (('model/', model), ('opt/', opt)):
+            obj.serialize(chainer.serializers.DictionarySerializer(
+                snapshot, prefix))
+        snapshot = {key: numpy.array(value, copy=True)
+                    for key, value in snapshot.items()}
+        for u, k in calls[stop:]:
+            opt.update(model, *micro_batch(u, k, comm.rank))
+        resumed_model, resumed = make(comm, K, **MODES[mode])
+        resumed.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, 'opt/'))
+        resumed_model.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, 'model/'))
+        for u, k in calls[stop:]:
+            resumed.update(resumed_model, *micro_batch(u, k, comm.rank))
+        if mode == 'double_buffering':
+            opt.wait()
+            resumed.wait()
+        for (name, a), (_, b) in zip(sorted(model.namedparams()),
+                                     sorted(resumed_model.namedparams())):
+            assert a.array.tobytes() == b.array.tobytes(), name
+    finally:
+        comm.finalize()

@@ -80,6 +80,29 @@ def state_of(serialize):
     return state
 
 
+class StatesMayBeAbsent(chainer.serializer.Deserializer):
+    """A deserializer where an entry read without a value of its own (an
+    update rule's state: MomentumSGD's ``v``) may be absent and reads as
+    None: Chainer then leaves that state to be made at its first update,
+    as a non-strict deserializer would.  A snapshot written before the
+    first update applied anything (the broadcast's, or one within the
+    first ``accumulation_steps`` calls) holds no state, and loads."""
+
+    def __init__(self, serializer):
+        self.serializer = serializer
+
+    def __getitem__(self, key):
+        return StatesMayBeAbsent(self.serializer[key])
+
+    def __call__(self, key, value):
+        if value is not None:
+            return self.serializer(key, value)
+        try:
+            return self.serializer(key, value)
+        except KeyError:
+            return None
+
+
 class MultiNodeOptimizer(object):
     """ChainerMN's semantics: the first update (and any update after the
     parameter set changed) broadcasts the parameters from rank 0 and applies
@@ -215,7 +238,9 @@ class MultiNodeOptimizer(object):
         compression state (with a ``compression``, its averaging
         counter, which drives warm-up and the votes' coin, and 'auto''s
         choices)."""
-        self.actual_optimizer.serialize(serializer)
+        self.actual_optimizer.serialize(
+            StatesMayBeAbsent(serializer) if isinstance(
+                serializer, chainer.serializer.Deserializer) else serializer)
         self.communicator.serialize_compression(
             serializer['mnopt_compression'], local=False)
 
