@@ -67,12 +67,13 @@ def train(n, out, cache, *flags, timeout=240, plot=False):
     ['--communicator', 'flat', '--arch', 'nin'],   # ImageNet's default
     ['--communicator', 'hierarchical', '--allreduce-grad-dtype', 'float16',
      '--shard-state'],
-    ['--communicator', 'naive', '--double-buffering'],
+    ['--communicator', 'naive', '--double-buffering',
+     '--accumulation-steps', '2'],
     ['--communicator', 'flat', '--overlap', '--shard-state', '--loaderjob',
      '2'],   # ZeRO stage 2
     ['--communicator', 'flat', '--mnbn'],   # smallcnn's batch norms
     ['--communicator', 'flat', '--compression', 'auto'],
-], ids=['flat-nin', 'hierarchical-fp16', 'naive-double-buffering',
+], ids=['flat-nin', 'hierarchical-fp16', 'naive-double-buffering-accumulation',
         'overlap-stage2-loader-processes', 'mnbn', 'compression-auto'])
 def test_a_few_iterations(tmp_path, data_cache, flags):
     proc = train(2, tmp_path, data_cache, '--iteration', '4', *flags)
@@ -103,6 +104,8 @@ def test_a_few_iterations(tmp_path, data_cache, flags):
                        ('--overlap', 'overlap'),
                        ('--shard-state', 'sharded optimizer state'),
                        ('--mnbn', 'multi-node batch normalization'),
+                       ('--accumulation-steps', 'an update every 2 '
+                        'iterations'),
                        ('--compression', 'auto compression rank 1')):
         assert (', ' + mode in closing) == (flag in flags), closing
     if '--compression' in flags:
@@ -310,6 +313,15 @@ def test_shard_state_where_it_cannot_is_an_error_on_every_rank(
     assert proc.returncode != 0
     # Every rank says why, before any training.
     assert proc.stderr.count('train_imagenet.py: ') == 2, proc.stderr[-3000:]
+    assert 'mnopt ImageNet example' not in proc.stdout
+
+
+def test_a_bad_accumulation_is_an_error_on_every_rank(tmp_path, data_cache):
+    proc = train(2, tmp_path, data_cache, '--accumulation-steps', '0',
+                 '--iteration', '1', timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count('train_imagenet.py: accumulation_steps must '
+                             'be a whole number') == 2, proc.stderr[-3000:]
     assert 'mnopt ImageNet example' not in proc.stdout
 
 
