@@ -2,6 +2,7 @@
 times: a stopped rank is named within the warning time by every waiting
 rank, and the job ends at the timeout."""
 
+import re
 import threading
 import time
 
@@ -49,8 +50,14 @@ def stalled_job(n, name, how, warning, timeout, *extra, env=None):
     return proc, time.time() - start
 
 
+def untagged(err):
+    """stderr's lines without the rank mnopt puts before each of its own
+    in a job of several ranks ('[rank 1] mnopt: ...')."""
+    return [re.sub(r'^\[rank \d+\] ', '', line) for line in err.splitlines()]
+
+
 def reports(proc, rank):
-    return [line for line in proc.stderr.splitlines()
+    return [line for line in untagged(proc.stderr)
             if line.startswith('mnopt: rank %d has waited' % rank)]
 
 
@@ -131,7 +138,7 @@ def test_reduction_server_job_names_a_stopped_process(who, monkeypatch):
                    server_code=SERVER_STOPS_AFTER_ONE_REDUCTION
                    if who == 'server' else None)
     assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines()
+    lines = [line for line in untagged(proc.stderr)
              if line.startswith('mnopt: worker 0 has waited')]
     assert lines, proc.stderr[-3000:]
     if who == 'worker':
@@ -198,7 +205,7 @@ def test_wait_or_abort_warns_then_aborts(monkeypatch, capfd):
     stall_wait.wait_or_abort([request], 'the start-up (test)', 0.3, 1.0)
     assert len(aborted) == 1 and aborted[0] - start >= 1.0
     from mpi4py import MPI
-    lines = [line for line in capfd.readouterr().err.splitlines()
+    lines = [line for line in untagged(capfd.readouterr().err)
              if line.startswith('mnopt: rank %d has waited'
                                 % MPI.COMM_WORLD.rank)]
     assert len(lines) == 2, lines
