@@ -260,7 +260,7 @@ def _same_host(a, b):
 def launcher_block(found, status, attempt, attempts, ended=None):
     """The launcher's block after a failed attempt (its lines)."""
     header = 'mnopt.launch: failure summary of attempt %d of %d ' \
-        '(the job exited with status %d)' % (attempt, attempts, status)
+        '(exit status %d)' % (attempt, attempts, status)
     rec = first_failure(found, ended)
     if rec is None:
         return [header, 'first failure: not known: no rank left a '
