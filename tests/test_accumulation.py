@@ -331,3 +331,61 @@ def test_a_snapshot_before_the_first_applied_update_loads(mode):
             assert a.array.tobytes() == b.array.tobytes(), name
     finally:
         comm.finalize()
+
+
+@pytest.mark.parametrize('strict', [True, False])
+def test_a_snapshot_without_accumulation_loads_with_nothing_accumulated(
+        strict):
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, 1)
+        for u in range(3):
+            opt.update(model, *whole_batch(u, comm.rank))
+        snapshot = {}
+        opt.serialize(chainer.serializers.DictionarySerializer(snapshot))
+        _, resumed = make(comm, K)
+        resumed.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, strict=strict))
+        assert resumed._accumulation.loaded == (0, {})
+    finally:
+        comm.finalize()
+
+
+def test_update_without_loss_function_resumes_mid_accumulation():
+    """The user's backward comes before the call that restores the
+    partial sums: they are added to its gradients, not put in their
+    place."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        def run(opt, model, calls):
+            for u, k in calls:
+                if k == 0:
+                    model.cleargrads()
+                model(*micro_batch(u, k, comm.rank)).backward()
+                opt.update()
+
+        calls = [(u, k) for u in range(UPDATES) for k in range(K)]
+        stop = 2 * K + 1
+        model, opt = make(comm, K)
+        run(opt, model, calls[:stop])
+        snapshot = {}
+        for prefix, obj in (('model/', model), ('opt/', opt)):
+            obj.serialize(chainer.serializers.DictionarySerializer(
+                snapshot, prefix))
+        snapshot = {key: numpy.array(value, copy=True)
+                    for key, value in snapshot.items()}
+        run(opt, model, calls[stop:])
+        resumed_model, resumed = make(comm, K)
+        resumed.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, 'opt/'))
+        resumed_model.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, 'model/'))
+        # A fresh model's gradients are NaN (Chainer's): the loop starts
+        # from cleared ones, its next update() adds the saved sums.
+        resumed_model.cleargrads()
+        run(resumed, resumed_model, calls[stop:])
+        for (name, a), (_, b) in zip(sorted(model.namedparams()),
+                                     sorted(resumed_model.namedparams())):
+            assert a.array.tobytes() == b.array.tobytes(), name
+    finally:
+        comm.finalize()

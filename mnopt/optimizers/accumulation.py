@@ -37,11 +37,13 @@ class Accumulation(object):
         #: step exchange, where every rank must have restored as many.
         self.resumed = 0
 
-    def micro_step(self, target):
+    def micro_step(self, target, computed):
         """Count this call; True where it only accumulates (not the K-th
         of its update).  The caller then runs backward, clearing the
-        gradients first where ``done`` is 1 (the first of the update)."""
-        self.restore(target)
+        gradients first where ``done`` is 1 (the first of the update);
+        ``computed``: the caller's backward has run already (``update()``
+        without a loss function)."""
+        self.restore(target, computed)
         if self.done + 1 < self.steps:
             self.done += 1
             return True
@@ -86,30 +88,38 @@ class Accumulation(object):
                               dict(target.namedparams())[name].grad)
             return
         try:
-            done = int(sums('done', None))
-            names = [str(n) for n in sums('names', None)]
-        except KeyError:
-            done, names = 0, []
+            done, names = sums('done', None), sums('names', None)
+        except KeyError:   # a strict deserializer's "absent"
+            done = names = None
+        done = 0 if done is None else int(done)
+        names = [] if names is None else [str(n) for n in names]
         grads = sums['grads']
         self.loaded = (done, {n: grads(n.replace('/', '|'), None)
                               for n in names})
         self.done = 0
 
-    def restore(self, target):
+    def restore(self, target, computed):
         """A loaded snapshot's count and partial sums, back in place
         (on the parameters' devices): at the first call after the load,
-        when the model has its data."""
+        when the model has its data.  Where the call's own backward has
+        run (``computed``), the sums are added to its gradients; else
+        they are the gradients its backward adds to."""
         if self.loaded is None:
             return
         done, sums = self.loaded
         self.loaded = None
         self.done, self.resumed = done, done
         params = dict(target.namedparams())
-        for name, param in params.items():
-            param.grad = None
+        if not computed:
+            for param in params.values():
+                param.grad = None
         for name, host in sums.items():
             param = params.get(name)
             if param is None or param.array is None:
                 continue
             with chainer.using_device(param.device):
-                param.grad = param.device.xp.asarray(host)
+                earlier = param.device.xp.asarray(host)
+                if param.grad is None:
+                    param.grad = earlier
+                else:
+                    param.grad += earlier

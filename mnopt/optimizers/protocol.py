@@ -146,7 +146,7 @@ class MultiNodeOptimizer(object):
         divided by K here; with one, ``_backward`` (or the overlapped
         variants' ``take_sums``) ends the count."""
         acc = self._accumulation
-        if acc.micro_step(self.target):
+        if acc.micro_step(self.target, computed=lossfun is None):
             if lossfun is not None:
                 self._backward(lossfun, args, kwds, clear=acc.done == 1)
             return True
