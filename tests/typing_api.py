@@ -82,7 +82,8 @@ def chainer_layer(model: chainer.Chain,
     comm.broadcast_data(model, root=0)
     optimizer = chainermn.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(), comm, double_buffering=False,
-        zero_fill=True, overlap=True, shard_state=False)
+        zero_fill=True, overlap=True, shard_state=False,
+        accumulation_steps=1)
     optimizer.setup(model)
     comm.multi_node_mean_grad(model, zero_fill=True)
     comm.allreduce_grad(model)
