@@ -5,6 +5,7 @@ under mpiexec -n 2 / -n 3, as every test module."""
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -251,16 +252,21 @@ def test_started_without_mpiexec_in_a_job_of_several():
 
     out, err, rc = done['check, SLURM_NTASKS=4']
     assert rc == 1, (out, err)
+    # The check wraps its lines within 80 columns: read it unwrapped.
+    flat_out = ' '.join(out.split())
     assert 'PROBLEM: this process is alone in its MPI world, rank 0 of 1, ' \
         'though its environment says the job has more processes ' \
-        '(SLURM_NTASKS=4)' in out
+        '(SLURM_NTASKS=4)' in flat_out, out
     assert out.rstrip().endswith('mnopt check: 1 problem(s)')
     # Averaging itself is right (alone, the mean is its own gradient).
-    assert 'averaging     flat, mean of 1 ranks ok' in out, out
+    assert 'averaging flat, mean of 1 rank ok' in flat_out, out
     assert err.count('mnopt: warning: this process is alone') == 1, err
 
     out, err, rc = done['check, clean']
-    assert rc == 0 and out.rstrip().endswith('mnopt check: OK'), (out, err)
+    # OK, or OK with warnings for optional parts this install lacks (the
+    # core stack has CuPy without a GPU).
+    assert rc == 0 and re.search(r'mnopt check: OK(, \d+ warnings?)?$',
+                                 out.rstrip()), (out, err)
     assert 'alone' not in err
 
     for what in ('train, OMPI_COMM_WORLD_SIZE=2', 'train, PMI_SIZE=2'):
