@@ -574,22 +574,22 @@ def resume(path, trainer, comm, optimizer):
     resharded = None
     try:
         if not os.path.isfile(path):
-            raise FileNotFoundError('no snapshot at %r' % path)
+            raise KnownReason('there is no such file')
         if rank_file_problem(path):
-            raise ValueError(rank_file_problem(path))
+            raise KnownReason(rank_file_problem(path))
         saved_size = ranks_that_wrote(path)
         if saved_size is None:
-            raise ValueError('it does not say how many ranks wrote it, and '
+            raise KnownReason('it does not say how many ranks wrote it, and '
                              '%s is missing' % rank_file(path, 0))
         same_layout = saved_size == comm.size
         own = rank_file(path, comm.rank)
         if same_layout and not os.path.isfile(own):
-            raise FileNotFoundError(
+            raise KnownReason(
                 'written by %d ranks, as many as now, but rank %d\'s part '
                 '%s is missing' % (saved_size, comm.rank, own))
         mixed = mixed_writes(path, [own]) if same_layout else None
         if mixed:
-            raise ValueError(mixed)
+            raise KnownReason(mixed)
         with numpy.load(path) as f:
             epoch = int(f['updater/iterator:main/epoch'])
             skip_plots = plots.keys_to_skip(f.files, same_layout)
@@ -597,7 +597,7 @@ def resume(path, trainer, comm, optimizer):
         shards = sharded_by(path)
         sharded = hasattr(optimizer, 'load_shards')
         if shards is not None and not sharded:
-            raise ValueError('its optimizer state is sharded over %d ranks '
+            raise KnownReason('its optimizer state is sharded over %d ranks '
                              '(written with --shard-state): resume with '
                              '--shard-state' % shards)
         # On another number of ranks the iterators start afresh.
@@ -631,18 +631,39 @@ def resume(path, trainer, comm, optimizer):
             problem = (mixed_writes(path, parts) or
                        optimizer.load_shards(parts, SHARE_KEY))
             if problem is not None:
-                raise ValueError(problem)
+                raise KnownReason(problem)
             resharded = shards
+    except KnownReason as e:
+        error = (True, str(e))
     except Exception as e:
-        error = '%s: %s' % (type(e).__name__, e)
-    errors = comm.allgather_obj(error)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
+        error = (False, '%s: %s' % (type(e).__name__, e))
+    bad = [(r, e) for r, e in enumerate(comm.allgather_obj(error)) if e]
     if bad:
-        raise RuntimeError(
-            'cannot resume from %r (missing, corrupt or not a snapshot of '
-            'this model): %s' % (path, '; '.join('rank %d: %s' % b
-                                                 for b in bad)))
+        raise CannotResume(why_not_resumed(path, bad))
     return same_layout, resharded
+
+
+class KnownReason(ValueError):
+    """A snapshot that loads no further, for a reason the example names."""
+
+
+class CannotResume(Exception):
+    """Every rank's one message: why the snapshot did not load."""
+
+
+def why_not_resumed(path, bad):
+    """One message from ``bad``, each failing rank's (rank, (whether the
+    reason is known, what it says)): a reason every rank gives is said
+    once; an unforeseen one (an exception the example did not raise) may
+    be a damaged or foreign file, and the message says so."""
+    reasons = [said for _, (_, said) in bad]
+    if len(bad) > 1 and len(set(reasons)) == 1:
+        told = reasons[0]
+    else:
+        told = '; '.join('rank %d: %s' % (r, said) for r, (_, said) in bad)
+    guess = '' if all(known for _, (known, _) in bad) else \
+        ' (missing, corrupt or not a snapshot of this model)'
+    return 'cannot resume from %s%s: %s' % (path, guess, told)
 
 
 def _resume_problem(path, comm):
@@ -724,10 +745,22 @@ def newest_complete_snapshot(out, comm, config):
     # Rank 0's word, the same message on every rank.
     refusal = comm.everyone(refusal, 'whether the snapshot fits this run')[0]
     if refusal:
-        sys.exit('train_imagenet.py: ' + refusal)
+        refuse(comm, refusal)
     newest = newest_loadable(comm, problems,
                              key=lambda n: position.get(n, -1))
     return None if newest is None else os.path.join(out, newest)
+
+
+def refuse(comm, message):
+    """End the run on every rank with a non-zero status, ``message`` said
+    once, by rank 0 (every rank's copy interleaved on a shared terminal).
+    ``message`` must be the same on every rank (agreed).  The others wait
+    until rank 0 has said it: ``python -m mpi4py`` aborts the job as soon
+    as one of them exits non-zero."""
+    if comm.rank == 0:
+        print('train_imagenet.py: ' + message, file=sys.stderr, flush=True)
+    comm.everyone(None, 'the refusal said')
+    sys.exit(1)
 
 
 def other_config(path, config):
@@ -904,7 +937,10 @@ def main(argv=None):
                 'resuming from ' + args.resume) if args.resume else
                 'no complete snapshot yet, starting afresh'))
     if args.resume:
-        same, resharded = resume(args.resume, trainer, comm, optimizer)
+        try:
+            same, resharded = resume(args.resume, trainer, comm, optimizer)
+        except CannotResume as e:
+            refuse(comm, str(e))
         check_identical_parameters(model, comm)
         if comm.rank == 0:
             print('resumed from %s at iteration %d%s%s' % (
