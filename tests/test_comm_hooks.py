@@ -260,6 +260,27 @@ def test_a_sharded_optimizer_refuses_a_hook(comm):
 
 
 @needs_chainer
+@pytest.mark.parametrize('overlap', [False, True])   # ZeRO stage 1, 2
+def test_a_hook_after_a_sharded_optimizer_is_refused_on_every_rank(
+        comm, overlap):
+    """Before its first update the sharded optimizer has run no sharded
+    collective: the hook would be accepted and never called."""
+    model, x, t = model_and_batch()
+    opt = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.SGD(), comm, shard_state=True, overlap=overlap)
+    opt.setup(model)
+    with pytest.raises(ValueError, match=r'sharded optimizer \(shard_state'
+                                         r'=True\) averages through this'):
+        comm.register_comm_hook(None, comm_hooks.allreduce_hook)
+    assert comm.averaging.comm_hook is None
+    comm.register_comm_hook(None, None)   # taking none away: no problem
+    del opt
+    # Once it is gone, the communicator takes a hook again.
+    comm.register_comm_hook(None, comm_hooks.allreduce_hook)
+    assert comm.averaging.comm_hook is not None
+
+
+@needs_chainer
 def test_topk_residuals_are_in_the_snapshot(comm, tmp_path):
     _, hook = page_hook('topk_hook')
     residuals = {}

@@ -6,8 +6,10 @@ The types a hook sees are in comm_hooks.py."""
 from __future__ import annotations
 
 import ast
+import gc
 import hashlib
 import types
+import weakref
 from typing import Any, Callable
 
 import numpy
@@ -71,11 +73,18 @@ def registration_problem(comm, hook):
         return ValueError(
             "%s='auto' tunes by timing plain averagings, which a comm hook "
             'replaces: pass a number (%s)' % (tuned[0], HOOKS_PAGE))
-    if any(g.sharded is not None for g in comm.averaging.groups()):
+    if comm.sharded_optimizers() or any(
+            g.sharded is not None for g in comm.averaging.groups()):
+        # Refused from the sharded optimizer's making on, not only from
+        # its first reduce-scatter: before that, the hook would be taken
+        # and never called.
         return ValueError(
-            'a sharded optimizer (shard_state=True) reduce-scatters, so a '
-            "comm hook's whole-bucket mean would never run: register it "
-            'before create_multi_node_optimizer, without shard_state')
+            'a sharded optimizer (shard_state=True) averages through this '
+            "communicator: it reduce-scatters, so a comm hook's "
+            'whole-bucket mean would never run.  Register the hook on a '
+            'communicator no sharded optimizer uses: make the optimizer '
+            'without shard_state, or give the sharded one a communicator '
+            'of its own (%s)' % HOOKS_PAGE)
     return None
 
 
@@ -185,7 +194,28 @@ def _like(current, value):
 
 
 class CommHookRegistration(object):
-    """``register_comm_hook`` for a communicator (MpiCommunicatorBase)."""
+    """``register_comm_hook`` for a communicator (MpiCommunicatorBase),
+    and the sharded optimizers that exclude a hook."""
+
+    _sharded_optimizers = None   # a WeakSet, once one is made
+
+    def add_sharded_optimizer(self, optimizer: Any) -> None:
+        """``optimizer``, a sharded one (shard_state=True), averages
+        through this communicator from now on: while it lives,
+        ``register_comm_hook`` is refused (mnopt's sharded optimizers
+        call this when they are made)."""
+        if self._sharded_optimizers is None:
+            self._sharded_optimizers = weakref.WeakSet()
+        self._sharded_optimizers.add(optimizer)
+
+    def sharded_optimizers(self) -> list[Any]:
+        """The sharded optimizers alive that average through this
+        communicator."""
+        if self._sharded_optimizers:
+            # One the user dropped may wait in a reference cycle (stage 2's
+            # overlap holds its optimizer): it no longer counts.
+            gc.collect()
+        return list(self._sharded_optimizers or ())
 
     def register_comm_hook(self, state: Any,
                            hook: Callable[..., Any] | None) -> None:

@@ -29,6 +29,9 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
     def __init__(self, actual_optimizer, communicator, zero_fill):
         super(ShardedStateOptimizer, self).__init__(
             actual_optimizer, communicator, zero_fill)
+        # From now on the communicator refuses a comm hook, which the
+        # sharded collectives would never call.
+        communicator.add_sharded_optimizer(self)
         object.__setattr__(self, 'owners', {})  # name -> rank
         # After a load: (owners from the snapshot, problem or None).
         object.__setattr__(self, '_loaded_share', None)
