@@ -537,6 +537,38 @@ def test_a_resumed_powersgd_runs_summary(tmp_path, data_cache):
     assert 0 < float(sent.group(5)) < 100, sent.group(0)
 
 
+def test_a_powersgd_snapshot_resumed_plain_with_nothing_left(tmp_path,
+                                                             data_cache):
+    assert train(2, tmp_path, data_cache, '--iteration', '2',
+                 '--compression', 'powersgd').returncode == 0
+    proc = train(2, tmp_path, data_cache, '--iteration', '2', '--resume',
+                 'auto')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The shared file and the rank's own both hold the state: said once.
+    assert proc.stderr.count("the snapshot holds PowerSGD's state") == 1, \
+        proc.stderr[-3000:]
+    summary = unwrapped(proc.stdout).split('== mnopt:')[1]
+    assert re.search(r'^averaging  none: nothing was trained this run$',
+                     summary, re.M), summary
+    assert '0.0%' not in summary and 'per step' not in summary, summary
+
+
+def test_the_summary_says_what_auto_chose(monkeypatch):
+    from conftest import imagenet_example_module
+    monkeypatch.syspath_prepend(os.path.dirname(TRAIN))   # its plots.py
+    choices = imagenet_example_module('run_summary').auto_choices
+    assert choices(['plain', 'plain'], saved=False) == \
+        'auto chose plain for both gradient sets'
+    assert choices(['plain', 'plain', 'plain'], saved=True) == \
+        'auto chose plain for all 3 gradient sets (the bytes saved are ' \
+        "its trial steps', compressed to time them)"
+    assert choices(['compressed'], saved=True) == \
+        'auto chose PowerSGD for the gradient set'
+    assert choices(['compressed', 'plain'], saved=True) == \
+        'auto chose PowerSGD for 1 of 2 gradient sets, plain for the rest'
+    assert 'had not chosen yet' in choices([], saved=False)
+
+
 @pytest.mark.parametrize('rank', [0, 1])
 def test_resume_with_a_rank_file_missing_is_an_error(tmp_path, data_cache,
                                                      two_snapshots, rank):

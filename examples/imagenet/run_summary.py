@@ -127,13 +127,29 @@ def compression_line(comm, args, report, gradient_bytes):
     guard = getattr(low_rank, 'guard', None)
     if args.compression == 'auto' and guard is not None:
         chosen = list(guard.choices.values())
-        compressed = sum(c == 'compressed' for c in chosen)
-        line += ('; auto chose PowerSGD for %d of %d gradient sets%s' % (
-            compressed, len(chosen),
-            ', plain for the rest' if compressed < len(chosen) else '')
-            if chosen else '; auto had not chosen yet (it times each '
-            'gradient set both ways first)')
+        line += '; ' + auto_choices(chosen, saved=sent < model_bytes)
     return line
+
+
+def auto_choices(chosen, saved):
+    """What 'auto' chose (``chosen``: 'compressed' or another word per
+    gradient set), and where it chose plain throughout though bytes were
+    ``saved``, that they were saved in its trial steps."""
+    if not chosen:
+        return ('auto had not chosen yet (it times each gradient set both '
+                'ways first)')
+    compressed = sum(c == 'compressed' for c in chosen)
+    sets = ('the gradient set' if len(chosen) == 1 else
+            'both gradient sets' if len(chosen) == 2 else
+            'all %d gradient sets' % len(chosen))
+    if compressed == 0:
+        return 'auto chose plain for %s%s' % (
+            sets, ' (the bytes saved are its trial steps\', compressed '
+            'to time them)' if saved else '')
+    if compressed == len(chosen):
+        return 'auto chose PowerSGD for %s' % sets
+    return 'auto chose PowerSGD for %d of %d gradient sets, plain for the ' \
+        'rest' % (compressed, len(chosen))
 
 
 def summary(trainer, comm, args, throughput, averaging_seconds, elapsed,
@@ -155,14 +171,16 @@ def summary(trainer, comm, args, throughput, averaging_seconds, elapsed,
                  if 'validation/main/accuracy' in e), {})
     hidden = ('overlap' if args.overlap else 'double buffering'
               if args.double_buffering else None)
+    trained = trainer.updater.iteration > throughput.first_iteration
     lines = [
         '== mnopt: %d ranks, communicator %s, %s'
         % (comm.size, comm.name, modes(args, comm)),
         _training_line(trainer, comm, args, throughput, steps, elapsed),
         'averaging  %.1f%% of step time blocked in averaging (%.3f s per '
-        'step)' % (100.0 * blocked / max(total, 1e-9), blocked / counted),
+        'step)' % (100.0 * blocked / max(total, 1e-9), blocked / counted)
+        if trained else 'averaging  none: nothing was trained this run',
     ]
-    if hidden:
+    if hidden and trained:
         lines.append('           %s hid %.0f%% of the %.3f s averaging took '
                      'per step' % (hidden, 100.0 * max(0.0, took - blocked)
                                    / max(took, 1e-9), took / counted))

@@ -107,7 +107,7 @@ class ChainerGlue(object):
         if self.compression is None:
             if local and self.rank == 0 and isinstance(
                     serializer, chainer.serializer.Deserializer):
-                warn_of_dropped_state(serializer)
+                warn_of_dropped_state(serializer, self)
             return
         averaging = self.averaging
         averaging.in_flight.wait()

@@ -2,6 +2,8 @@
 gradient set (majority vote times the mean scale, mnopt/sign.py) and the
 state a snapshot keeps of it (the error-feedback residuals)."""
 
+import weakref
+
 import numpy
 
 from mnopt import log
@@ -125,11 +127,17 @@ class SignCompression(object):
             group.forget_sign_codecs()
 
 
-def warn_of_dropped_state(serializer):
-    """A communicator without compression loads a snapshot (``serializer``:
-    its ``mnopt_compression`` part, this rank's) written with one: warn,
-    naming the state it drops (the resumed run averages plainly, its
-    error feedback lost)."""
+#: The communicators that said they drop a snapshot's compression state:
+#: a resume loads it from more than one file (the ImageNet example: the
+#: shared file, then the rank's own), and one warning says it all.
+_warned_of_dropping = weakref.WeakSet()
+
+
+def warn_of_dropped_state(serializer, comm):
+    """A communicator ``comm`` without compression loads a snapshot
+    (``serializer``: its ``mnopt_compression`` part, this rank's) written
+    with one: warn once, naming the state it drops (the resumed run
+    averages plainly, its error feedback lost)."""
     def read(key):   # None where absent (a strict one raises KeyError)
         try:
             return serializer(key, None)
@@ -147,6 +155,9 @@ def warn_of_dropped_state(serializer):
         again = "compression='sign'"
     else:
         return
+    if comm in _warned_of_dropping:
+        return
+    _warned_of_dropping.add(comm)
     logger.warning('mnopt: warning: the snapshot holds %s, which this '
                    'communicator, without compression, drops: the resumed '
                    'run averages uncompressed from here; create the '
