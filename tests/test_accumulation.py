@@ -389,3 +389,53 @@ def test_update_without_loss_function_resumes_mid_accumulation():
             assert a.array.tobytes() == b.array.tobytes(), name
     finally:
         comm.finalize()
+
+
+@pytest.mark.parametrize('steps', [1, 2])
+def test_partial_sums_another_k_drops_are_said_once_on_rank_0(steps, caplog):
+    """A snapshot written with K=3 two micro-steps in, loaded where K is
+    1 (or 2): its partial sums cannot be resumed, and a warning on rank 0
+    says what is dropped and what to pass; the next update is over its
+    own batches only."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, K)
+        for k in range(K + 2):   # one update, then two micro-steps
+            opt.update(model, *micro_batch(k // K, k % K, comm.rank))
+        snapshot = {}
+        for prefix, obj in (('model/', model), ('opt/', opt)):
+            obj.serialize(chainer.serializers.DictionarySerializer(
+                snapshot, prefix))
+        snapshot = {key: numpy.array(value, copy=True)
+                    for key, value in snapshot.items()}
+        resumed_model, resumed = make(comm, steps)
+        with caplog.at_level('WARNING', logger='mnopt'):
+            for prefix, obj in (('opt/', resumed),
+                                ('model/', resumed_model)):
+                obj.serialize(chainer.serializers.NpzDeserializer(
+                    snapshot, prefix))
+            for k in range(steps):
+                resumed.update(resumed_model, *micro_batch(5, k, comm.rank))
+        said = [r.getMessage() for r in caplog.records
+                if 'partial sums' in r.getMessage()]
+        if comm.rank == 0:
+            assert len(said) == 1, said
+            assert 'accumulation_steps=3, 2 micro-steps' in said[0]
+            assert 'accumulation_steps=%d' % steps in said[0]
+            assert 'pass accumulation_steps=3' in said[0]
+        else:
+            assert said == []
+        # Nothing of the snapshot's micro-steps in the update: it equals
+        # one from the same state over the new batches alone.
+        fresh_model, fresh = make(comm, steps)
+        for prefix, obj in (('opt/', fresh), ('model/', fresh_model)):
+            obj.serialize(chainer.serializers.NpzDeserializer(
+                snapshot, prefix, strict=False))
+        fresh._accumulation.loaded = None
+        for k in range(steps):
+            fresh.update(fresh_model, *micro_batch(5, k, comm.rank))
+        for (name, a), (_, b) in zip(sorted(resumed_model.namedparams()),
+                                     sorted(fresh_model.namedparams())):
+            assert a.array.tobytes() == b.array.tobytes(), name
+    finally:
+        comm.finalize()

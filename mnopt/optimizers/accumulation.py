@@ -19,6 +19,10 @@ bit for bit."""
 import chainer
 import numpy
 
+from mnopt import log
+
+logger = log.get(__name__)
+
 #: Where a snapshot keeps them (under the optimizer's key).
 KEY = 'mnopt_accumulation'
 
@@ -73,30 +77,50 @@ class Accumulation(object):
         return sums
 
     # ------------------------------------------------------------ snapshots
-    def serialize(self, serializer, target):
-        """The count and the partial sums (``param.grad`` between
-        micro-steps).  A snapshot without them (written without
-        accumulation, or between updates) loads as no micro-step done."""
+    def serialize(self, serializer, target, rank):
+        """The count, K and the partial sums (``param.grad`` between
+        micro-steps); nothing where K is 1.  A snapshot without them
+        (written without accumulation, or between updates) loads as no
+        micro-step done; one of another K as none either, its partial
+        sums dropped, which rank ``rank`` 0 says."""
         sums = serializer[KEY]
         if not isinstance(serializer, chainer.serializer.Deserializer):
-            sums('done', numpy.int64(self.done))
-            names = [n for n, p in sorted(target.namedparams())
-                     if self.done and p.grad is not None]
-            sums('names', numpy.array(names, dtype=str))
-            for name in names:
-                sums['grads'](name.replace('/', '|'),
-                              dict(target.namedparams())[name].grad)
+            if self.steps > 1:
+                self._save(sums, target)
             return
-        try:
-            done, names = sums('done', None), sums('names', None)
-        except KeyError:   # a strict deserializer's "absent"
-            done = names = None
+        done, names, steps = (_read(sums, key) for key in
+                              ('done', 'names', 'steps'))
         done = 0 if done is None else int(done)
         names = [] if names is None else [str(n) for n in names]
+        self.done = 0
+        if done and steps is not None and int(steps) != self.steps:
+            if rank == 0:
+                self._say_dropped(done, int(steps), names)
+            done, names = 0, []
         grads = sums['grads']
         self.loaded = (done, {n: grads(n.replace('/', '|'), None)
                               for n in names})
-        self.done = 0
+
+    def _save(self, sums, target):
+        sums('done', numpy.int64(self.done))
+        sums('steps', numpy.int64(self.steps))
+        names = [n for n, p in sorted(target.namedparams())
+                 if self.done and p.grad is not None]
+        sums('names', numpy.array(names, dtype=str))
+        for name in names:
+            sums['grads'](name.replace('/', '|'),
+                          dict(target.namedparams())[name].grad)
+
+    def _say_dropped(self, done, steps, names):
+        logger.warning(
+            'mnopt: warning: the snapshot loaded was written with '
+            'accumulation_steps=%d, %d micro-steps into an update; this '
+            'optimizer has accumulation_steps=%d, so the partial sums of '
+            'those %d micro-batches (%d gradients) are dropped and the '
+            'next update is over its own batches only.  To resume them, '
+            'pass accumulation_steps=%d to create_multi_node_optimizer '
+            '(or write snapshots right after an update)',
+            steps, done, self.steps, done, len(names), steps)
 
     def restore(self, target, computed):
         """A loaded snapshot's count and partial sums, back in place
@@ -123,3 +147,12 @@ class Accumulation(object):
                     param.grad = earlier
                 else:
                     param.grad += earlier
+
+
+def _read(serializer, key):
+    """A snapshot's value of ``key``, or None where it has none (a strict
+    deserializer's KeyError, or a non-strict one's None)."""
+    try:
+        return serializer(key, None)
+    except KeyError:
+        return None

@@ -219,9 +219,10 @@ class MultiNodeOptimizer(object):
         self._serialize_state(serializer)   # waits for double buffering
         self.communicator.serialize_compression(
             serializer['mnopt_compression'], shared=False)
-        if self._accumulation.steps > 1:
-            # This rank's micro-steps: its own, as the residuals above.
-            self._accumulation.serialize(serializer, self.target)
+        # This rank's micro-steps: its own, as the residuals above (read
+        # at K=1 too, to say that another K's partial sums are dropped).
+        self._accumulation.serialize(serializer, self.target,
+                                     self.communicator.rank)
         if isinstance(serializer, chainer.serializer.Deserializer):
             # Chainer's updater loads the optimizer before the model, so the
             # parameters may not have their data yet: the next update takes
