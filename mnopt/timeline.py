@@ -441,6 +441,19 @@ _DUMPS = json.JSONEncoder(separators=(',', ':'), default=_plain).encode
 
 _open = {}
 _open_lock = threading.Lock()
+#: This process's job id (name_job), for the timelines opened after it.
+_job = None
+
+
+def name_job(job):
+    """This process's job is ``job`` (the id the first communicator over
+    COMM_WORLD agreed on; a later one keeps the first), returned: every
+    timeline ``open_from_environment`` opens from now on names it, one
+    ``comm.start_timeline(path)`` opens too."""
+    global _job
+    with _open_lock:
+        _job = _job or job
+        return _job
 
 
 def trace_path(template, rank):
@@ -476,6 +489,8 @@ def open_from_environment(rank, explicit=None, role='rank'):
                 path, rank, role=role, append=tl is not None,
                 steps=timeline_window.steps_setting(),
                 max_bytes=timeline_window.max_bytes_setting())
+            if _job:
+                tl.mark_job(_job)
         return tl
 
 

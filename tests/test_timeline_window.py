@@ -171,6 +171,27 @@ def test_the_calls_record_between_them(tmp_path):
     assert 'between comm.start_timeline() and comm.stop_timeline()' in text
 
 
+def test_a_started_timeline_names_its_job(tmp_path):
+    """As the one $MNOPT_TIMELINE opens: the report refuses to read it
+    with another job's file as one job."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        comm.start_timeline(str(tmp_path / 'trace.json'))
+        comm.mean_grads(grads(1))
+    finally:
+        comm.finalize()
+    path = str(tmp_path / 'trace.rank0.json')
+    jobs = [e['args']['job'] for e in timeline.load(path)
+            if e.get('name') == 'mnopt_job']
+    assert len(jobs) == 1 and jobs[0], jobs
+    other = timeline.Timeline(str(tmp_path / 'trace.rank1.json'), 1)
+    other.mark_job('another job')
+    other.instant('x')
+    other.close()
+    with pytest.raises(trace_analysis.TraceError, match='2 different jobs'):
+        trace_analysis.analyze([path, str(tmp_path / 'trace.rank1.json')])
+
+
 def test_start_without_a_file_says_what_to_pass():
     comm = mnopt.create_communicator('flat')
     try:

@@ -206,7 +206,8 @@ def create_communicator(communicator_name: str = 'auto',
         server_job.job().channels()[0] if servers else mpi_comm, problem,
         shared, communicator_name, stall_warning, timeout)
     if mpi_comm == MPI.COMM_WORLD:
-        tl.mark_job(job)
+        from mnopt import timeline
+        tl.mark_job(timeline.name_job(job))   # also start_timeline's files
     return cls(mpi_comm, **settings)
 
 
