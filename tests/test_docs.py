@@ -529,3 +529,155 @@ def test_a_reworded_message_is_found():
 def test_troubleshooting_is_linked_from_the_readme_and_the_index():
     for page in ('README.md', 'docs/index.md'):
         assert 'troubleshooting.md' in _read(os.path.join(ROOT, page)), page
+
+
+# -- the sample summaries are what run_summary.py prints --------------------
+
+#: Where a wrapped summary line continues (run_summary.INDENT).
+_INDENT = ' ' * 11
+_WIDTH = 80
+_SPEC = re.compile(r'%[-#0 +]*\d*(?:\.(\d+))?([sdrfgx%])')
+
+
+def _format_regex(fmt):
+    """A ``%`` format string as a regex: its fixed text exactly, a number
+    as the spec writes it, a ``%s`` as a group of any text."""
+    parts, at = [], 0
+    for m in _SPEC.finditer(fmt):
+        parts.append(re.escape(fmt[at:m.start()]))
+        digits, kind = m.groups()
+        if kind == 's':
+            parts.append('(.*?)')
+        elif kind == '%':
+            parts.append('%')
+        elif kind == 'f' and digits and digits != '0':
+            parts.append(r'-?\d+\.\d{%s}' % digits)
+        else:
+            parts.append(r'-?\d+')
+        at = m.end()
+    parts.append(re.escape(fmt[at:]))
+    return re.compile(''.join(parts))
+
+
+def _summary_formats():
+    """Every string constant of run_summary.py with a placeholder (or the
+    fixed line it prints), as a regex."""
+    import ast
+    source = _read(os.path.join(ROOT, 'examples', 'imagenet',
+                                'run_summary.py'))
+    return [_format_regex(node.value) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and len(node.value) >= 4 and '\n' not in node.value]
+
+
+def _fits(text, formats):
+    """Whether ``text`` is what a format prints: a value (no space), a
+    format's fixed text with each ``%s`` filled by what fits, or a
+    ', '-joined list of those (the modes)."""
+    if not re.search(r'\s', text):
+        return True
+    for form in formats:
+        m = form.fullmatch(text)
+        if m and all(_fits(g, formats) for g in m.groups() if g):
+            return True
+    parts = text.split(', ')
+    return len(parts) > 1 and all(_fits(p, formats) for p in parts)
+
+
+def _parses(lines, formats):
+    """Whether ``lines`` split into printed lines, each continued on the
+    lines under it that start with the summary's indent (as
+    run_summary.wrapped writes them), every one fitting a format."""
+    if not lines:
+        return True
+    for end in range(1, len(lines) + 1):
+        if end > 1 and not lines[end - 1].startswith(_INDENT):
+            break
+        joined = ' '.join([lines[0]] + [l[len(_INDENT):]
+                                        for l in lines[1:end]])
+        if _fits(joined, formats) and _parses(lines[end:], formats):
+            return True
+    return False
+
+
+def _plain_blocks(text):
+    """The lines of each of the page's fenced blocks without a language
+    (what a program printed)."""
+    blocks, lines = [], None
+    for line in text.splitlines():
+        if lines is None and line.startswith('```'):
+            lines = [] if line == '```' else False
+        elif lines is not None and line.startswith('```'):
+            if lines is not False:
+                blocks.append(lines)
+            lines = None
+        elif lines:
+            lines.append(line)
+        elif lines == []:
+            lines = [line]
+    return blocks
+
+
+def _sample_summaries(text):
+    return [b for b in _plain_blocks(text) if b[0].startswith('== mnopt: ')]
+
+
+def _stale_summaries(text, formats):
+    stale = []
+    for lines in _sample_summaries(text):
+        stale += ['over %d columns: %r' % (_WIDTH, l) for l in lines
+                  if len(l) > _WIDTH]
+        if not _parses(lines, formats):
+            stale.append('not as run_summary.py prints it:\n' +
+                         '\n'.join(lines))
+    return stale
+
+
+def test_the_sample_summaries_are_what_the_example_prints():
+    formats = _summary_formats()
+    for page in ('README.md', 'docs/imagenet_example.md'):
+        text = _read(os.path.join(ROOT, page))
+        assert _sample_summaries(text), page
+        stale = _stale_summaries(text, formats)
+        assert not stale, '%s:\n%s' % (page, '\n'.join(stale))
+
+
+def test_a_stale_sample_summary_is_found():
+    """The checker itself: the summary the README showed before the
+    example counted a resumed run's iterations apart and wrapped its lines
+    (each of its lines but the first two is stale)."""
+    old = ('```\n'
+           '== mnopt: 2 ranks, communicator flat, wire float32\n'
+           'training   80 iterations in 16.1 s: 476 images/s (median step '
+           '0.134 s, 64 images)\n'
+           'averaging  0.7% of step time blocked in averaging (0.001 s per '
+           'step)\n'
+           'validation accuracy 0.980, loss 0.096 (epoch 8; chance 0.125)\n'
+           '```\n')
+    formats = _summary_formats()
+    stale = _stale_summaries(old, formats)
+    assert len(stale) == 2 and 'over 80 columns' in stale[0], stale
+    for line, fits in ((1, True), (3, True), (2, False), (4, False)):
+        assert _parses([old.splitlines()[line]], formats) is fits, line
+
+
+def _table_sample(text):
+    """The lines of the page's block that shows the example's table."""
+    return next((b for b in _plain_blocks(text)
+                 if b[0].startswith('mnopt ImageNet example:')), None)
+
+
+def test_the_sample_table_is_what_the_example_prints():
+    import ast
+    source = _read(os.path.join(ROOT, 'examples', 'imagenet', 'table.py'))
+    legend = next(node.value for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Assign)
+                  and node.targets[0].id == 'LEGEND').value
+    columns = re.findall(r"^    \('([\w./]+)', (\d+), '", source, re.M)
+    header = ' '.join('%*s' % (int(w), name) for name, w in columns)
+    lines = _table_sample(_read(os.path.join(ROOT, 'docs',
+                                             'imagenet_example.md')))
+    assert lines, 'docs/imagenet_example.md shows no table'
+    text = '\n'.join(lines)
+    assert legend + '\n' + header + '\n' in text, (legend, header)
+    assert all(len(line) <= _WIDTH for line in lines), lines
