@@ -537,6 +537,33 @@ def test_a_resumed_powersgd_runs_summary(tmp_path, data_cache):
     assert 0 < float(sent.group(5)) < 100, sent.group(0)
 
 
+def test_keep_snapshots_counts_and_removes_only_this_configurations(
+        tmp_path, data_cache, two_snapshots):
+    out = copy_of(two_snapshots, tmp_path)
+    set_config(out / 'snapshot_iter_4.npz', arch='nin')   # another run's
+    damage_stored_member(str(out / 'snapshot_iter_2.npz'))
+    proc = train(2, out, data_cache, '--iteration', '3',
+                 '--snapshot-interval', '3', '--keep-snapshots', '1')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Neither the damaged one nor the other configuration's counted or
+    # removed: this run's own is the one kept.
+    assert [n for n in snapshot_names(out) if 'rank' not in n] == [
+        'snapshot_iter_2.npz', 'snapshot_iter_3.npz', 'snapshot_iter_4.npz']
+    assert 'replacing' not in proc.stderr
+    # A run that reaches the other configuration's iteration replaces its
+    # snapshot, and says so once.
+    proc = train(2, out, data_cache, '--iteration', '4',
+                 '--snapshot-interval', '2', '--keep-snapshots', '1')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = ('train_imagenet.py: warning: replacing %s, a snapshot of '
+            'another run (it is of a run with --arch nin'
+            % (out / 'snapshot_iter_4.npz'))
+    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    assert proc.stderr.count('replacing') == 1, proc.stderr[-3000:]
+    assert [n for n in snapshot_names(out) if 'rank' not in n] == [
+        'snapshot_iter_4.npz']
+
+
 def test_a_powersgd_snapshot_resumed_plain_with_nothing_left(tmp_path,
                                                              data_cache):
     assert train(2, tmp_path, data_cache, '--iteration', '2',

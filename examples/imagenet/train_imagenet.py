@@ -172,7 +172,9 @@ def parse_args(argv=None):
                    help='iterations between snapshots (default: each epoch)')
     p.add_argument('--keep-snapshots', type=_positive_int, default=2,
                    help='how many of the latest snapshots in --out to '
-                        'keep (earlier runs\' included; at least 1)')
+                        'keep (at least 1): this configuration\'s whole '
+                        'ones, earlier runs\' included; another '
+                        'configuration\'s and damaged ones are left alone')
     p.add_argument('--loaderjob', '-j', type=int, default=0,
                    help='processes loading data per rank (0: in-process)')
     p.add_argument('--seed', type=int, default=0)
@@ -255,7 +257,7 @@ class SeedGpuRandom(training.Extension):
     __call__ = _reseed      # after each iteration, for the next
 
 
-def trainer_snapshot(comm):
+def trainer_snapshot(comm, config):
     """The shared part of a snapshot: the trainer (model, optimizer state,
     iteration, epoch, rank 0's iterator, the log), the same on every rank,
     so rank 0 alone writes it, to ``snapshot_iter_N.npz`` (Chainer's
@@ -266,11 +268,45 @@ def trainer_snapshot(comm):
     # Uncompressed: 10x faster to write (the parameters compress little).
     # The writer's own keywords would not do: Chainer 7.8's Writer.save
     # calls the save function without them.
-    return extensions.snapshot(
+    return WarnOfOverwriting(extensions.snapshot(
         filename='snapshot_iter_{.updater.iteration}.npz',
         writer=extensions.snapshot_writers.SimpleWriter(
             savefun=functools.partial(chainer.serializers.save_npz,
-                                      compression=False)))
+                                      compression=False))), config)
+
+
+class WarnOfOverwriting(training.Extension):
+    """The trainer's snapshot ``write`` (rank 0's), warning once where it
+    replaces a snapshot of another configuration (another run in the same
+    --out, which reached the same iteration)."""
+
+    priority = -100   # Chainer's snapshot's
+
+    def __init__(self, write, config):
+        self.write, self.config = write, config
+        self.warned = False
+
+    def initialize(self, trainer):
+        self.write.initialize(trainer)
+
+    def __call__(self, trainer):
+        path = os.path.join(trainer.out, 'snapshot_iter_%d.npz'
+                            % trainer.updater.iteration)
+        if not self.warned and npz_is_whole(path):
+            differs = other_config(path, self.config)
+            if differs:
+                self.warned = True
+                print('train_imagenet.py: warning: replacing %s, a snapshot '
+                      'of another run (%s); give each configuration its '
+                      'own --out to keep both' % (path, differs),
+                      file=sys.stderr, flush=True)
+        self.write(trainer)
+
+    def on_error(self, trainer, exc, tb):
+        self.write.on_error(trainer, exc, tb)
+
+    def finalize(self):
+        self.write.finalize()
 
 
 #: The name of the ``Snapshot`` extension in the trainer, so the keys under
@@ -308,6 +344,7 @@ class Snapshot(training.Extension):
         self.job = comm.everyone(secrets.token_hex(6),
                                  'the snapshots\' job id')[0]
         self.updater = None
+        self._checked = {}   #: _ours' answers
 
     def initialize(self, trainer):
         self.updater = trainer.updater
@@ -333,14 +370,36 @@ class Snapshot(training.Extension):
         # Rank 0's listing, taken before anyone removes anything, says
         # what to prune; gathering it also waits until every rank's file
         # is complete.
-        listed = self.comm.allgather_obj(
-            snapshots_by_write(out) if self.comm.rank == 0 else None)[0]
+        doomed = self.comm.allgather_obj(
+            self._beyond_keep(out, iteration) if self.comm.rank == 0
+            else None)[0]
         self.written = path
-        # Older by the time they were written: a run on another number of
-        # ranks in the same --out reaches other iterations.
-        older = [i for i in listed if i != iteration]
-        for old in older[:max(0, len(older) - (self.keep - 1))]:
+        for old in doomed:
             self._remove(out, old)
+
+    def _beyond_keep(self, out, iteration):
+        """The snapshots to remove: this configuration's loadable ones
+        (another configuration's, and damaged ones, are neither counted
+        nor removed) but the newest ``keep``, this one included.  Older by
+        the time they were written: a run on another number of ranks in
+        the same --out reaches other iterations."""
+        older = [i for i in snapshots_by_write(out) if i != iteration and
+                 self._ours(os.path.join(out, 'snapshot_iter_%d.npz' % i))]
+        return older[:max(0, len(older) - (self.keep - 1))]
+
+    def _ours(self, path):
+        """Whether the shared file ``path`` is whole and of this run's
+        configuration; remembered by the file's time and size (every zip
+        member's CRC is read once)."""
+        try:
+            stat = os.stat(path)
+            seen = (path, stat.st_mtime_ns, stat.st_size)
+            if seen not in self._checked:
+                self._checked[seen] = npz_problem(path) is None and \
+                    other_config(path, self.config) is None
+            return self._checked[seen]
+        except OSError:   # removed meanwhile
+            return False
 
     def _remove(self, out, iteration):
         """This rank's part of snapshot ``iteration``; on rank 0 also the
@@ -893,10 +952,10 @@ def main(argv=None):
     if device >= 0:
         trainer.extend(SeedGpuRandom(args.seed, comm.rank))
     snapshot_trigger = SnapshotTrigger(snapshot_interval, stop)
-    trainer.extend(trainer_snapshot(comm), name='snapshot',
-                   trigger=snapshot_trigger)
     config = {'arch': args.arch, 'n_classes': args.n_classes,
               'insize': args.insize}
+    trainer.extend(trainer_snapshot(comm, config), name='snapshot',
+                   trigger=snapshot_trigger)
     rank_snapshot = Snapshot(comm, args.keep_snapshots,
                              optimizer if args.shard_state else None, config)
     trainer.extend(rank_snapshot, name=RANK_SNAPSHOT,
