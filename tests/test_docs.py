@@ -681,3 +681,20 @@ def test_the_sample_table_is_what_the_example_prints():
     text = '\n'.join(lines)
     assert legend + '\n' + header + '\n' in text, (legend, header)
     assert all(len(line) <= _WIDTH for line in lines), lines
+
+
+def test_the_flag_list_names_every_flag_of_the_example():
+    """imagenet_example.md's Flags table: a flag the example takes and the
+    table leaves out (--accumulation-steps, --bucket-bytes, ...) is one a
+    user reading the page cannot find."""
+    source = _read(os.path.join(ROOT, 'examples', 'imagenet',
+                                'train_imagenet.py'))
+    flags = set(re.findall(r"add_argument\(\s*'(--[\w-]+)'", source))
+    assert '--accumulation-steps' in flags, flags
+    page = _read(os.path.join(ROOT, 'docs', 'imagenet_example.md'))
+    table = page.split('\n## Flags\n', 1)[1].split('\n## ', 1)[0]
+    listed = set()
+    for row in table.splitlines():
+        if row.startswith('| `--'):
+            listed.update(re.findall(r'`(--[\w-]+)', row.split(' | ')[0]))
+    assert flags <= listed, sorted(flags - listed)
