@@ -10,6 +10,7 @@ evidence (mnopt/report_rules.py)::
 
     MNOPT_TIMELINE=trace.json mpiexec -n 4 python train.py
     python -m mnopt.report trace.json    # the value of MNOPT_TIMELINE
+    python -m mnopt.report .             # the folder of trace.rank*.json
     python -m mnopt.report trace.rank*.json
     python -m mnopt.report --link-rate 1gbit --skip 5 trace.rank*.json
     python -m mnopt.report --json trace.rank*.json > report.json
@@ -20,9 +21,12 @@ How the numbers are computed: mnopt/trace_analysis.py.
 """
 
 import argparse
+import glob
 import json
 import os
+import re
 import sys
+import textwrap
 
 from mnopt import report_rules as rules
 from mnopt import report_plot, step_stats, timeline, trace_analysis
@@ -33,10 +37,30 @@ from mnopt import timeline_window
 parse_rate = step_stats.parse_rate
 
 
+#: The report's width: an 80-column terminal.
+WIDTH = 80
+#: The table's row: 78 columns.
+_ROW = '%-7s %10s %14s %14s %14s %14s'
+
+
 def _cells(s):
-    return ('%9.1f ms' % s['step_ms'],) + tuple(
-        '%8.1f ms %4s' % (s[k + '_ms'], rules.pct(s[k + '_share']))
+    return ('%7.1f ms' % s['step_ms'],) + tuple(
+        '%6.1f ms %4s' % (s[k + '_ms'], rules.pct(s[k + '_share']))
         for k in ('compute', 'exposed', 'hidden', 'idle'))
+
+
+def _wrapped(line):
+    """``line`` within WIDTH columns, continued two columns further in
+    than it starts (a path longer than a line stays whole)."""
+    indent = line[:len(line) - len(line.lstrip())]
+    return textwrap.fill(line, WIDTH, subsequent_indent=indent + '  ',
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def _steps_per_rank(a):
+    counts = sorted({s['steps'] for s in a['per_rank']})
+    return ('%d' % counts[0] if len(counts) == 1 else
+            '%d to %d' % (counts[0], counts[-1]))
 
 
 def _window_lines(a):
@@ -69,28 +93,30 @@ def format_text(a):
         ', '.join(files), a['alignment'])] + _window_lines(a) + ['']
     if a['overall']:
         lines.append('Mean step, where its time goes:')
-        head = ('', 'step', 'compute', 'exposed comm', 'hidden comm', 'idle')
-        lines.append('%-8s %12s %16s %16s %16s %16s' % head)
+        lines.append(_ROW % ('', 'step', 'compute', 'exposed comm',
+                             'hidden comm', 'idle'))
         for s in a['per_rank']:
-            lines.append('%-8s %12s %16s %16s %16s %16s'
-                         % (('rank %d' % s['rank'],) + _cells(s)))
-        lines.append('%-8s %12s %16s %16s %16s %16s'
-                     % (('all',) + _cells(a['overall'])))
-        lines.append('  (%d steps; hidden communication runs beside '
-                     'compute, so it is not part of the sum)'
-                     % a['overall']['steps'])
+            lines.append(_ROW % (('rank %d' % s['rank'],) + _cells(s)))
+        lines.append(_ROW % (('all',) + _cells(a['overall'])))
+        lines.append('  (%s steps per rank; hidden communication runs '
+                     'beside compute, so it is not part of the sum)'
+                     % _steps_per_rank(a))
     else:
         lines.append("No 'step' spans: no breakdown per step.")
     c = a['collectives']
     lines += ['', 'Collectives: %d, %d of them seen on 2 or more ranks.'
               % (c['count'], c['matched'])]
+    stragglers = {s['rank'] for s in c['stragglers']}
     for s in c['last']:
         lines.append('  rank %d arrives last in %s of collectives, by '
                      '%.1f ms on average%s' % (
                          s['rank'], rules.pct(s['share']), s['late_ms'],
-                         ': a straggler' if s['share'] > 0.5 else ''))
+                         ': a straggler' if s['rank'] in stragglers
+                         else ''))
     if c['matched'] and not c['stragglers']:
-        lines.append('  no rank arrives last in more than half of them')
+        lines.append('  no straggler (a rank last in more than half of '
+                     'them, late by %s of the step and %g ms or more)'
+                     % (rules.pct(rules.LATE_SHARE), rules.LATE_MS))
     bw = a['bandwidth']
     if bw:
         lines.append('  bandwidth: %s of payload, %s on the bus%s' % (
@@ -108,8 +134,9 @@ def format_text(a):
     lines += ['', 'Advice:' if a['advice'] else 'Advice: none (no rule '
               'applies; see mnopt/report_rules.py).']
     for x in a['advice']:
-        lines.append('  - %s\n    because %s' % (x['advice'], x['evidence']))
-    return '\n'.join(lines)
+        lines += ['  - ' + x['advice'], '    because ' + x['evidence']]
+    return '\n'.join(_wrapped(line) if len(line) > WIDTH else line
+                     for line in lines)
 
 
 def merge(paths, out, how='auto'):
@@ -140,13 +167,42 @@ def rank_files(given):
     given to MNOPT_TIMELINE (``trace.json``, ``t{rank}.json``), whose ranks
     wrote ``trace.rank0.json``, ``trace.rank1.json``... (mnopt/timeline.py:
     ``trace_path``): those, rank 0 on until the first missing.  [] where
-    there are none."""
+    there are none.  A folder: the per-rank files in it (``NAME.rankN.json``),
+    where they are of one name; ValueError where they are of several or
+    none, saying what to pass."""
+    if os.path.isdir(given):
+        return rank_files_in(given)
     if os.path.isfile(given):
         return [given]
     found = []
     while os.path.isfile(timeline.trace_path(given, len(found))):
         found.append(timeline.trace_path(given, len(found)))
     return found
+
+
+def rank_files_in(folder):
+    """The per-rank trace files in ``folder`` (``trace.rank0.json``...,
+    as MNOPT_TIMELINE=FOLDER/trace.json writes them), by rank; ValueError
+    saying what to pass where there are none, or those of several
+    jobs."""
+    by_name = {}
+    for path in glob.glob(os.path.join(glob.escape(folder), '*.rank*.json')):
+        m = re.match(r'(.*)\.rank(\d+)\.json$', os.path.basename(path))
+        if m:
+            by_name.setdefault(m.group(1), []).append(path)
+    if not by_name:
+        raise ValueError(
+            '%s is a folder without per-rank trace files (NAME.rank0.json '
+            '...): pass the files, or the path MNOPT_TIMELINE was set to'
+            % folder)
+    if len(by_name) > 1:
+        raise ValueError(
+            '%s holds the trace files of several jobs (%s): pass one of '
+            'them, as %s' % (folder, ', '.join(
+                '%s.rank*.json' % n for n in sorted(by_name)),
+                os.path.join(folder, sorted(by_name)[0] + '.json')))
+    name, = by_name
+    return rank_files(os.path.join(folder, name + '.json'))
 
 
 def _parser():
@@ -158,8 +214,9 @@ def _parser():
                     'straggler ranks; advice with its evidence.')
     p.add_argument('traces', nargs='+', metavar='TRACE',
                    help='trace files: one per rank (trace.rank0.json ...), '
-                        'one merged file, or the path MNOPT_TIMELINE was '
-                        'set to (trace.json: every trace.rankN.json)')
+                        'one merged file, the path MNOPT_TIMELINE was '
+                        'set to (trace.json: every trace.rankN.json), or '
+                        'the folder that holds them')
     p.add_argument('--json', action='store_true',
                    help='print the report as JSON')
     p.add_argument('--link-rate',
@@ -194,7 +251,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     traces = []
     for given in args.traces:
-        found = rank_files(given)
+        try:
+            found = rank_files(given)
+        except ValueError as e:
+            parser.error(str(e))
         if not found:
             parser.error('no such trace file: %s, nor per-rank files %s ... '
                          '(give the files, or the path MNOPT_TIMELINE was '

@@ -13,7 +13,10 @@ wire_dtype     exposed >= EXPOSED despite overlap, and no 'cast' phase
                (gradients travel in their own dtype)
 bucket_bytes   the link idle >= LINK_IDLE of backward between buckets,
                with 2 or more buckets per backward
-straggler      a rank arrives last in more than half of the collectives
+straggler      a rank arrives last in more than half of the collectives,
+               late by LATE_SHARE of the mean step and LATE_MS or more
+               on average (a rank always arrives last: 0.5 ms on a
+               250 ms step is no straggler)
 bandwidth      the bus bandwidth < LOW_BUSBW of the link rate (when given)
 idle           the main thread idle >= IDLE of the step
 =============  =========================================================
@@ -26,6 +29,15 @@ HIDDEN_NONE = 0.1
 LINK_IDLE = 0.2
 LOW_BUSBW = 0.5
 IDLE = 0.3
+LATE_SHARE = 0.02
+LATE_MS = 1.0
+
+
+def late_enough(late_ms, step_ms):
+    """Whether arriving ``late_ms`` late on average (at a step of
+    ``step_ms``, None where the traces have no steps) makes a straggler."""
+    return late_ms >= LATE_MS and (
+        step_ms is None or late_ms >= LATE_SHARE * step_ms)
 
 
 def size(nbytes):

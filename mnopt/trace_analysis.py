@@ -402,12 +402,17 @@ def analyze(paths, align_how='auto', skip=0, min_late_us=100.0,
         if summary:
             per_rank.append(dict(rank=rank, **summary))
     colls = collectives(ranks)
+    overall = summarize(every)
+    last = stragglers(colls, min_late_us)
+    # Last in most collectives, and by enough of the step to matter.
+    last['stragglers'] = [x for x in last['stragglers']
+                          if report_rules.late_enough(
+                              x['late_ms'], overall and overall['step_ms'])]
     out = {
         'files': list(paths), 'ranks': sorted(ranks), 'alignment': how,
-        'per_rank': per_rank, 'overall': summarize(every),
+        'per_rank': per_rank, 'overall': overall,
         'each_step': each,
-        'collectives': dict(count=len(colls), **stragglers(colls,
-                                                           min_late_us)),
+        'collectives': dict(count=len(colls), **last),
         'bandwidth': bandwidth(colls, len(workers(ranks))),
         'buckets': bucket_gaps(ranks),
         'link_bits': link_bits,

@@ -319,7 +319,8 @@ def test_python_m_mnopt_report(traces):
     assert helped.returncode == 0 and '--link-rate' in helped.stdout
     done = run(*traces)
     assert done.returncode == 0, done.stderr
-    assert 'of the 100 Gbit/s link' in done.stdout     # $MNOPT_LINK_RATE
+    # $MNOPT_LINK_RATE (the text wrapped within 80 columns)
+    assert 'of the 100 Gbit/s link' in ' '.join(done.stdout.split())
     missing = run('/nonexistent/trace.json')
     assert missing.returncode == 2 and 'no such trace' in missing.stderr
 
@@ -563,3 +564,64 @@ def test_a_late_rank_on_its_own_host_is_blamed_on_that_host(tmp_path):
     said, = [x for x in trace_analysis.analyze(paths)['advice']
              if x['rule'] == 'straggler']
     assert "host" not in said['advice'] and 'rank 2' in said['advice']
+
+
+def _traces_late_by(tmp_path, late_ms):
+    paths = []
+    for rank in range(2):
+        main, avg = _steps(late_ms * MS if rank == 1 else 0.0)
+        paths.append(_write(str(tmp_path / ('t.rank%d.json' % rank)), rank,
+                            main, avg))
+    return paths
+
+
+@pytest.mark.parametrize('late_ms,straggler', [
+    (0.5, False),   # under 1 ms
+    (1.5, False),   # 1.5% of the 100 ms step
+    (3.0, True)])
+def test_a_straggler_is_late_by_a_share_of_the_step(tmp_path, capsys,
+                                                    late_ms, straggler):
+    paths = _traces_late_by(tmp_path, late_ms)
+    a = trace_analysis.analyze(paths)
+    assert [x['rank'] for x in a['collectives']['last']] == [1]
+    assert [x['rank'] for x in a['collectives']['stragglers']] == (
+        [1] if straggler else [])
+    assert any(x['rule'] == 'straggler' for x in a['advice']) == straggler
+    assert report.main(paths) == 0
+    text = capsys.readouterr().out
+    assert (': a straggler' in text) == straggler, text
+    assert ('no straggler (a rank last in more than half of them, late by '
+            '2% of the step and 1 ms or more)' in ' '.join(text.split())) \
+        == (not straggler), text
+
+
+def test_the_text_counts_steps_per_rank_within_80_columns(traces, capsys):
+    assert report.main(traces) == 0
+    text = capsys.readouterr().out
+    assert '(%d steps per rank;' % STEPS in text, text
+    # A path alone on its line may be longer: it is never broken.
+    long = [line for line in text.splitlines()
+            if len(line) > 80 and len(line.split()) > 1]
+    assert long == [], long
+    assert report.main(traces[:2] + [traces[2]] + ['--skip', '4']) == 0
+    assert '(%d steps per rank;' % (STEPS - 4) in capsys.readouterr().out
+
+
+def test_a_folder_of_rank_files_is_read(traces, tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith('mnopt report: 3 ranks')
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    with pytest.raises(SystemExit) as e:
+        report.main([str(empty)])
+    assert e.value.code == 2
+    assert '%s is a folder without per-rank trace files (NAME.rank0.json ' \
+        '...): pass the files' % empty in capsys.readouterr().err
+    _write(str(tmp_path / 'u.rank0.json'), 0, *_steps())
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert 'holds the trace files of several jobs (t.rank*.json, ' \
+        'u.rank*.json): pass one of them, as %s' % (tmp_path / 't.json') \
+        in err, err
