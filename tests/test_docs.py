@@ -459,13 +459,16 @@ def test_the_sample_summaries_list_every_plot_the_example_draws():
 # -- troubleshooting.md quotes mnopt's messages as the code says them -------
 
 def _literal_pieces():
-    """Every string constant of mnopt/ (implicit concatenations joined),
-    cut at its formatting placeholders: the fixed text of its messages."""
+    """Every string constant of mnopt/ and examples/ (implicit
+    concatenations joined), cut at its formatting placeholders: the fixed
+    text of its messages."""
     import ast
     placeholder = re.compile(r'%[-#0 +]*\d*(?:\.\d+)?[sdrfgx%]|\{[^{}]*\}')
     pieces = set()
-    for path in glob.glob(os.path.join(ROOT, 'mnopt', '**', '*.py'),
-                          recursive=True):
+    paths = [path for top in ('mnopt', 'examples')
+             for path in glob.glob(os.path.join(ROOT, top, '**', '*.py'),
+                                   recursive=True)]
+    for path in paths:
         for node in ast.walk(ast.parse(_read(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 for piece in placeholder.split(node.value):
@@ -488,13 +491,22 @@ def _unquoted_parts(line, pieces):
     return [r for r in runs if len(re.findall(r'[A-Za-z]{3,}', r)) > 4]
 
 
+#: A line an exception's message follows (a traceback's last line, with
+#: the failure summary's indent), or the example's own: its message is
+#: what follows.
+_MESSAGE_AFTER = re.compile(
+    r'^\s*(?:[\w.]*(?:Error|Warning|Exception)|train_imagenet\.py): ')
+
+
 def _mnopt_messages(text):
-    """The lines of the page's console blocks that mnopt printed."""
+    """The lines of the page's console blocks that mnopt (its commands,
+    the example) printed, and the exceptions' messages."""
     for block in re.findall(r'^```console\n(.*?)^```', text, re.S | re.M):
         for line in block.splitlines():
             # -prepend-rank's prefix, or mnopt's own rank tag
             line = re.sub(r'^\[(rank )?\d+\] ', '', line)
-            if line.startswith(('mnopt:', 'mnopt.')) or \
+            if line.startswith(('mnopt:', 'mnopt.', 'python -m mnopt.')) \
+                    or _MESSAGE_AFTER.match(line) or \
                     'mnopt/' in line.split(':', 1)[-1][:20]:
                 yield line
 
@@ -503,7 +515,7 @@ def _stale_quotes(text, pieces):
     stale = []
     for line in _mnopt_messages(text):
         message = line.split(': ', 1)[1] if line.startswith('mnopt.') or \
-            line.startswith('UserWarning') else line
+            _MESSAGE_AFTER.match(line) else line
         left = _unquoted_parts(message, pieces)
         if left:
             stale.append('%s\n    not in mnopt/: %r' % (line, left))
@@ -524,6 +536,16 @@ def test_a_reworded_message_is_found():
             ' #1; the other ranks were lost in a collective that never '
             'finished its work.\n```\n')
     assert _stale_quotes(page, _literal_pieces())
+    for reworded in (
+            'python -m mnopt.server: error: no workers were started, so '
+            'there is nothing for the servers to do at all',
+            'train_imagenet.py: --resume auto: the snapshot in result is of '
+            'another run, which this one cannot continue in any way',
+            '  ValueError: ranks disagree on create_multi_node_optimizer: '
+            'double_buffering (rank 0: True, rank 1: False): the ranks '
+            'must all pass identical keyword values'):
+        page = '```console\n%s\n```\n' % reworded
+        assert _stale_quotes(page, _literal_pieces()), reworded
 
 
 def test_troubleshooting_is_linked_from_the_readme_and_the_index():
