@@ -720,3 +720,68 @@ def test_the_flag_list_names_every_flag_of_the_example():
         if row.startswith('| `--'):
             listed.update(re.findall(r'`(--[\w-]+)', row.split(' | ')[0]))
     assert flags <= listed, sorted(flags - listed)
+
+
+# -- what chainermn.md says of ChainerMN's other communicators --------------
+
+def _chainermn_names():
+    """{ChainerMN's name: what mnopt's error says to use instead}, from the
+    factory's table (CHAINERMN_NAMES)."""
+    import ast
+    source = _read(os.path.join(ROOT, 'mnopt', 'communicators',
+                                '__init__.py'))
+    table = next(node.value for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.Assign)
+                 and getattr(node.targets[0], 'id', '') == 'CHAINERMN_NAMES')
+    return ast.literal_eval(table)
+
+
+def _advice_differs(row, names):
+    """For each name: the communicators and commands the code names for it
+    that the row's words after it (up to the next name) do not."""
+    wrong = []
+    for name, advice in names.items():
+        at = row.find('`%s`:' % name)
+        if at < 0:
+            wrong.append('%s: not named' % name)
+            continue
+        ends = [row.find('`%s`:' % other, at + 1) for other in names]
+        said = row[at:min([e for e in ends if e > at] or [len(row)])]
+        for named in re.findall(r"'(\w+)'|(python -m [\w.]+)", advice):
+            named = named[0] or named[1]
+            if '`%s`' % named not in said:
+                wrong.append('%s: %r not said' % (name, named))
+        if not re.findall(r"'(\w+)'", advice) and 'none' not in said:
+            wrong.append('%s: mnopt has none, not said' % name)
+    return wrong
+
+
+def test_chainermn_md_says_what_replaces_each_chainermn_communicator():
+    names = _chainermn_names()
+    assert {'two_dimensional', 'single_node', 'dummy'} <= set(names)
+    row = next(line for line in _read(os.path.join(
+        ROOT, 'docs', 'chainermn.md')).splitlines()
+        if line.startswith('| `create_communicator('))
+    wrong = _advice_differs(row, names)
+    assert not wrong, wrong
+    # The checker itself: the row before it named each.
+    assert len(_advice_differs(
+        '`two_dimensional`, `single_node`, `non_cuda_aware` and `dummy` are '
+        'not offered: `hierarchical` and `flat` cover them', names)) == 4
+
+
+# -- the check is shown as its --help shows it ------------------------------
+
+def test_pages_launch_the_check_as_its_help_does():
+    """`python -m mpi4py -m mnopt.check` under a launcher, as `python -m
+    mnopt --help` and `mnopt.check --help` show it."""
+    main = _read(os.path.join(ROOT, 'mnopt', '__main__.py'))
+    assert 'python -m mpi4py -m mnopt.check' in main
+    wrong = []
+    for path in _user_pages():
+        for n, line in enumerate(_read(os.path.join(ROOT, path))
+                                 .splitlines(), 1):
+            if re.search(r'\b(mpiexec|srun)\b.*python -m mnopt\.check',
+                         line):
+                wrong.append('%s:%d: %s' % (path, n, line.strip()))
+    assert not wrong, '\n'.join(wrong)
