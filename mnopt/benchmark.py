@@ -57,7 +57,7 @@ def parser():
     p = argparse.ArgumentParser(
         prog='python -m mnopt.benchmark',
         description=__doc__.split('\n')[0],
-        epilog=__doc__.split('\n', 1)[1].strip(),
+        epilog=cli.help_epilog(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--communicators', nargs='+', metavar='NAME',
                    choices=[n for n in communicators.NAMES if n != 'auto'],

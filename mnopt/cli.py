@@ -72,8 +72,9 @@ DEVELOPER_NOTE = 'One idea'
 
 def help_epilog(docstring):
     """A command module's docstring as its --help epilog: all but the
-    first line (the description), without the developers' notes."""
-    body = docstring.split('\n', 1)[1].strip()
+    first line (the description), without the developers' notes, as plain
+    text (reST's ``literal`` quotes dropped)."""
+    body = docstring.split('\n', 1)[1].strip().replace('``', '')
     paragraphs = body.split('\n\n')
     return '\n\n'.join(p for p in paragraphs
                        if not p.lstrip().startswith(DEVELOPER_NOTE))

@@ -18,10 +18,12 @@ def lines_over(text):
     return [line for line in text.splitlines() if len(line) > COLUMNS]
 
 
-def test_the_progress_counts_the_repetitions_the_table_reports(capsys):
+def test_the_progress_counts_the_repetitions_the_table_reports(
+        capsys, monkeypatch):
     """The progress line once said 'repetition 1/7' for a table of '5
     repetitions': the 2 warm-up rounds are named as such."""
     from mnopt.benchmarking import harness
+    monkeypatch.setattr(harness, 'shows_progress', lambda: True)
     ran = []
     times = harness.run_cases([('case', 'kind', lambda: ran.append(1))],
                               MPI.COMM_SELF, 5)
@@ -30,6 +32,17 @@ def test_the_progress_counts_the_repetitions_the_table_reports(capsys):
     assert [r for r in ('warm-up 1/2', 'warm-up 2/2', 'repetition 1/5',
                         'repetition 5/5') if r not in said] == []
     assert '/7' not in said and 'repetition 6' not in said
+
+
+def test_no_progress_line_where_stderr_is_no_terminal(capsys):
+    """Piped or written to a file, the carriage returns of the progress
+    line were kept among the output: it is drawn on a terminal only."""
+    from mnopt.benchmarking import harness
+    assert not harness.shows_progress()   # capsys: no terminal
+    harness.run_cases([('case', 'kind', lambda: None)], MPI.COMM_SELF, 3)
+    said = capsys.readouterr()
+    assert '\r' not in said.err + said.out
+    assert 'repetition' not in said.err
 
 
 LONG_LABEL = 'mnopt hierarchical bfloat16 (alltoall vote), checks off'

@@ -121,6 +121,8 @@ def test_help_is_for_users_not_developers(command):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert cli.DEVELOPER_NOTE not in proc.stdout, proc.stdout
     assert '400 lines' not in proc.stdout
+    # Plain text: no reST markup (``run``) from the module's docstring.
+    assert '``' not in proc.stdout, proc.stdout
 
 
 def test_a_developer_note_is_left_out_of_the_epilog():

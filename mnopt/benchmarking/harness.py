@@ -42,14 +42,23 @@ def run_cases(cases, world, reps, warmup=WARMUP, progress=''):
             dt = time.perf_counter() - t0
             if rep >= warmup:
                 times[i, rep - warmup] = dt
-        if world.rank == 0:
+        if world.rank == 0 and shows_progress():
             sys.stderr.write('\r%s%s ' % (progress,
                                           round_name(rep, warmup, reps)))
             sys.stderr.flush()
-    if world.rank == 0:
+    if world.rank == 0 and shows_progress():
         sys.stderr.write('\r' + ' ' * 60 + '\r')
     world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # the slowest rank
     return times
+
+
+def shows_progress():
+    """Whether the progress line is drawn: on a terminal only (rewritten
+    in place with carriage returns, which a file or a pipe would keep)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):   # replaced, or closed
+        return False
 
 
 def round_name(rep, warmup, reps):
