@@ -35,6 +35,10 @@ STOP = 7               # every case ends here
 OBSERVED = ('comm/exposed', 'comm/hidden', 'comm/bytes_sent',
             'comm/bytes_received')
 PHASES = ('step', 'forward', 'backward', 'update', 'wire')
+#: observe='window': MNOPT_TIMELINE_STEPS, steps counted from 0 in each
+#: process (each phase: the window holds steps 1 and 2 of each, across
+#: the resume), and the steps recorded then.
+WINDOW = (1, 3)
 N_SAMPLES, BATCH = 48, 4   # 12 / 8 iterations an epoch at 2 / 3 ranks
 #: What 'auto' tunes on each kind (naive tunes nothing: it refuses).
 TUNED = {'naive': ['bucket_bytes'],
@@ -61,7 +65,7 @@ def dataset():
 
 def communicator(case, out):
     kwargs = {'allreduce_grad_dtype': case['wire']}
-    if case['observe'] == 'timeline':
+    if case['observe'] in ('timeline', 'window'):
         kwargs['timeline'] = os.path.join(out, 'trace.json')
     if case['compression'] not in (None, 'hook'):
         kwargs['compression'] = case['compression']
@@ -71,6 +75,9 @@ def communicator(case, out):
         # Every collective checked across ranks (docs/debugging.md); read
         # when each communicator is made, split()'s included.
         os.environ['MNOPT_DEBUG'] = 'detail'
+    if case['observe'] == 'window':
+        # Agreed at start-up, read when the timeline opens.
+        os.environ['MNOPT_TIMELINE_STEPS'] = '%d:%d' % WINDOW
     try:
         base = mnopt.create_communicator(case['comm'], **kwargs)
         made = [base]
@@ -80,6 +87,7 @@ def communicator(case, out):
             made.insert(0, base.split(0, base.rank))
     finally:
         os.environ.pop('MNOPT_DEBUG', None)
+        os.environ.pop('MNOPT_TIMELINE_STEPS', None)
     if case['compression'] == 'hook':
         made[0].register_comm_hook({}, topk_hook)
     return made[0], made
@@ -110,6 +118,10 @@ class Recorder(object):
         it = self.iterator
         # next() has run: a batch that ended an epoch belongs to it.
         epoch = it.epoch - 1 if it.is_new_epoch else it.epoch
+        return self.add(epoch, batch, device)
+
+    def add(self, epoch, batch, device=None):
+        """``batch`` recorded as one of ``epoch``, as arrays."""
         self.seen.setdefault(epoch, []).extend(int(b[2]) for b in batch)
         return chainer.dataset.concat_examples([b[:2] for b in batch], device)
 
@@ -121,6 +133,63 @@ class Recorder(object):
             if (counts > 1).any():
                 out[epoch] = numpy.flatnonzero(counts > 1).tolist()
         return out
+
+
+class JoinedEpochs(chainer.training.updaters.StandardUpdater):
+    """data 'uneven+join': each iteration is one epoch of this rank's own
+    batches, one batch fewer on each rank after the first, under
+    mnopt.join (docs/uneven_inputs.md).  Its batches follow from the
+    epoch alone (the iterator hands out one token per epoch), so a resume
+    at any number of ranks sees the epochs an uninterrupted run sees."""
+
+    def __init__(self, optimizer, shard, recorder, seed):
+        super(JoinedEpochs, self).__init__(
+            chainer.iterators.SerialIterator([0], 1, shuffle=False),
+            optimizer)
+        rank = optimizer.communicator.rank
+        self.shard, self.recorder, self.seed = shard, recorder, seed
+        self.own = len(shard) - BATCH * rank   # this rank's samples
+        #: Every rank's batches (join's ``batches``) in each epoch run.
+        self.batches = []
+
+    def update_core(self):
+        self.get_iterator('main').next()
+        optimizer, epoch = self.get_optimizer('main'), self.iteration
+        order = numpy.random.RandomState(self.seed * 100 + epoch) \
+            .permutation(len(self.shard))[:self.own]
+        with mnopt.join(optimizer) as joined:
+            for i in range(0, len(order) - BATCH + 1, BATCH):
+                x, t = self.recorder.add(epoch, [self.shard[int(j)] for j in
+                                                 order[i:i + BATCH]])
+                optimizer.update(optimizer.target, x, t)
+        self.batches.append(joined.batches)
+
+
+def join_missed(updater, size):
+    """What a joined run missed: an epoch whose ranks did not hold
+    BATCH fewer samples each, one after the other, as every rank says."""
+    want = [(N_SAMPLES // size - BATCH * r) // BATCH for r in range(size)]
+    return ['join: batches per rank %s, expected %s in every epoch'
+            % (b, want) for b in updater.batches if b != want][:1]
+
+
+def window_missed(path, calls):
+    """What a run with MNOPT_TIMELINE_STEPS=WINDOW missed: steps
+    recorded outside the window, or its steps (of the ``calls``
+    update() calls this process made, at least) not recorded."""
+    events = mnopt.timeline.load(path)
+    steps = sorted(e['args']['step'] for e in events
+                   if e.get('name') == 'step' and e.get('ph') == 'X')
+    want = list(range(WINDOW[0], min(WINDOW[1], calls)))
+    missed = []
+    if steps != want:
+        missed.append('window: steps %s recorded, expected %s'
+                      % (steps, want))
+    if sum(e.get('name') == 'forward' for e in events) > len(steps):
+        missed.append('window: a forward outside the recorded steps')
+    if not any(e.get('name') == 'mnopt_window' for e in events):
+        missed.append('window: the file does not say it is one')
+    return missed
 
 
 def train(case, out, stop, snapshots):
@@ -136,6 +205,7 @@ def train(case, out, stop, snapshots):
         model = L.Classifier(chainer.Sequential(
             L.Linear(8, 16), chainer.functions.relu, L.Linear(16, 4)))
         shuffled = case['data'] != 'plain+serial'
+        joined = case['data'] == 'uneven+join'
         train_set = mnopt.scatter_dataset(dataset(), comm, shuffle=shuffled,
                                           seed=case['seed'])
         if case['data'] == 'shuffled+multiprocess':
@@ -150,10 +220,12 @@ def train(case, out, stop, snapshots):
             **MODES[case['mode']])
         optimizer.setup(model)
         recorder = Recorder(iterator)
-        trainer = chainer.training.Trainer(
+        updater = JoinedEpochs(optimizer, train_set, recorder,
+                               case['seed']) if joined else \
             chainer.training.StandardUpdater(iterator, optimizer,
-                                             converter=recorder),
-            (stop, 'iteration'), out=out)
+                                             converter=recorder)
+        trainer = chainer.training.Trainer(updater, (stop, 'iteration'),
+                                           out=out)
         if snapshots:
             # ChainerMN's default, one replica set, writes rank 0's file
             # only (its iterator stands for every rank's); a set per rank
@@ -182,6 +254,13 @@ def train(case, out, stop, snapshots):
             missed = sorted(set(OBSERVED) - set(log.log[-1]))
         if case['observe'] == 'debug' and comm.check_calls is None:
             missed = ['MNOPT_DEBUG=detail: no check']
+        if joined:
+            missed += join_missed(updater, comm.size)
+            # Each epoch's update() calls: the batches of the rank with
+            # the most (every rank takes part in each), at least.
+            calls = sum(max(b) for b in updater.batches)
+        else:
+            calls = stop - resumed
     finally:
         if isinstance(iterator, chainer.iterators.MultiprocessIterator):
             iterator.finalize()
@@ -192,7 +271,10 @@ def train(case, out, stop, snapshots):
         path = mnopt.timeline.trace_path(os.path.join(out, 'trace.json'),
                                          WORLD.rank)
         names = {e.get('name') for e in mnopt.timeline.load(path)}
-        missed = sorted(set(PHASES) - names)
+        missed += sorted(set(PHASES) - names)
+    if case['observe'] == 'window' and resumed < stop:
+        missed += window_missed(mnopt.timeline.trace_path(
+            os.path.join(out, 'trace.json'), WORLD.rank), calls)
     return resumed, digest.hexdigest(), recorder.twice(), moved, missed
 
 

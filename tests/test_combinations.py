@@ -3,8 +3,10 @@
 Each feature's own tests exercise it alone; the defects found lately sat
 where two meet (snapshots x several ranks, ZeRO x resume on another rank
 count, split() x compression...).  Every pair of values of every factor
-below appears in at least one case (allpairspy; the full product would be
-thousands of cases), and each case checks what a user would:
+below that _allowed lets meet appears in at least one case (allpairspy,
+and rows_for_missed_pairs for the pairs its filter makes it drop; the
+full product would be thousands of cases), and each case checks what a
+user would:
 
 - no error on any rank, unless the combination is one mnopt refuses; then
   the same clear error on every rank (REFUSED says which and why);
@@ -20,7 +22,10 @@ thousands of cases), and each case checks what a user would:
 - no rank sees a sample twice within an epoch;
 - an observed run shows what it promises: the timeline each phase of a
   step (step, forward, backward, update, wire), the CommunicationReport its
-  keys in the log, MNOPT_DEBUG=detail its check of every collective.
+  keys in the log, MNOPT_DEBUG=detail its check of every collective,
+  MNOPT_TIMELINE_STEPS the window's steps and no others, in each phase;
+- under mnopt.join ('uneven+join') each rank trains on its own number
+  of batches, as join reports on every rank.
 
 The cases run in four mpiexec jobs (tests/combination_job.py): the first
 halves at 2 and at 3 ranks, then the files are damaged as each case says,
@@ -51,13 +56,17 @@ FACTORS = collections.OrderedDict([
     ('resume', ['none', 'same', 'grow', 'shrink', 'lost', 'stale']),
     ('comm', ['naive', 'flat', 'hierarchical', 'reduction_server']),
     ('wire', [None, 'float16', 'bfloat16']),
-    ('data', ['shuffled+serial', 'plain+serial', 'shuffled+multiprocess']),
+    # 'uneven+join': ranks hold one batch fewer each, trained under
+    # mnopt.join (combination_job.JoinedEpochs: an iteration an epoch).
+    ('data', ['shuffled+serial', 'plain+serial', 'shuffled+multiprocess',
+              'uneven+join']),
     ('split', [False, True]),
     ('sets', ['one', 'per_rank']),   # multi_node_snapshot's replica sets
     ('ranks', [2, 3]),   # where the case starts
-    # A timeline recorded, a CommunicationReport in the log, or every
-    # collective checked across ranks (MNOPT_DEBUG=detail).
-    ('observe', ['none', 'timeline', 'report', 'debug']),
+    # A timeline recorded, a CommunicationReport in the log, every
+    # collective checked across ranks (MNOPT_DEBUG=detail), or a timeline
+    # of some steps only (MNOPT_TIMELINE_STEPS: combination_job.WINDOW).
+    ('observe', ['none', 'timeline', 'report', 'debug', 'window']),
     # Settings as numbers, or 'auto' (tuned in the first averagings: the
     # cases stop inside the tuning, so it spans snapshots and resumes).
     ('tune', ['fixed', 'auto']),
@@ -77,6 +86,13 @@ def _allowed(row):
             values.get('compression') is not None):
         # Refused (refused() says why; tests/test_tune.py checks each
         # refusal on every rank): a case spent on it would test no pair.
+        return False
+    if values.get('data') == 'uneven+join' and (
+            values.get('mode', 'sync') != 'sync' or
+            values.get('compression') is not None or
+            values.get('accumulation', 1) > 1):
+        # Refused likewise (join_refuses; tests/test_uneven_inputs.py
+        # checks each refusal on every rank).
         return False
     if values.get('resume') == 'grow' and values.get('ranks') == 3:
         return False
@@ -105,17 +121,86 @@ def refused(case):
         return 'compression=%r' % (case['compression'],)
     if sharded and case['comm'] == 'reduction_server':
         return 'reduction_server'
+    if case['data'] == 'uneven+join':
+        return join_refuses(case)
+    return None
+
+
+def join_refuses(case):
+    """What mnopt.join refuses (the first its check meets), or None:
+    the synchronous optimizer only, without accumulation, compression or
+    a comm hook (docs/uneven_inputs.md)."""
+    keyword = {'double_buffering': 'double_buffering=True',
+               'overlap': 'overlap=True', 'shard_state': 'shard_state=True',
+               'stage2': 'shard_state=True'}.get(case['mode'])
+    if keyword is not None:
+        return 'synchronous optimizer only, not with ' + keyword
+    if case['accumulation'] > 1:
+        return 'accumulation_steps=%d' % case['accumulation']
+    if case['compression'] == 'hook':
+        return 'a registered comm hook'
+    if case['compression'] is not None:
+        return 'compression=%r' % (case['compression'],)
     return None
 
 
 def cases():
+    rows = [list(row) for row in allpairspy.AllPairs(
+        list(FACTORS.values()), filter_func=_allowed)]
+    rows += rows_for_missed_pairs(rows)
     out = []
-    for i, row in enumerate(allpairspy.AllPairs(list(FACTORS.values()),
-                                                filter_func=_allowed)):
+    for i, row in enumerate(rows):
         case = dict(zip(FACTORS, row))
         case['id'], case['seed'] = 'case%02d' % i, 100 + i
         out.append(case)
     return out
+
+
+def pairs_of(row):
+    """The pairs of values ``row`` holds: ((factor, value), (factor,
+    value)), factors in FACTORS' order."""
+    named = list(zip(range(len(row)), map(repr, row)))
+    return {(a, b) for i, a in enumerate(named) for b in named[i + 1:]}
+
+
+def rows_for_missed_pairs(rows, tries=3000):
+    """Rows that cover the pairs allpairspy's rows miss (its filter only
+    sees rows being built, and gives up on pairs the filter makes rare:
+    mnopt.join's, 'auto''s): for each missed pair, the row among
+    ``tries`` drawn with it (allowed by _allowed) that covers the most
+    missed pairs; a pair no drawn row allows is one no row can hold
+    (grow at 3 ranks).  Drawn from a fixed seed: the same cases each
+    run."""
+    import random
+    draw = random.Random(54)
+    values = list(FACTORS.values())
+    covered = set().union(*(pairs_of(r) for r in rows))
+    missed = [p for p in pairs_of_every_value() if p not in covered]
+    added = []
+    for (i, a), (j, b) in missed:
+        if ((i, a), (j, b)) in covered:
+            continue
+        best, gain = None, 0
+        for _ in range(tries):
+            row = [draw.choice(v) for v in values]
+            row[i] = next(v for v in values[i] if repr(v) == a)
+            row[j] = next(v for v in values[j] if repr(v) == b)
+            if _allowed(row):
+                new = len(pairs_of(row) - covered)
+                if new > gain:
+                    best, gain = row, new
+        if best is not None:
+            added.append(best)
+            covered |= pairs_of(best)
+    return added
+
+
+def pairs_of_every_value():
+    """Every pair of values of two factors, in FACTORS' order."""
+    values = list(FACTORS.values())
+    return [((i, repr(a)), (j, repr(b)))
+            for i in range(len(values)) for j in range(i + 1, len(values))
+            for a in values[i] for b in values[j]]
 
 
 def bit_identical_promised(case):
