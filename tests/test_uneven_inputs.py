@@ -219,6 +219,34 @@ def test_modes_it_cannot_serve_are_refused(naive_comm, options, said):
         mnopt.join(opt)
 
 
+@pytest.mark.parametrize('compression, said', [
+    ('sign', "compression='sign'"), ('powersgd', "compression='powersgd'"),
+    ('auto', "compression='auto'"), ('hook', 'a registered comm hook')])
+def test_every_compression_and_a_comm_hook_are_refused(compression, said):
+    """Each value of the combination matrix's compression factor that it
+    never pairs with mnopt.join (tests/test_combinations.py filters
+    them): the same error on every rank."""
+    from mnopt.communicators import comm_hooks
+    comm = mnopt.create_communicator(
+        'flat', compression=None if compression == 'hook' else compression)
+    try:
+        if compression == 'hook':
+            comm.register_comm_hook(None, comm_hooks.allreduce_hook)
+        opt = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.SGD(lr=LR), comm)
+        opt.setup(MLP())
+        errors = []
+        try:
+            mnopt.join(opt)
+        except ValueError as e:
+            errors.append(str(e))
+        said_by = WORLD.allgather(errors)
+        assert all(e and said in e[0] for e in said_by), said_by
+        assert len({e[0] for e in said_by}) == 1, said_by
+    finally:
+        comm.finalize()
+
+
 def test_compression_and_bad_arguments_are_refused(naive_comm):
     comm = mnopt.create_communicator('flat', compression='sign')
     try:
