@@ -353,3 +353,46 @@ def test_equal_optimizer_settings_make_an_optimizer(naive_comm):
         chainer.optimizers.SGD(lr=float('nan')), naive_comm,
         double_buffering=True)
     assert type(opt).__name__ == 'DoubleBufferingOptimizer'
+
+
+def test_an_optimizer_hook_on_one_rank_before_wrapping_is_an_error(
+        naive_comm):
+    """A hook added to the set-up optimizer before wrapping: compared in
+    create_multi_node_optimizer's one exchange, its setting too."""
+    needs_two_ranks()
+    chainer = pytest.importorskip('chainer')
+    optimizer = chainer.optimizers.SGD().setup(chainer.links.Linear(2, 2))
+    optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(
+        0.5 if WORLD.rank == 1 else 0.25))
+    said = optimizer_disagreement(naive_comm, optimizer)
+    assert "optimizer hooks (rank 0: 'WeightDecay: WeightDecay(rate=0.25)'" \
+        ", rank 1: 'WeightDecay: WeightDecay(rate=0.5)'" in said, said
+
+
+@pytest.mark.parametrize('mode', [{}, {'double_buffering': True},
+                                  {'overlap': True}, {'shard_state': True}],
+                         ids=['plain', 'double_buffering', 'overlap',
+                              'shard_state'])
+def test_an_optimizer_hook_on_one_rank_after_wrapping_is_an_error(
+        naive_comm, mode):
+    """ChainerMN's order (wrap, setup, add_hook): the hooks are compared
+    in the first update's own exchange, an error on every rank naming
+    each rank's hooks; then the averaging goes on."""
+    needs_two_ranks()
+    chainer = pytest.importorskip('chainer')
+    model = chainer.links.Linear(3, 2)
+    optimizer = mnopt.create_multi_node_optimizer(
+        chainer.optimizers.SGD(), naive_comm, **mode).setup(model)
+    if WORLD.rank == 1:
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(0.5))
+    x = numpy.ones((1, 3), numpy.float32)
+    with pytest.raises(ValueError) as error:
+        optimizer.update(lambda: chainer.functions.sum(model(x)))
+    said = str(error.value)
+    assert said.startswith('the optimizer hooks differ across ranks (rank '
+                           '0: none; rank 1: WeightDecay: WeightDecay('
+                           'rate=0.5)'), said
+    assert 'add the same hooks with the same settings on every rank' in said
+    grads = [('/g', numpy.full(3, WORLD.rank, numpy.float32))]
+    naive_comm.mean_grads(grads)
+    numpy.testing.assert_allclose(grads[0][1], (WORLD.size - 1) / 2.0)

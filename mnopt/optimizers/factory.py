@@ -11,6 +11,7 @@ import numpy
 
 from mnopt.optimizers.double_buffering import DoubleBufferingOptimizer
 from mnopt.optimizers.overlap_optimizer import OverlapOptimizer
+from mnopt.optimizers.hook_agreement import hook_settings
 from mnopt.optimizers.protocol import MultiNodeOptimizer
 from mnopt.optimizers.zero.owned_update import optimizer_problem
 from mnopt.optimizers.zero.stage1 import ShardedStateOptimizer
@@ -61,6 +62,10 @@ def shared_settings(actual_optimizer, **keywords):
     if hyperparam is not None:
         for name, value in hyperparam.get_dict().items():
             settings['actual_optimizer.%s' % name] = comparable(value)
+    # Hooks added before wrapping (the optimizer set up); those added
+    # later are compared in each update's exchange (protocol.py).
+    settings['optimizer hooks'] = ', '.join(
+        hook_settings(actual_optimizer)) or 'none'
     return settings
 
 

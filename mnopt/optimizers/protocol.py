@@ -11,6 +11,7 @@ import numpy
 
 from mnopt import timeline as timelines
 from mnopt.optimizers import uneven
+from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.accumulation import Accumulation
 
 
@@ -268,8 +269,9 @@ class MultiNodeOptimizer(object):
         joined = self.__dict__.get('_uneven')
         votes = self.communicator.everyone(
             (loaded, changed, bool(pending), self._take_resumed(),
-             uneven.say(joined)),
+             uneven.say(joined), hook_settings(self.actual_optimizer)),
             'the multi-node optimizer\'s next step')
+        check_hooks_agree([v[5] for v in votes])
         self._check_resumed([v[3] for v in votes])
         uneven.hear(joined, [v[4] for v in votes])
         anyone_pending = any(v[2] for v in votes)

@@ -4,6 +4,7 @@ optimizer state sharded; each rank updates the parameters it owns."""
 import chainer
 
 from mnopt.arrays import named_grads
+from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.protocol import AVERAGE, BROADCAST, RESUME
 from mnopt.optimizers.protocol import MultiNodeOptimizer, digest, stepped
 from mnopt.optimizers.zero import snapshots
@@ -85,9 +86,11 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         if loaded and problem is None and self._loaded_share is not None:
             problem = self._loaded_share[1]
         votes = self.communicator.everyone(
-            (loaded, changed, problem, bool(pending), self._take_resumed()),
+            (loaded, changed, problem, bool(pending), self._take_resumed(),
+             hook_settings(self.actual_optimizer)),
             'the sharded optimizer\'s next step')
         self._check_resumed([v[4] for v in votes])
+        check_hooks_agree([v[5] for v in votes])
         anyone_pending = any(v[3] for v in votes)
         bad = ['rank %d: %s' % (r, v[2]) for r, v in enumerate(votes)
                if v[2]]
