@@ -55,7 +55,11 @@ setup(
     # The sign codec's one-pass loops likewise (numpy fallback, bit-exact).
     # MPI waits that hold neither the GIL nor a core (mnopt/_mpiwait.c;
     # fallback: polling from Python).
+    # The watch of MPI's start and of an early failing exit
+    # (mnopt/_startwatch.c; fallback: Python's fault handler ends a wait
+    # in MPI's start at the timeout, with no warning before it).
     ext_modules=[Extension('mnopt.' + name, ['mnopt/%s.c' % name],
                            extra_compile_args=['-O3'], optional=True)
-                 for name in ('_halfcast', '_signbits', '_mpiwait')],
+                 for name in ('_halfcast', '_signbits', '_mpiwait',
+                              '_startwatch')],
 )

@@ -12,6 +12,7 @@ first ``create_communicator`` ends the job too: MPI's start waits for
 every rank, so without the abort the others would wait there for ever.
 """
 
+import atexit
 import logging
 import os
 import signal
@@ -94,14 +95,52 @@ def _multiprocessing_child():
 def install_at_import(environ=None):
     """Install the hook (``add_hook``) where ``environ`` (os.environ) says
     that a launcher started this process as one of several (MPI's
-    variables: mnopt/launched.py), unless multiprocessing started it.
+    variables: mnopt/launched.py), unless multiprocessing or a rank
+    started it (a helper inherits the variables: ``os.system``,
+    ``subprocess``), and watch for a failing exit before MPI starts.
     Starts nothing: MPI starts only if an exception reaches the hook."""
     global _launched_pid
-    sizes = launched.job_sizes(os.environ if environ is None else environ)
-    if any(n > 1 for n in sizes.values()) and not _multiprocessing_child():
+    environ = os.environ if environ is None else environ
+    sizes = launched.job_sizes(environ)
+    if any(n > 1 for n in sizes.values()) and not _multiprocessing_child() \
+            and not launched.started_by_a_rank(environ):
         _launched_pid = os.getpid()
+        launched.mark_launched_process()
         add_hook()
         failure_summary.note_start()
+        _watch_exit()
+
+
+def _watch_exit():
+    """End the job when this process exits with a non-zero status before
+    MPI started (sys.exit(3), raise SystemExit, argparse's errors: no
+    exception reaches sys.excepthook), by a signal, as a launcher needs
+    (the C watch: mnopt/_startwatch.c; where it is not built, such an
+    exit leaves the others waiting until their timeout in MPI's start).
+    Once MPI runs, a rank that exits is the communicators' to report."""
+    watch = launched.exit_watch()
+    if watch is None:
+        return
+    rank = _rank_name()
+    before, _, after = log.tagged(
+        'mnopt: %s exited with status {status} before MPI started; ending '
+        "the job (a signal), since the other ranks would wait for it in "
+        "MPI's start" % rank).partition('{status}')
+    watch.watch_exit(before, after + '\n')
+    atexit.register(_unwatch_exit_once_mpi_started, watch)
+
+
+def _unwatch_exit_once_mpi_started(watch):
+    # Python's atexit runs before mpi4py finalizes MPI: a rank that
+    # started MPI and exits is reported by the ranks it leaves.
+    if _mpi_started() or launched.start_entered():
+        watch.unwatch_exit()
+
+
+def _rank_name():
+    """'rank N' from the launcher's variables, before MPI has started."""
+    return next(('rank ' + os.environ[v] for v in RANK_VARIABLES
+                 if v in os.environ), 'this process')
 
 
 def abort_before_mpi(why, code=1, failure=None):
@@ -110,11 +149,13 @@ def abort_before_mpi(why, code=1, failure=None):
     (which waits for every rank to start it) and abort;
     if MPI has not started after START_MPI_SECONDS, end this process by
     SIGALRM, which the launcher takes as the end of the job."""
-    rank = next(('rank ' + os.environ[v] for v in RANK_VARIABLES
-                 if v in os.environ), 'this process')
+    # Ctrl-C (or an exception) raised as MPI's start returned: MPI did
+    # start, though mpi4py's module did not finish loading.
+    when = 'while MPI was starting' if launched.start_entered() \
+        else 'before MPI started'
     log.say(logger, logging.ERROR,
-            'mnopt: %s on %s before MPI started; aborting the MPI job',
-            why, rank, last_words=True)
+            'mnopt: %s on %s %s; aborting the MPI job',
+            why, _rank_name(), when, last_words=True)
     if failure is not None:
         failure_summary.report('uncaught exception', *failure)
     log.flush(__name__)

@@ -55,7 +55,8 @@ BELOW_THE_COMMUNICATOR = ('mpi4py', 'mnopt.transport', 'mnopt.gpu',
                           'mnopt.server')
 MAX_LINES = 400
 #: mnopt's C extensions: leaves (they import nothing of mnopt).
-C_EXTENSIONS = ('mnopt._halfcast', 'mnopt._signbits', 'mnopt._mpiwait')
+C_EXTENSIONS = ('mnopt._halfcast', 'mnopt._signbits', 'mnopt._mpiwait',
+                'mnopt._startwatch')
 
 
 def _modules():

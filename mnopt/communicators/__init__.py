@@ -162,8 +162,11 @@ def create_communicator(communicator_name: str = 'auto',
         global_except_hook.add_hook()
     else:   # the hook import mnopt installed in a launched process
         global_except_hook.remove_hook()
-    from mpi4py import MPI
     from mnopt import launched
+    # MPI's start waits for every rank (one that exited before it would
+    # keep this one there for ever): under the stall warning and timeout.
+    launched.start_mpi('create_communicator', stall_warning, timeout)
+    from mpi4py import MPI
     launched.warn_if_alone(MPI.COMM_WORLD.Get_size())
     mpi_comm = _intracommunicator(MPI.COMM_WORLD if mpi_comm is None
                                   else mpi_comm)
