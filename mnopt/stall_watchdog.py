@@ -27,7 +27,7 @@ TICK_S = 0.2
 ANSWER_WAIT_S = 2.0
 TAG_QUESTION, TAG_ANSWER = 0x57A1, 0x57A2
 #: A rank's claim that it reports a failure: (priority, its world rank,
-#: whether it has reported it).
+#: whether it has reported it, how it failed, one line of what it raised).
 TAG_CLAIM = 0x57A4
 #: How long a failing rank listens for another's claim when it asks
 #: nothing (a stall's report already holds the answers).
@@ -47,7 +47,7 @@ class Watchdog(object):
         self._stop = threading.Event()
         self._questions = 0
         self._pending = []  # isend requests not yet known complete
-        self._claims = []   # other ranks' (priority, world rank) claims
+        self._claims = []   # other ranks' claims (TAG_CLAIM), their names
         self._failure = None   # this rank's failure question, answers
 
     def start(self, say_if_off=True):
@@ -138,7 +138,7 @@ class Watchdog(object):
                 self._pending.append(m.comm.isend(
                     (content, m.state()), dest=source, tag=TAG_ANSWER))
             elif tag == TAG_CLAIM:
-                self._claims.append(tuple(content))
+                self._claims.append((tuple(content), m.name_of(source)))
             elif tag == TAG_ANSWER and self._failure is not None and \
                     content[0] == self._failure['qid']:
                 self._failure['answers'][(m, source)] = content[1]
@@ -150,13 +150,15 @@ class Watchdog(object):
             elif tag == stall_last_word.TAG_EXIT:
                 stall_last_word.hear(m, source, content)
 
-    def failing(self, priority, wait_s, question=True):
-        """This rank reports a failure (mnopt/failure_summary.py): claim
-        it on every monitor, ask the other ranks what they do (where
-        ``question``), and listen up to ``wait_s`` (CLAIM_WAIT_S without
-        a question).  Returns ({name: what it does} or None, whether no
-        other rank claimed an earlier failure)."""
-        mine = (priority, MPI.COMM_WORLD.rank)
+    def failing(self, claim, wait_s, question=True):
+        """This rank reports a failure (mnopt/failure_summary.py):
+        ``claim`` ((priority, how, line)) it on every monitor, ask the
+        other ranks what they do (where ``question``), and listen up to
+        ``wait_s`` for their answers, and at least CLAIM_WAIT_S for their
+        claims (ranks that fail at once).  Returns ({name: what it does}
+        or None, whether no other rank claimed an earlier failure,
+        {name: (how, line)} of the others' claimed failures)."""
+        mine = (claim[0], MPI.COMM_WORLD.rank)
         here = threading.current_thread() is self._thread
         if not here:
             self._lock.acquire()
@@ -170,7 +172,8 @@ class Watchdog(object):
                     if r == m.rank:
                         continue
                     self._pending.append(m.comm.isend(
-                        mine + (False,), dest=r, tag=TAG_CLAIM))
+                        mine + (False,) + tuple(claim[1:]), dest=r,
+                        tag=TAG_CLAIM))
                     if question:
                         self._pending.append(m.comm.isend(
                             self._failure['qid'], dest=r, tag=TAG_QUESTION))
@@ -179,20 +182,25 @@ class Watchdog(object):
                 self._lock.release()
         # Ranks that said their last word answer no more questions.
         expected = sum(m.size - 1 - len(m.exited) for m in monitors)
-        deadline = time.monotonic() + (wait_s if question else CLAIM_WAIT_S)
+        start = time.monotonic()
+        deadline = start + (wait_s if question else CLAIM_WAIT_S)
         while time.monotonic() < deadline and (
-                not question or len(self._failure['answers']) < expected):
+                not question or len(self._failure['answers']) < expected
+                or time.monotonic() < start + CLAIM_WAIT_S):
             if here:   # the watchdog reports a stall: it receives itself
                 for m in monitors:
                     self._receive(m)
             time.sleep(0.01)
         # Of the ranks that claim at once, the lowest priority, then the
         # lowest rank reports; none where one has reported already.
-        first = all(not done and mine <= (p, r)
-                    for p, r, done in self._claims)
+        claims = [c for c, _ in self._claims]
+        first = all(not c[2] and mine <= tuple(c[:2]) for c in claims)
+        names = {c[1]: name for c, name in self._claims}
+        also = failure_summary.also_failed(claims, names.get)
         if not question or not monitors:
-            return None, first
-        return self._others(monitors, self._failure['answers']), first
+            return None, first, also
+        return self._others(monitors, self._failure['answers']), first, \
+            also
 
     def reported(self):
         """This rank has reported its failure: the others, if they fail

@@ -41,6 +41,9 @@ if comm.rank == 1:
     if how == 'SIGSEGV':
         import ctypes
         ctypes.string_at(0)
+if sys.argv[1] == 'two' and comm.rank in (1, 2):
+    time.sleep(0.3)
+    raise ValueError('a bad batch on rank %d' % comm.rank)
 comm.mean_grads(grads)
 '''
 
@@ -105,7 +108,45 @@ def test_a_stall_is_summed_up_once_though_two_ranks_time_out():
     assert 'its traceback:' not in block
 
 
-def _launched(how, ranks=3):
+def test_ranks_failing_at_once_are_each_named_in_the_one_block():
+    proc = run_mpi(3, JOB, timeout=120, args=['two'], env=PATIENT,
+                   module_runner=False)
+    assert proc.returncode != 0
+    block = _check_block(proc.stderr, 'rank 1', 'uncaught exception')
+    # Rank 1's traceback in full, once; rank 2's failure in one line.
+    assert proc.stderr.count('ValueError: a bad batch on rank 1') == 1
+    assert '  rank 2: also failed (uncaught exception): ValueError: ' \
+        'a bad batch on rank 2' in block, block
+    assert any(line.startswith('  rank 0: in flat#0.mean_grads #2 ')
+               for line in block), block
+
+
+#: Every rank refuses the same way before (or after) its communicator is
+#: up, as mnopt's refused settings do.
+REFUSED = r'''
+import sys
+from mpi4py import MPI
+import mnopt
+if sys.argv[1] == 'after':
+    comm = mnopt.create_communicator('flat')
+    comm.allreduce_obj(1)
+raise ValueError('refused: pass the same setting on every rank')
+'''
+
+
+@pytest.mark.parametrize('when', ['before', 'after'])
+def test_the_same_error_on_every_rank_is_one_block_that_says_so(when):
+    proc = run_mpi(3, REFUSED, timeout=120, args=[when], env=PATIENT,
+                   module_runner=False)
+    assert proc.returncode != 0
+    block = _check_block(proc.stderr, 'rank 0', 'uncaught exception')
+    assert 'the other ranks: every rank raised the same error ' \
+        '(rank 1, rank 2 too)' in block, block
+    assert proc.stderr.count(
+        'ValueError: refused: pass the same setting on every rank') == 1
+
+
+def _launched(how, ranks=3, restarts=1):
     """The job under python -m mnopt.launch, once; its stderr."""
     script = os.path.join(os.path.dirname(__file__),
                           '.spawned_launch_%d.py' % os.getpid())
@@ -114,7 +155,8 @@ def _launched(how, ranks=3):
     env = dict(os.environ, PYTHONPATH=python_path(), **PATIENT)
     try:
         proc = run_job([sys.executable, '-m', 'mnopt.launch',
-                        '--max-restarts', '1', '--delay', '0', '--']
+                        '--max-restarts', str(restarts), '--delay', '0',
+                        '--']
                        + mpiexec() + ['-n', str(ranks), sys.executable,
                                       script, how], 180, env)
     finally:
@@ -152,3 +194,14 @@ def test_the_launcher_sums_up_each_failed_attempt(how, said):
     # Its folder for the ranks' records is gone.
     assert not [n for n in os.listdir(REPO)
                 if n.startswith('.mnopt-failure-')]
+
+
+def test_the_launcher_names_every_rank_that_failed():
+    err = _launched('two', restarts=0)
+    block = _check_block(err, 'rank 1', 'uncaught exception',
+                         header='mnopt.launch: failure summary of attempt')
+    assert '  rank 2: also failed (uncaught exception): ValueError: ' \
+        'a bad batch on rank 2' in block, block
+    assert '  rank 0: ended with the job' in block or any(
+        line.startswith('  rank 0: in flat#0.mean_grads #2 ')
+        for line in block), block
