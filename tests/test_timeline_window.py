@@ -167,7 +167,9 @@ def test_the_calls_record_between_them(tmp_path):
     events = timeline.load(path)
     assert {e['name'] for e in events if e.get('cat') == 'window'} == {
         'timeline_start', 'timeline_stop'}
-    text = report.format_text(trace_analysis.analyze([path]))
+    # Words, not lines: the report wraps at 80 columns.
+    text = ' '.join(report.format_text(trace_analysis.analyze([path]))
+                    .split())
     assert 'between comm.start_timeline() and comm.stop_timeline()' in text
 
 
@@ -230,7 +232,7 @@ def test_the_report_says_it_is_a_window_and_where_it_was_cut(tmp_path):
     assert a['window'] == {'steps': '100:120'}
     assert a['truncated'][0]['max_bytes'] == 2500
     assert a['truncated'][0]['step'] == 129   # noticed at close's flush
-    text = report.format_text(a)
+    text = ' '.join(report.format_text(a).split())   # wrapped at 80
     assert ('A window of the job: steps 100 to 119 only '
             '(MNOPT_TIMELINE_STEPS=100:120).') in text
     assert ('Rank 0: its file reached MNOPT_TIMELINE_MAX_BYTES=2500 bytes '
