@@ -169,7 +169,7 @@ def report(how, what, traceback='', others=None, who=None):
             _reported_to()
         if not _write_record(rec, 'failure'):
             log.say(logger, logging.ERROR, '%s', '\n'.join(lines(rec)),
-                    last_words=True)
+                    last_words=True, on_stderr=True)
             log.flush(__name__)
         return True
     except Exception:

@@ -49,6 +49,11 @@ They go through ``say(..., last_words=True)``: a handler that raises
 cannot stop the abort, and where the configuration drops them (a level
 above ERROR, loggers disabled by ``dictConfig``) they are written to
 stderr all the same, since they are the only word on why the job ended.
+The failure summary (with the traceback it holds) goes to stderr also
+where the user's handlers send it only elsewhere
+(``basicConfig(filename=...)``; ``say(..., on_stderr=True)``), as Python
+prints an uncaught exception's traceback on stderr whatever logging is
+configured; the user's handlers get it too.
 
 Leaf module: imports only the standard library.
 """
@@ -132,6 +137,26 @@ def _pytests(handler):
     return type(handler).__module__.startswith('_pytest.')
 
 
+def _reached_handlers(name, own):
+    """The handlers but ``own`` (and pytest's) that a record of logger
+    ``name`` reaches, walking up as ``Logger.callHandlers`` does."""
+    found = []
+    logger = logging.getLogger(name)
+    while logger is not None:
+        found += [h for h in logger.handlers
+                  if h is not own and not _pytests(h)]
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return found
+
+
+def _writes_to_stderr(handler):
+    """Whether ``handler`` writes on this process's stderr."""
+    return isinstance(handler, logging.StreamHandler) and \
+        getattr(handler, 'stream', None) in (sys.stderr, sys.__stderr__)
+
+
 def _other_handlers(name, own):
     """Whether a record of logger ``name`` reaches a handler but ``own``
     (and pytest's), walking up as ``Logger.callHandlers`` does."""
@@ -170,7 +195,7 @@ def get(name=ROOT):
     return logging.getLogger(name)
 
 
-def say(logger, level, message, *args, last_words=False):
+def say(logger, level, message, *args, last_words=False, on_stderr=False):
     """``logger.log(level, message, *args)`` that never raises: a user's
     handler that fails must not stop the stall watchdog or an abort (the
     message then goes to stderr).  ``last_words``: said right before the
@@ -178,13 +203,20 @@ def say(logger, level, message, *args, last_words=False):
     the user's configuration would drop it (a logger disabled by
     ``logging.config.dictConfig``'s ``disable_existing_loggers``, or a
     level above ``level``), since nothing else would say why the job
-    died."""
+    died.  ``on_stderr``: written to stderr also where the handlers it
+    reaches write elsewhere only (the failure summary)."""
     try:
         dropped = logger.disabled or not logger.isEnabledFor(level)
+        if on_stderr and not dropped:
+            # Only the user's handlers (a file of theirs) get it: none of
+            # them writes to stderr, where the job's end is looked for.
+            others = _reached_handlers(logger.name, _default_handler)
+            dropped = bool(others) and not any(
+                _writes_to_stderr(h) for h in others)
         logger.log(level, message, *args)
     except Exception:
         dropped = True
-    if dropped and last_words:
+    if dropped and (last_words or on_stderr):
         try:
             sys.stderr.write(
                 tagged(message % args if args else message) + '\n')

@@ -205,3 +205,30 @@ def test_the_launcher_names_every_rank_that_failed():
     assert '  rank 0: ended with the job' in block or any(
         line.startswith('  rank 0: in flat#0.mean_grads #2 ')
         for line in block), block
+
+
+#: The user's own logging: every record to a file of its own.
+USER_LOG = r'''
+import logging, os, sys
+logging.basicConfig(filename=sys.argv[1] + '.%s' % os.environ['PMI_RANK'],
+                    level=logging.INFO)
+import mnopt
+comm = mnopt.create_communicator('flat')
+comm.allreduce_obj(1)
+if comm.rank == 1:
+    raise ValueError('a bad batch on rank 1')
+comm.allreduce_obj(2)
+'''
+
+
+def test_the_block_reaches_stderr_also_with_the_users_log_file(tmp_path):
+    log = str(tmp_path / 'user.log')
+    proc = run_mpi(2, USER_LOG, timeout=120, args=[log], env=PATIENT,
+                   module_runner=False)
+    assert proc.returncode != 0
+    # On stderr, as Python prints a traceback whatever logging says...
+    block = _check_block(proc.stderr, 'rank 1', 'uncaught exception')
+    assert '  ValueError: a bad batch on rank 1' in block, block
+    # ... and in the user's file too, untagged.
+    with open(log + '.1') as f:
+        assert 'ValueError: a bad batch on rank 1' in f.read()
