@@ -301,35 +301,91 @@ def test_topk_residuals_are_in_the_snapshot(comm, tmp_path):
         assert numpy.array_equal(residuals[key], saved[key])
 
 
+MODES = [{}, {'double_buffering': True}, {'overlap': True},
+         {'overlap': True, 'accumulation_steps': 2}]
+
+
+def hooked_run(hook, path, mode, updates, load=0, save=False):
+    """(parameters, state, [(bucket.step, bucket.key())...]) of a run of
+    ``updates`` under ``mode`` with ``hook``, from this rank's snapshot
+    at ``path`` if ``load`` (the updates before it), written there after
+    if ``save``."""
+    comm = mnopt.create_communicator('flat', bucket_bytes=256)
+    seen, state = [], {}
+
+    def logging(state, bucket, c):
+        seen.append((bucket.step, bucket.key()))
+        return hook(state, bucket, c)
+
+    try:
+        comm.register_comm_hook(state, logging)
+        model, x, t = model_and_batch()
+        opt = mnopt.create_multi_node_optimizer(
+            chainer.optimizers.MomentumSGD(lr=0.1), comm, **mode)
+        opt.setup(model)
+        if load:   # as a trainer's snapshot holds both
+            chainer.serializers.load_npz(path, opt)
+            chainer.serializers.load_npz(path + '.model', model)
+        for i in range(load, load + updates):   # batches of their own
+            opt.update(model, x * (1 + i % 3), t)
+        if hasattr(opt, 'wait'):
+            opt.wait()
+        if save:
+            chainer.serializers.save_npz(path, opt)
+            chainer.serializers.save_npz(path + '.model', model)
+        return ([p.array.copy() for _, p in sorted(model.namedparams())],
+                state, seen)
+    finally:
+        comm.finalize()
+
+
 @needs_chainer
+@pytest.mark.parametrize('mode', MODES)
 def test_a_topk_run_resumed_from_its_snapshots_is_the_uninterrupted_one(
-        tmp_path):
+        tmp_path, mode):
     """Each rank's residuals come back with its own snapshot: the resumed
-    run ends with the uninterrupted run's bits."""
+    run ends with the uninterrupted run's bits, its hook seeing the same
+    buckets with the same steps (under overlap: the buckets of backward
+    at once, not the whole set in name order as after a broadcast)."""
     _, hook = page_hook('topk_hook')
     path = str(tmp_path / ('opt%d.npz' % WORLD.rank))
-
-    def run(updates, load=False, save=False):
-        comm = mnopt.create_communicator('flat', bucket_bytes=256)
-        try:
-            comm.register_comm_hook({}, hook)
-            model, x, t = model_and_batch()
-            opt = mnopt.create_multi_node_optimizer(
-                chainer.optimizers.MomentumSGD(lr=0.1), comm)
-            opt.setup(model)
-            if load:   # as a trainer's snapshot holds both
-                chainer.serializers.load_npz(path, opt)
-                chainer.serializers.load_npz(path + '.model', model)
-            for _ in range(updates):
-                opt.update(model, x, t)
-            if save:
-                chainer.serializers.save_npz(path, opt)
-                chainer.serializers.save_npz(path + '.model', model)
-            return [p.array.copy() for _, p in sorted(model.namedparams())]
-        finally:
-            comm.finalize()
-
-    uninterrupted = run(6)
-    run(3, save=True)
-    resumed = run(3, load=True)
+    uninterrupted, state, seen = hooked_run(hook, path, mode, 12)
+    run_before, _, seen_before = hooked_run(hook, path, mode, 7, save=True)
+    resumed, state_after, seen_after = hooked_run(hook, path, mode, 5,
+                                                  load=7)
+    assert seen_after == seen[len(seen_before):]
     assert every_rank(resumed) == every_rank(uninterrupted)
+    assert sorted(state_after) == sorted(state)
+
+
+@needs_chainer
+@pytest.mark.parametrize('mode', MODES[1:])
+def test_bucket_step_numbers_the_update_alike_in_every_mode(mode):
+    """step counts the averaged updates, whatever the mode: the same
+    number for the same update's gradients as without double buffering
+    or overlap, every bucket of one update the same (overlap's first
+    update, which broadcasts, also averages: as step 0)."""
+    def steps(mode):
+        seen = hooked_run(comm_hooks.allreduce_hook, None, mode, 9)[2]
+        return sorted(set(s for s, _ in seen)), seen
+    plain, _ = steps({'accumulation_steps': mode.get('accumulation_steps',
+                                                     1)})
+    numbers, seen = steps(mode)
+    assert numbers == plain
+    assert numbers == list(range(len(numbers)))
+
+
+@needs_chainer
+@pytest.mark.parametrize('mode', [{'overlap': True},
+                                  {'overlap': True, 'accumulation_steps': 2}])
+def test_under_overlap_a_hook_sees_the_buckets_of_backward_from_the_start(
+        mode):
+    """The update that plans the buckets averages them as the later ones
+    do: a hook's per-bucket state has one key per bucket of backward (no
+    stale key of the whole set in name order)."""
+    _, state, seen = hooked_run(comm_hooks.allreduce_hook, None, mode, 6)
+    _, hook = page_hook('topk_hook')
+    _, residuals, seen_topk = hooked_run(hook, None, mode, 6)
+    last = [k for s, k in seen_topk if s == seen_topk[-1][0]]
+    assert sorted(residuals) == sorted(last)
+    assert set(k for _, k in seen) == set(last)

@@ -353,7 +353,7 @@ class AveragingPipeline(object):
         # Warm-up counts iterations; the votes' coin, averagings.
         warm = step if iteration is None else iteration
         if averaging.comm_hook is not None:
-            return averaging.comm_hook.mean(self, group, named, xp, step)
+            return averaging.comm_hook.mean(self, group, named, xp, step, iteration)
         if self.compression == 'sign' and warm >= self.warmup_steps:
             return averaging.signs.mean(group, averaging.label(group), named,
                                         xp, step, self._vote, self.timeline,

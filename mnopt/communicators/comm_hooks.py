@@ -40,8 +40,10 @@ class GradBucket(object):
     def __init__(self, buffer, index, n_buckets, step, pieces):
         self._buffer = buffer
         self._index, self._n_buckets = index, n_buckets
-        #: The averaging's number (0, 1, ...: one per averaged gradient
-        #: set; with overlap, one per bucket of backward).
+        #: The update's number: 0 for the first gradient set the hook
+        #: averages, one more per update (every bucket of one update the
+        #: same, under double buffering and overlap too), continued by a
+        #: resume from a snapshot.
         self.step = step
         self._pieces = pieces
 

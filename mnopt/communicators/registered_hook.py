@@ -93,11 +93,27 @@ class RegisteredHook(object):
 
     def __init__(self, state, hook):
         self.state, self.hook = state, hook
+        #: The gradient sets averaged so far (``bucket.step``'s count) and
+        #: the training iteration of the last one (None: not given).
+        self.sets, self.last_iteration = 0, None
 
-    def mean(self, pipeline, group, named, xp, step):
+    def next_set(self, iteration):
+        """``bucket.step`` of a gradient set of ``iteration`` (the
+        optimizer's update count, or None): one more per set, but the
+        pieces of one iteration (overlap's buckets of backward) share
+        it, so that it numbers the update alike in every mode."""
+        if iteration is None or iteration != self.last_iteration:
+            self.sets += 1
+        self.last_iteration = iteration
+        return self.sets - 1
+
+    def mean(self, pipeline, group, named, xp, step, iteration=None):
         """The mean of ``named`` over ``group`` in place, bucket by bucket
         of ``pipeline.bucket_bytes`` (the pipeline: the communicator),
-        each bucket's future waited for after every bucket has started."""
+        each bucket's future waited for after every bucket has started.
+        ``step``: the averaging's number (the timeline's); ``iteration``:
+        the update these gradients are of, where the caller knows it."""
+        number = self.next_set(iteration)
         buffer = group.buffer_for(named, None, xp,
                                   bucket_bytes=pipeline.bucket_bytes,
                                   in_place_min_bytes=None)
@@ -106,7 +122,7 @@ class RegisteredHook(object):
         comm = HookCollectives(group.comm, pipeline.allreduce_algorithm)
         with pipeline._wire_span(step, buffer.nbytes):
             results = [self.hook(self.state, GradBucket(
-                buffer.wire[b], i, len(buffer.buckets), step,
+                buffer.wire[b], i, len(buffer.buckets), number,
                 self._pieces(buffer, named, b)), comm)
                 for i, b in enumerate(buffer.buckets)]
             for i, (b, result) in enumerate(zip(buffer.buckets, results)):
@@ -152,12 +168,30 @@ class RegisteredHook(object):
         """The state in this rank's part of a snapshot: an object with
         Chainer's ``serialize(serializer)``, or a dict of arrays (keys and
         values saved; loaded back in place of what it holds).  Other
-        states are not saved."""
+        states are not saved.  Also the count behind ``bucket.step``, so
+        that a resumed run's hook sees the uninterrupted run's steps."""
+        self._serialize_count(serializer['mnopt'], saving)
         state = self.state
         if callable(getattr(state, 'serialize', None)):
             state.serialize(serializer)
         elif isinstance(state, dict):
             _serialize_dict(state, serializer, saving)
+
+
+    def _serialize_count(self, serializer, saving):
+        if saving:
+            serializer('sets', numpy.int64(self.sets))
+            serializer('last_iteration', numpy.int64(
+                -1 if self.last_iteration is None else self.last_iteration))
+            return
+        try:
+            sets = serializer('sets', None)
+            last = serializer('last_iteration', None)
+        except KeyError:   # a snapshot without it: the count goes on
+            return
+        if sets is not None and last is not None:
+            self.sets = int(sets)
+            self.last_iteration = None if int(last) < 0 else int(last)
 
 
 def _serialize_dict(state, serializer, saving):
@@ -216,6 +250,11 @@ class CommHookRegistration(object):
             # overlap holds its optimizer): it no longer counts.
             gc.collect()
         return list(self._sharded_optimizers or ())
+
+    @property
+    def comm_hook_registered(self) -> bool:
+        """Whether a comm hook averages this communicator's gradients."""
+        return self.averaging.comm_hook is not None
 
     def register_comm_hook(self, state: Any,
                            hook: Callable[..., Any] | None) -> None:

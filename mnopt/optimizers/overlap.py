@@ -27,7 +27,8 @@ unrolled RNN), one whose final gradient is not the array its node received
 Buckets follow backward order (the reverse of first use in forward) and
 each closes once it holds ``bucket_bytes``.  The plan is made from one
 iteration's forward pass, checked to be the same on every rank, and used
-from the next iteration on; buckets are handed to the communicator in plan order, so
+from the next iteration on (with a comm hook, from that one:
+``check_plan`` after its update's exchange); buckets are handed to the communicator in plan order, so
 every rank starts the same averagings in the same order: each is checked
 across ranks like any other, and a rank whose graph differs gets an error,
 as do the others, never a hang.
@@ -141,6 +142,7 @@ class Overlap(object):
         self.target = target
         self.zero_fill = zero_fill
         self.plan = None
+        self.unchecked = False   # plan not yet compared: ``check_plan``
         self.iteration = 0   # the update whose gradients are averaged
         #: Buckets of the last iteration, and how many were handed to the
         #: communicator during backward.
@@ -353,17 +355,18 @@ class Overlap(object):
             params[name].grad = self.early[name][1]
         self.early = {}
 
-    def make_plan(self):
+    def make_plan(self, alone=False):
         """Buckets in backward order from this iteration's forward pass,
-        checked to be the same on every rank."""
+        checked to be the same on every rank, or ``alone`` not yet (a comm
+        hook's keys are the buckets' from its first update on)."""
         params = self.params()
         order = [n for n, k in self.wraps.items()
                  if k == 1 and params[n].grad is not None]
-        self.set_plan([(n, params[n].grad.nbytes) for n in order])
+        self.set_plan([(n, params[n].grad.nbytes) for n in order], alone)
 
-    def set_plan(self, order):
+    def set_plan(self, order, alone=False):
         """Buckets of ``[(name, nbytes), ...]`` (forward order), checked
-        to be the same on every rank."""
+        to be the same on every rank unless ``alone``."""
         # A bucket closes once it holds bucket_bytes (as DDP's do): a small
         # gradient next to a big one rides with it instead of paying a
         # collective's latency alone.
@@ -374,15 +377,24 @@ class Overlap(object):
                 size = 0
             plan[-1].append(name)
             size += nbytes
+        self.plan, self.unchecked = plan, alone
+        self.remaining = [len(b) for b in plan]
+        if not alone:
+            self.check_plan()
+
+    def check_plan(self):
+        """The plan, once the same on every rank (else a RuntimeError on
+        every rank).  Collective."""
+        plan, self.unchecked = self.plan, False
         plans = self.comm.everyone(plan, 'the overlapped buckets')
         if any(p != plan for p in plans):
+            self.plan = None
             bad = [r for r, p in enumerate(plans) if p != plans[0]]
             raise RuntimeError(
                 'overlap: the forward passes differ between ranks (the '
                 'order in which links use their parameters): rank 0 and '
                 'ranks %s would average different buckets' % bad)
-        self.plan = plan
 
     def forget_plan(self):
         """No plan: the next iteration plans again."""
-        self.plan = None
+        self.plan, self.unchecked = None, False

@@ -34,15 +34,17 @@ class OverlapOptimizer(MultiNodeOptimizer):
         return dict(self._overlap.stats)
 
     def serialize(self, serializer):
-        """With a ``compression`` also the buckets (the plan): a vote or a
-        low-rank mean depends on them (each bucket is a gradient set of
-        its own, with its own residuals, PowerSGD factors, turn of the
-        counter), so a resumed run keeps them to continue bit for bit.  Every rank must then load the same
+        """With a ``compression`` or a comm hook also the buckets (the
+        plan): a vote, a low-rank mean or a hook's state depends on them
+        (each bucket is a gradient set of its own, with its own
+        residuals, PowerSGD factors, turn of the counter), so a resumed
+        run keeps them to continue bit for bit.  Every rank must then load the same
         snapshot (a rank that loaded none would average other buckets:
-        an error on every rank).  Without compression, or from a snapshot
+        an error on every rank).  Without either, or from a snapshot
         without them, the plan is made again, as after a broadcast."""
         super(OverlapOptimizer, self).serialize(serializer)
-        compressed = self.communicator.compression is not None
+        compressed = self.communicator.compression is not None or \
+            self._hooked()
         loading = isinstance(serializer, chainer.serializer.Deserializer)
         if not loading:
             if compressed:
@@ -68,6 +70,10 @@ class OverlapOptimizer(MultiNodeOptimizer):
                 n for n, _ in self.target.namedparams()):
             self._overlap.plan = plan
 
+    def _hooked(self):
+        """Whether a comm hook averages (the same on every rank)."""
+        return getattr(self.communicator, 'comm_hook_registered', False)
+
     @stepped
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is None:
@@ -81,6 +87,8 @@ class OverlapOptimizer(MultiNodeOptimizer):
         overlap.forward_backward(lossfun, args, kwds,
                                  self.actual_optimizer._loss_scale,
                                  self.actual_optimizer.t)
+        if overlap.plan is None and self._hooked():
+            overlap.make_plan(alone=True)   # its buckets averaged at once
         overlap.finish()
         # Whether any rank has gradients no bucket holds rides on the
         # step's exchange: from the third update on usually none does,
@@ -93,6 +101,10 @@ class OverlapOptimizer(MultiNodeOptimizer):
             overlap.forget_plan()
             self.communicator.bcast_data(self.target)
             return
+        if self._hooked() and (overlap.unchecked or step is RESUME):
+            # Planned alone this update, or loaded from a snapshot (or
+            # kept where a rank loaded none): the same everywhere?
+            overlap.check_plan()
         if step is RESUME and not self._make_replicas_agree():
             return
         overlap.adopt()
