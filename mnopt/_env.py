@@ -32,12 +32,15 @@ def flag(name, default):
     return value == '1'
 
 
-def choice(name, default, choices):
-    """The word in ``$name``, one of ``choices``; unset or empty is the
-    ``default``; anything else is a ValueError naming the choices."""
+def choice(name, default, choices, any_case=False):
+    """The word in ``$name``, one of ``choices`` (lower-cased first if
+    ``any_case``); unset or empty is the ``default``; anything else is a
+    ValueError naming the choices."""
     value = os.environ.get(name, '')
     if value == '':
         return default
+    if any_case and value.lower() in choices:
+        return value.lower()
     if value not in choices:
         raise ValueError('%s=%r: one of %s was expected'
                          % (name, value, ', '.join(choices)))

@@ -185,6 +185,21 @@ def test_bad_or_differing_settings_are_refused_on_every_rank(monkeypatch):
             mnopt.create_communicator('flat')
 
 
+@pytest.mark.parametrize('value', ['DETAIL', 'Detail', 'OFF'])
+def test_the_debug_setting_is_read_in_any_case(monkeypatch, value):
+    """As MNOPT_LOG_LEVEL and PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL;
+    ranks that spell it in another case agree."""
+    monkeypatch.setenv('MNOPT_DEBUG', value if WORLD.rank == 0
+                       else value.lower())
+    assert collective_check.mode() == value.lower()
+    comm = mnopt.create_communicator('flat')
+    try:
+        checking = value.lower() == 'detail' and WORLD.size > 1
+        assert (comm.check_calls is not None) == checking
+    finally:
+        comm.finalize()
+
+
 @pytest.mark.spawn
 @pytest.mark.parametrize('value, level', [('info', logging.INFO),
                                           ('DEBUG', logging.DEBUG),

@@ -56,8 +56,10 @@ class CollectiveMismatchError(RuntimeError):
 
 
 def mode():
-    """$MNOPT_DEBUG ('off' where unset; ValueError naming it otherwise)."""
-    return _env.choice('MNOPT_DEBUG', 'off', MODES)
+    """$MNOPT_DEBUG in any case, as PyTorch's TORCH_DISTRIBUTED_DEBUG
+    (DETAIL is 'detail'; 'off' where unset; ValueError naming it
+    otherwise)."""
+    return _env.choice('MNOPT_DEBUG', 'off', MODES, any_case=True)
 
 
 def call_site():
