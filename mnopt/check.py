@@ -45,6 +45,9 @@ C_LOOPS = (
      "compression='sign' packs signs and counts votes in numpy, slower"),
     ('_mpiwait', 'C MPI wait loop',
      'waits poll MPI from Python: they hold the GIL and use a core'),
+    ('_startwatch', 'C watch of the start',
+     "a rank's failing exit before MPI starts leaves the others waiting "
+     'until MNOPT_TIMEOUT; Ctrl-C in MPI\'s start waits for every rank'),
 )
 HOW_TO_BUILD = ('pip builds them where it finds a C compiler: install one '
                 '(gcc: apt install build-essential, or dnf install gcc) and '

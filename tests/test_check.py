@@ -17,6 +17,7 @@ ROW = {'host': 'a', 'python': '3.11.7', 'numpy': '2.4.6', 'mpi4py': '4.1.2',
 PARTS = [('_halfcast', 'C float16/bfloat16 codec', True, 'built'),
          ('_signbits', 'C sign codec', True, 'built'),
          ('_mpiwait', 'C MPI wait loop', True, 'built'),
+         ('_startwatch', 'C watch of the start', True, 'built'),
          ('CuPy, NCCL', 'GPU arrays, pure_nccl', False, ROW['gpu_problem']),
          ('GPU kernels', "the GPU codec's CUDA", True,
           'not checked: no usable GPU')]
@@ -152,7 +153,7 @@ import sys
 
 # As where pip found no C compiler: importing them fails, so every user of
 # them falls back (to numpy, or to waits polled from Python).
-for name in ('_halfcast', '_signbits', '_mpiwait'):
+for name in ('_halfcast', '_signbits', '_mpiwait', '_startwatch'):
     sys.modules['mnopt.' + name] = None
 runpy.run_module('mnopt.check', run_name='__main__')
 '''
@@ -164,7 +165,7 @@ def test_check_warns_where_the_c_loops_are_missing():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert 'mnopt check: 1 rank on 1 node' in out
-    for part in ('_halfcast', '_signbits', '_mpiwait'):
+    for part in ('_halfcast', '_signbits', '_mpiwait', '_startwatch'):
         assert re.search(r'^  %s .* not built$' % part, out, re.M), out
         assert 'WARNING: %s (the C ' % part in out, out
     assert 'float16, bfloat16 (numpy casts: slower)' in out
