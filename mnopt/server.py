@@ -32,6 +32,12 @@ import sys
 import threading
 import time
 
+from mnopt import launched
+
+# MPI's start waits for every rank (a worker that exited before it would
+# keep the servers there for ever): under the stall warning and timeout.
+launched.start_mpi('python -m mnopt.server')
+
 from mpi4py import MPI
 
 from mnopt import log
