@@ -439,3 +439,56 @@ def test_partial_sums_another_k_drops_are_said_once_on_rank_0(steps, caplog):
             assert a.array.tobytes() == b.array.tobytes(), name
     finally:
         comm.finalize()
+
+
+@pytest.mark.parametrize('other', [1, 3])   # ranks, fewer or more
+def test_partial_sums_of_another_number_of_ranks_are_dropped_on_every_rank(
+        other, caplog):
+    """A snapshot written mid-accumulation by a job of another size: no
+    rank of this job holds its own partial sums (at 2 -> 3 rank 2 would
+    resume rank 0's, counting its micro-batches twice; at 3 -> 2 rank
+    2's would be lost), so every rank drops them, rank 0 says so once,
+    and the accumulation starts again: K more calls per update."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, K)
+        for k in range(K + 2):   # one update, then two micro-steps
+            opt.update(model, *micro_batch(k // K, k % K, comm.rank))
+        snapshot = {}
+        for prefix, obj in (('model/', model), ('opt/', opt)):
+            obj.serialize(chainer.serializers.DictionarySerializer(
+                snapshot, prefix))
+        snapshot = {key: numpy.array(value, copy=True)
+                    for key, value in snapshot.items()}
+        written_by = other if other != comm.size else other + 1
+        snapshot['opt/mnopt_accumulation/size'] = numpy.int64(written_by)
+        resumed_model, resumed = make(comm, K)
+        with caplog.at_level('WARNING', logger='mnopt'):
+            for prefix, obj in (('opt/', resumed),
+                                ('model/', resumed_model)):
+                obj.serialize(chainer.serializers.NpzDeserializer(
+                    snapshot, prefix))
+            t = resumed.t
+            for k in range(K):
+                resumed.update(resumed_model, *micro_batch(5, k, comm.rank))
+                assert resumed.t == t + (k == K - 1)   # K calls, then one
+        said = [r.getMessage() for r in caplog.records
+                if 'micro-steps' in r.getMessage()]
+        if comm.rank == 0:
+            assert len(said) == 1, said
+            assert 'written by %d ranks' % written_by in said[0]
+            assert 'dropped on every rank' in said[0]
+        else:
+            assert said == []
+        fresh_model, fresh = make(comm, K)
+        for prefix, obj in (('opt/', fresh), ('model/', fresh_model)):
+            obj.serialize(chainer.serializers.NpzDeserializer(
+                snapshot, prefix, strict=False))
+        fresh._accumulation.loaded = None
+        for k in range(K):
+            fresh.update(fresh_model, *micro_batch(5, k, comm.rank))
+        for (name, a), (_, b) in zip(sorted(resumed_model.namedparams()),
+                                     sorted(fresh_model.namedparams())):
+            assert a.array.tobytes() == b.array.tobytes(), name
+    finally:
+        comm.finalize()

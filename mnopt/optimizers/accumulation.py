@@ -14,7 +14,9 @@ bucket leaves (mnopt/optimizers/overlap.py's ``fold``).
 The count of micro-steps and the partial sums are this rank's own (its
 own batches'): a snapshot keeps them beside the agreed state, and the
 next update restores them, so a run resumed mid-accumulation continues
-bit for bit."""
+bit for bit.  A job of another size drops them on every rank: the
+snapshot's size is the same in each of its files, and the next update's
+exchange checks that every rank restored as many micro-steps."""
 
 import chainer
 import numpy
@@ -77,33 +79,39 @@ class Accumulation(object):
         return sums
 
     # ------------------------------------------------------------ snapshots
-    def serialize(self, serializer, target, rank):
-        """The count, K and the partial sums (``param.grad`` between
-        micro-steps); nothing where K is 1.  A snapshot without them
-        (written without accumulation, or between updates) loads as no
-        micro-step done; one of another K as none either, its partial
-        sums dropped, which rank ``rank`` 0 says."""
+    def serialize(self, serializer, target, comm):
+        """The count, K, the number of ranks and the partial sums
+        (``param.grad`` between micro-steps); nothing where K is 1.  A
+        snapshot without them (written without accumulation, or between
+        updates) loads as no micro-step done; one of another K, or of a
+        job of another size than ``comm``'s, as none either, its partial
+        sums dropped, which rank 0 says."""
         sums = serializer[KEY]
         if not isinstance(serializer, chainer.serializer.Deserializer):
             if self.steps > 1:
-                self._save(sums, target)
+                self._save(sums, target, comm.size)
             return
-        done, names, steps = (_read(sums, key) for key in
-                              ('done', 'names', 'steps'))
+        done, names, steps, size = (_read(sums, key) for key in
+                                    ('done', 'names', 'steps', 'size'))
         done = 0 if done is None else int(done)
         names = [] if names is None else [str(n) for n in names]
         self.done = 0
         if done and steps is not None and int(steps) != self.steps:
-            if rank == 0:
+            if comm.rank == 0:
                 self._say_dropped(done, int(steps), names)
+            done, names = 0, []
+        elif done and size is not None and int(size) != comm.size:
+            if comm.rank == 0:
+                _say_resized(done, int(size), comm.size, self.steps)
             done, names = 0, []
         grads = sums['grads']
         self.loaded = (done, {n: grads(n.replace('/', '|'), None)
                               for n in names})
 
-    def _save(self, sums, target):
+    def _save(self, sums, target, size):
         sums('done', numpy.int64(self.done))
         sums('steps', numpy.int64(self.steps))
+        sums('size', numpy.int64(size))
         names = [n for n, p in sorted(target.namedparams())
                  if self.done and p.grad is not None]
         sums('names', numpy.array(names, dtype=str))
@@ -147,6 +155,19 @@ class Accumulation(object):
                     param.grad = earlier
                 else:
                     param.grad += earlier
+
+
+def _say_resized(done, size, now, steps):
+    logger.warning(
+        'mnopt: warning: the snapshot loaded was written by %d ranks, %d '
+        'micro-steps into an update (accumulation_steps=%d); this job has '
+        '%d.  Partial sums are each rank\'s own batches\', which no rank '
+        'here holds, so the micro-steps since the last update are dropped '
+        'on every rank and the accumulation restarts: the next update '
+        'comes after %d more calls, over their batches only.  To keep '
+        'them, resume on %d ranks, or write snapshots right after an '
+        'update (every multiple of %d iterations)',
+        size, done, steps, now, steps, size, steps)
 
 
 def _read(serializer, key):

@@ -223,7 +223,7 @@ class MultiNodeOptimizer(object):
         # This rank's micro-steps: its own, as the residuals above (read
         # at K=1 too, to say that another K's partial sums are dropped).
         self._accumulation.serialize(serializer, self.target,
-                                     self.communicator.rank)
+                                     self.communicator)
         if isinstance(serializer, chainer.serializer.Deserializer):
             # Chainer's updater loads the optimizer before the model, so the
             # parameters may not have their data yet: the next update takes
