@@ -79,6 +79,32 @@ def _nothing(*args, **kwargs):
     pass
 
 
+#: The attempt number ``python -m mnopt.launch`` gives each run (0 first).
+RESTART_ENV = 'MNOPT_RESTART'
+
+
+def attempt_path(path, attempt):
+    """trace.rank0.json -> trace.rank0.attempt1.json."""
+    head, ext = os.path.splitext(path)
+    return '%s.attempt%d%s' % (head, attempt, ext or '.json')
+
+
+def keep_earlier_attempt(path):
+    """Under ``python -m mnopt.launch``, attempt N (N >= 1) keeps the
+    file an earlier attempt wrote at ``path`` as ``attempt_path(path,
+    N - 1)`` (the timeline of the failure) instead of overwriting it.
+    The report reads the files it is given: the latest by the name
+    MNOPT_TIMELINE says, an earlier attempt's by its own."""
+    attempt = os.environ.get(RESTART_ENV, '')
+    if not attempt.isdigit() or int(attempt) < 1 or \
+            not os.path.exists(path):
+        return
+    try:
+        os.replace(path, attempt_path(path, int(attempt) - 1))
+    except OSError:
+        pass
+
+
 class _NullSpan(object):
     __slots__ = ()
     set = staticmethod(_nothing)
@@ -162,6 +188,7 @@ class Timeline(object):
             self._first = not _reopen(path)
             self._file = open(path, 'a', encoding='utf-8')
         else:
+            keep_earlier_attempt(path)
             self._file = open(path, 'w', encoding='utf-8')
             self._file.write('[\n')
             self._written = 2
@@ -263,15 +290,16 @@ class Timeline(object):
 
     # -- the window (mnopt/timeline_window.py) -------------------------------
 
-    def begin_step(self, owner, kind='averaging'):
+    def begin_step(self, owner, kind='averaging', number=None):
         """A step of ``owner`` begins ('optimizer': an update, 'averaging':
         a mean_grads call): its number where ``owner`` counts this
-        timeline's steps, else None.  Recording starts or stops there as
-        MNOPT_TIMELINE_STEPS says."""
+        timeline's steps, else None.  ``number``: the job's step, where
+        ``owner`` knows it (an optimizer, over a resume).  Recording
+        starts or stops there as MNOPT_TIMELINE_STEPS says."""
         if self._closed:
             return None
         was = self.window.recording
-        number = self.window.begin_step(owner, kind)
+        number = self.window.begin_step(owner, kind, number)
         if self.window.recording != was:
             self._window_changed('steps')
         return number

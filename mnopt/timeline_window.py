@@ -5,11 +5,12 @@ A window is set by ``MNOPT_TIMELINE_STEPS=START:STOP`` (Python's slice:
 steps START to STOP-1; either end may be left out) or by the calls
 ``comm.start_timeline()`` / ``comm.stop_timeline()``, not both.  A step
 is what one owner counts, the same on every rank: each ``update()`` of the
-multi-node optimizer that updates first (0, 1, 2, ... from the start of
-the process; the first, which broadcasts rank 0's parameters, is step 0),
-else each ``mean_grads`` / ``mean_grads_async`` call of the communicator
-that averages first (the core without Chainer).  An optimizer takes the
-count over from a communicator's averagings.
+multi-node optimizer that updates first (0, 1, 2, ... over the whole job:
+the first, which broadcasts rank 0's parameters, is step 0, and a job
+resumed from a snapshot goes on from the count the snapshot holds), else
+each ``mean_grads`` / ``mean_grads_async`` call of the communicator that
+averages first (the core without Chainer; from 0 in each process).  An
+optimizer takes the count over from a communicator's averagings.
 
 ``MNOPT_TIMELINE_MAX_BYTES`` caps each rank's file (default 1 GiB, 0: no
 cap): past it the timeline records nothing more and says so, in the file
@@ -83,17 +84,20 @@ class Window(object):
         self._owner, self._owner_rank = None, -1
         self._counts = weakref.WeakKeyDictionary()
 
-    def begin_step(self, owner, kind):
+    def begin_step(self, owner, kind, number=None):
         """A step of ``owner`` (kind 'optimizer' or 'averaging') begins:
         its number where ``owner`` is the one counting the steps, else
-        None."""
+        None.  ``number``: the job's step, where ``owner`` tells it (an
+        optimizer, restored by a resume); else ``owner``'s calls are
+        counted from 0 in this process."""
         rank = OWNER_RANK[kind]
         current = self._owner() if self._owner is not None else None
         if current is not owner:
             if current is not None and self._owner_rank >= rank:
                 return None
             self._owner, self._owner_rank = weakref.ref(owner), rank
-        number = self._counts.get(owner, 0)
+        if number is None:
+            number = self._counts.get(owner, 0)
         self._counts[owner] = number + 1
         self.step = number
         if self.steps is not None:

@@ -58,7 +58,7 @@ if resumed_at:
             for k in f.files:
                 if k.startswith(prefix) and '/mnopt_shard/' not in \
                         '/' + k[len(prefix):] and k[len(prefix):] not in (
-                            't', 'epoch'):
+                            't', 'epoch', 'mnopt_updates'):
                     assert k not in saved, k    # one owner each
                     saved[k[len(prefix):]] = f[k]
         size += 1

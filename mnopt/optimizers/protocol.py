@@ -2,6 +2,7 @@
 multi-node optimizer: average the gradients, then let the wrapped Chainer
 optimizer update.  Uses only the communicator's public API."""
 
+import contextlib
 import functools
 import hashlib
 import time
@@ -22,6 +23,7 @@ BROADCAST = 'broadcast'   # rank 0's parameters to all; nothing applied
 RESUME = 'resume'         # after a load: _make_replicas_agree, then as
 #                           AVERAGE if the parameters already agreed
 AVERAGE = 'average'       # the mean gradient applied
+UPDATES_KEY = 'mnopt_updates'   # a snapshot's count of update() calls
 
 
 def host(array):
@@ -61,11 +63,10 @@ def stepped(update):
             return update(self, lossfun, *args, **kwds)
         object.__setattr__(self, '_in_step', True)
         try:
-            # Each update() call is a step of the timeline's window (the
-            # first optimizer's count: mnopt/timeline_window.py).
-            tl = self._timeline()
+            tl, number = self._timeline(), self._updates
+            object.__setattr__(self, '_updates', number + 1)
             with tl.span('step', 'compute',
-                         step=tl.begin_step(self, 'optimizer')):
+                         step=tl.begin_step(self, 'optimizer', number)):
                 if self._micro_step(lossfun, args, kwds):
                     return None
                 return update(self, lossfun, *args, **kwds)
@@ -134,6 +135,7 @@ class MultiNodeOptimizer(object):
         #: Seconds the caller has spent blocked in gradient averaging.
         object.__setattr__(self, 'communication_time', 0.0)
         object.__setattr__(self, '_accumulation', Accumulation(1))
+        object.__setattr__(self, '_updates', 0)   # the window's step
 
     def _accumulate_over(self, steps):
         """Average once per ``steps`` calls of ``update``
@@ -224,11 +226,25 @@ class MultiNodeOptimizer(object):
         # at K=1 too, to say that another K's partial sums are dropped).
         self._accumulation.serialize(serializer, self.target,
                                      self.communicator)
+        self._serialize_updates(serializer)
         if isinstance(serializer, chainer.serializer.Deserializer):
             # Chainer's updater loads the optimizer before the model, so the
             # parameters may not have their data yet: the next update takes
             # whatever set it finds as the current one.
             self._mark_loaded()
+
+    def _serialize_updates(self, serializer):
+        """The update() calls over the job (the timeline window's steps);
+        a snapshot without them (older, ChainerMN's): t·K + micro-steps."""
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            return serializer(UPDATES_KEY, numpy.int64(self._updates))
+        count = None
+        with contextlib.suppress(KeyError):   # a strict one's "absent"
+            count = serializer(UPDATES_KEY, None)
+        acc = self._accumulation
+        object.__setattr__(self, '_updates', int(count) if count is not None
+                           else self.actual_optimizer.t * acc.steps
+                           + (acc.loaded or (0,))[0])
 
     def _mark_loaded(self):
         """A snapshot was loaded: the next update is RESUME."""
