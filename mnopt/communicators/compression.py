@@ -15,6 +15,15 @@ from mnopt.arrays import to_host
 logger = log.get('mnopt.communicators.base')
 
 
+def read_optional(serializer, key):
+    """``serializer(key, None)``, or None where the snapshot has no
+    ``key`` (a strict deserializer raises KeyError for it)."""
+    try:
+        return serializer(key, None)
+    except KeyError:
+        return None
+
+
 class SignCompression(object):
     """``compression='sign'`` for one communicator.  Holds no reference
     to it: the communicator passes its groups (an Averaging) and its vote
@@ -86,11 +95,8 @@ class SignCompression(object):
         """Read what ``save`` wrote (a snapshot without it changes
         nothing); residuals only from this rank's own snapshot of a job of
         this size."""
-        def read(key):   # None where absent (a strict one raises KeyError)
-            try:
-                return serializer(key, None)
-            except KeyError:
-                return None
+        def read(key):
+            return read_optional(serializer, key)
 
         steps = read('steps') if shared else None
         if steps is not None:
@@ -138,11 +144,9 @@ def warn_of_dropped_state(serializer, comm):
     (``serializer``: its ``mnopt_compression`` part, this rank's) written
     with one: warn once, naming the state it drops (the resumed run
     averages plainly, its error feedback lost)."""
-    def read(key):   # None where absent (a strict one raises KeyError)
-        try:
-            return serializer(key, None)
-        except KeyError:
-            return None
+    def read(key):
+        return read_optional(serializer, key)
+
     kind = read('kind')
     if kind is not None and str(kind) == 'powersgd':
         dropped = ("PowerSGD's state (compression='powersgd' or 'auto': "

@@ -32,6 +32,7 @@ import numpy
 from mnopt import log
 from mnopt import powersgd
 from mnopt.arrays import array_module, to_host
+from mnopt.communicators.compression import read_optional
 from mnopt.communicators.compression_guard import CompressionGuard
 from mnopt.communicators.compression_guard import COMPRESSED, PLAIN
 
@@ -224,11 +225,8 @@ class PowerSGDCompression(object):
         only from this rank's own snapshot of a job of this size (else
         they restart at zero, said at the next averaging); the Qs, the
         same on every rank, from any, where their shapes fit."""
-        def read(key):   # None where absent (a strict one raises KeyError)
-            try:
-                return serializer(key, None)
-            except KeyError:
-                return None
+        def read(key):
+            return read_optional(serializer, key)
 
         kind = read('kind')
         if shared:
