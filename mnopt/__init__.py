@@ -61,7 +61,7 @@ from mnopt import global_except_hook  # noqa: E402
 global_except_hook.install_at_import()
 
 
-def _set_log_level():
+def _set_log_level() -> None:
     """$MNOPT_LOG_LEVEL: the level of the 'mnopt' loggers, without code
     (a bad value is create_communicator's ValueError, on every rank:
     importing mnopt must not fail for it)."""

@@ -35,10 +35,11 @@ STOP = 7               # every case ends here
 OBSERVED = ('comm/exposed', 'comm/hidden', 'comm/bytes_sent',
             'comm/bytes_received')
 PHASES = ('step', 'forward', 'backward', 'update', 'wire')
-#: observe='window': MNOPT_TIMELINE_STEPS, steps counted from 0 in each
-#: process (each phase: the window holds steps 1 and 2 of each, across
-#: the resume), and the steps recorded then.
-WINDOW = (1, 3)
+#: observe='window': MNOPT_TIMELINE_STEPS, the job's steps (update()
+#: calls over the whole run, a resume going on from its snapshot's count):
+#: the window leaves out the first step and the last, and a resume at
+#: SNAPSHOTS lands inside it.
+WINDOW = (1, 6)
 N_SAMPLES, BATCH = 48, 4   # 12 / 8 iterations an epoch at 2 / 3 ranks
 #: What 'auto' tunes on each kind (naive tunes nothing: it refuses).
 TUNED = {'naive': ['bucket_bytes'],
@@ -173,14 +174,16 @@ def join_missed(updater, size):
             % (b, want) for b in updater.batches if b != want][:1]
 
 
-def window_missed(path, calls):
+def window_missed(path, first, calls):
     """What a run with MNOPT_TIMELINE_STEPS=WINDOW missed: steps
     recorded outside the window, or its steps (of the ``calls``
-    update() calls this process made, at least) not recorded."""
+    update() calls this process made from the job's step ``first`` on,
+    at least) not recorded."""
     events = mnopt.timeline.load(path)
     steps = sorted(e['args']['step'] for e in events
                    if e.get('name') == 'step' and e.get('ph') == 'X')
-    want = list(range(WINDOW[0], min(WINDOW[1], calls)))
+    want = list(range(max(WINDOW[0], first),
+                      min(WINDOW[1], first + calls)))
     missed = []
     if steps != want:
         missed.append('window: steps %s recorded, expected %s'
@@ -244,6 +247,9 @@ def train(case, out, stop, snapshots):
                 trigger=(1, 'iteration'), filename=None)
             trainer.extend(log)
         resumed = trainer.updater.iteration
+        # The job's step the window counts from (the snapshot's count of
+        # update() calls, restored by the autoload; 0 without one).
+        first_step = getattr(optimizer, '_updates', 0)
         before = [p.array.copy() for _, p in sorted(model.namedparams())]
         trainer.run()
         after = [p.array for _, p in sorted(model.namedparams())]
@@ -274,7 +280,7 @@ def train(case, out, stop, snapshots):
         missed += sorted(set(PHASES) - names)
     if case['observe'] == 'window' and resumed < stop:
         missed += window_missed(mnopt.timeline.trace_path(
-            os.path.join(out, 'trace.json'), WORLD.rank), calls)
+            os.path.join(out, 'trace.json'), WORLD.rank), first_step, calls)
     return resumed, digest.hexdigest(), recorder.twice(), moved, missed
 
 
