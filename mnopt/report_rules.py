@@ -68,7 +68,8 @@ def _overlap(a):
         return None
     return dict(
         advice='try create_multi_node_optimizer(..., overlap=True) (or '
-               'double_buffering=True): average during backward' + (
+               'double_buffering=True; the ImageNet example: --overlap or '
+               '--double-buffering): average during backward' + (
                    " (overlap with the tuned numbers, not 'auto': "
                    'comm.tuned_settings)' if a.get('tuned') else ''),
         evidence='exposed communication is %s of the step (%.1f ms) and '
@@ -84,7 +85,9 @@ def _wire_dtype(a):
         return None
     return dict(
         advice="try create_communicator(..., allreduce_grad_dtype="
-               "'float16') (or 'bfloat16'): half the bytes on the wire",
+               "'float16') (or 'bfloat16'; the ImageNet example: "
+               "--allreduce-grad-dtype float16): half the bytes on the "
+               "wire",
         evidence='exposed communication is still %s of the step (%.1f ms) '
                  'with %.1f ms hidden, and gradients travel uncast'
                  % (pct(o['exposed_share']), o['exposed_ms'],
@@ -100,8 +103,9 @@ def _bucket_bytes(a):
     while suggest < 4 * b['bucket_bytes']:
         suggest *= 2
     return dict(
-        advice='try create_communicator(..., bucket_bytes=%d) (%s): fewer, '
-               'larger collectives' % (suggest, size(suggest)),
+        advice='try create_communicator(..., bucket_bytes=%d) (%s; the '
+               'ImageNet example: --bucket-bytes %d): fewer, larger '
+               'collectives' % (suggest, size(suggest), suggest),
         evidence='buckets of %s leave the link idle %s of backward '
                  '(%.1f buckets per backward)'
                  % (size(b['bucket_bytes']), pct(b['idle_share']),
@@ -145,8 +149,9 @@ def _bandwidth(a):
     tune = "let the first averagings tune the pipeline " \
         "(bucket_bytes='auto', segment_bytes='auto'; on the " \
         "reduction_server communicator chunk_bytes='auto', " \
-        "window='auto'; not with overlap or shard_state: " \
-        "docs/tuning.md); else "
+        "window='auto'; the ImageNet example: --bucket-bytes auto " \
+        "--segment-bytes auto, --chunk-bytes auto --window auto; not " \
+        "with overlap or shard_state: docs/tuning.md); else "
     return dict(
         # A job that tuned already: only the link is left to look at.
         advice=('' if a.get('tuned') else tune) + 'check the link '

@@ -153,7 +153,8 @@ def test_bucket_advice_when_the_link_idles_between_buckets(traces):
     assert b['buckets'] == 4 and b['bucket_bytes'] == BUCKET
     assert b['idle_share'] == pytest.approx((12 + 12 + 21) / 120, abs=1e-4)
     said, = [x for x in a['advice'] if x['rule'] == 'bucket_bytes']
-    assert 'bucket_bytes=%d) (16 MiB)' % (16 << 20) in said['advice']
+    assert 'bucket_bytes=%d) (16 MiB; the ImageNet example: ' \
+        '--bucket-bytes %d)' % (16 << 20, 16 << 20) in said['advice']
     assert 'buckets of 4 MiB leave the link idle 38% of backward' in (
         said['evidence'])
     assert {x['rule'] for x in a['advice']} == {'bucket_bytes', 'straggler'}
@@ -625,3 +626,19 @@ def test_a_folder_of_rank_files_is_read(traces, tmp_path, capsys):
     assert 'holds the trace files of several jobs (t.rank*.json, ' \
         'u.rank*.json): pass one of them, as %s' % (tmp_path / 't.json') \
         in err, err
+
+
+def test_the_advice_names_flags_the_example_takes():
+    """Each rule's advice says how to follow it in the ImageNet example;
+    every flag it names is one the example's parser has."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, 'mnopt', 'report_rules.py')) as f:
+        rules = f.read()
+    with open(os.path.join(root, 'examples', 'imagenet',
+                           'train_imagenet.py')) as f:
+        example = f.read()
+    named = set(re.findall(r'(--[a-z][a-z-]+)', rules))
+    assert {'--bucket-bytes', '--overlap', '--allreduce-grad-dtype'} <= named
+    taken = set(re.findall(r"add_argument\('(--[a-z][a-z-]+)'", example))
+    assert named <= taken, named - taken
