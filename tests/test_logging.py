@@ -151,9 +151,10 @@ def test_the_default_handler_steps_aside_for_any_other_handler(capsys):
     logger.error('mnopt: with its traceback:', exc_info=ValueError('x'))
     # (capsys: the default handler writes to sys.stderr as it is at each
     # record, which pytest swaps.)
-    assert capsys.readouterr().err == (
+    # (Each line tagged with the rank in a job of several: mpiexec -n 2.)
+    assert capsys.readouterr().err == log.tagged(
         'mnopt: first line\nmnopt: second line\n'
-        'mnopt: with its traceback:\nValueError: x\n')
+        'mnopt: with its traceback:\nValueError: x') + '\n'
 
 
 def test_one_default_handler_and_only_mnopts_loggers():

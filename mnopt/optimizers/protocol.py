@@ -15,13 +15,11 @@ from mnopt.optimizers import uneven
 from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.accumulation import Accumulation
 
-
 LOADED = object()  # _param_set after a snapshot was loaded
 
 # What an update does, agreed by every rank (MultiNodeOptimizer._next_step).
 BROADCAST = 'broadcast'   # rank 0's parameters to all; nothing applied
-RESUME = 'resume'         # after a load: _make_replicas_agree, then as
-#                           AVERAGE if the parameters already agreed
+RESUME = 'resume'  # after a load: _make_replicas_agree, then AVERAGE's
 AVERAGE = 'average'       # the mean gradient applied
 UPDATES_KEY = 'mnopt_updates'   # a snapshot's count of update() calls
 
@@ -32,9 +30,8 @@ def host(array):
 
 
 def digest(named_arrays):
-    """A short digest of ``[(name, array), ...]``: names, dtypes, shapes
-    and bytes.  Equal digests on two ranks mean equal values, bit for
-    bit."""
+    """A short digest of ``[(name, array), ...]`` (names, dtypes, shapes,
+    bytes): equal digests on two ranks mean equal values, bit for bit."""
     h = hashlib.blake2b(digest_size=16)
     for name, array in named_arrays:
         host_array = host(array)
@@ -341,8 +338,11 @@ class MultiNodeOptimizer(object):
         parameters were already the same on every rank."""
         comm = self.communicator
         state = state_of(self._serialize_state)
-        mine = (digest(self._named_params()), digest(sorted(state.items())))
+        mine = (digest(self._named_params()), digest(sorted(state.items())),
+                self._updates)
         digests = comm.everyone(mine, 'the digests of the replicas')
+        # The job's update count too (the timeline window's step).
+        object.__setattr__(self, '_updates', digests[0][2])
         same_params = all(d[0] == digests[0][0] for d in digests)
         if not same_params:
             comm.bcast_data(self.target)
