@@ -345,3 +345,9 @@ def shared_directory(comm, prefix):
     comm.allgather_obj(None)
     if comm.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def untagged(err):
+    """stderr's lines without the rank mnopt puts before each of its own
+    in a job of several ranks ('[rank 1] mnopt: ...')."""
+    return [re.sub(r'^\[rank \d+\] ', '', line) for line in err.splitlines()]

@@ -2,13 +2,12 @@
 times: a stopped rank is named within the warning time by every waiting
 rank, and the job ends at the timeout."""
 
-import re
 import threading
 import time
 
 import pytest
 
-from conftest import run_mpi, slack
+from conftest import run_mpi, slack, untagged
 from mnopt import stall_report, stall_settings
 from mnopt.transport import stall_wait
 
@@ -48,12 +47,6 @@ def stalled_job(n, name, how, warning, timeout, *extra, env=None):
                                           'MNOPT_TIMEOUT': str(timeout)},
                                          **(env or {})))
     return proc, time.time() - start
-
-
-def untagged(err):
-    """stderr's lines without the rank mnopt puts before each of its own
-    in a job of several ranks ('[rank 1] mnopt: ...')."""
-    return [re.sub(r'^\[rank \d+\] ', '', line) for line in err.splitlines()]
 
 
 def reports(proc, rank):
