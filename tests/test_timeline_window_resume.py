@@ -7,14 +7,15 @@ timeline file.  Serial (one rank, the whole averaging path run)."""
 
 import os
 
-import chainer
-import chainer.functions as F
-import chainer.links as L
 import numpy
 import pytest
 
-import mnopt
-from mnopt import timeline, timeline_window
+chainer = pytest.importorskip('chainer', reason='resumes a Chainer optimizer')
+import chainer.functions as F  # noqa: E402
+import chainer.links as L  # noqa: E402
+
+import mnopt  # noqa: E402
+from mnopt import timeline, timeline_window  # noqa: E402
 
 pytestmark = pytest.mark.one_rank
 
