@@ -85,6 +85,42 @@ def train(comm, steps, updates=UPDATES, **mode):
     return {n: p.array.copy() for n, p in model.namedparams()}, opt
 
 
+def snapshot_of(model, opt):
+    """The model's and the optimizer's snapshot, as a file holds it (a
+    copy: the serializer keeps references)."""
+    snapshot = {}
+    for prefix, obj in (('model/', model), ('opt/', opt)):
+        obj.serialize(chainer.serializers.DictionarySerializer(
+            snapshot, prefix))
+    return {key: numpy.array(value, copy=True)
+            for key, value in snapshot.items()}
+
+
+def load(snapshot, model, opt, strict=True):
+    """``snapshot`` loaded as Chainer's trainer loads: the optimizer,
+    then the model."""
+    for prefix, obj in (('opt/', opt), ('model/', model)):
+        obj.serialize(chainer.serializers.NpzDeserializer(
+            snapshot, prefix, strict=strict))
+
+
+def assert_same_bits(model_a, model_b):
+    for (name, a), (_, b) in zip(sorted(model_a.namedparams()),
+                                 sorted(model_b.namedparams())):
+        assert a.array.tobytes() == b.array.tobytes(), name
+
+
+def updated_afresh(comm, steps, snapshot):
+    """The model after one update over batch 5's micro-batches from
+    ``snapshot``'s parameters and state without its partial sums."""
+    fresh_model, fresh = make(comm, steps)
+    load(snapshot, fresh_model, fresh, strict=False)
+    fresh._accumulation.loaded = None
+    for k in range(steps):
+        fresh.update(fresh_model, *micro_batch(5, k, comm.rank))
+    return fresh_model
+
+
 def assert_close(a, b, rtol=1e-5, atol=1e-6):
     assert sorted(a) == sorted(b)
     for name in a:
@@ -154,30 +190,18 @@ def test_a_snapshot_mid_accumulation_resumes_bit_for_bit(mode):
         # One micro-step into the fourth update (double buffering's
         # first to have applied a mean, so its state is in the snapshot).
         stop = 3 * K + 1
-        snapshot = {}
         for i, (u, k) in enumerate(calls):
             if i == stop:
-                for prefix, obj in (('model/', model), ('opt/', opt)):
-                    obj.serialize(chainer.serializers.DictionarySerializer(
-                        snapshot, prefix))
-                # As a file holds it (the serializer keeps references).
-                snapshot = {key: numpy.array(value, copy=True)
-                            for key, value in snapshot.items()}
+                snapshot = snapshot_of(model, opt)
             opt.update(model, *micro_batch(u, k, comm.rank))
         resumed_model, resumed = make(comm, K, **MODES[mode])
-        # As Chainer's trainer loads: the optimizer, then the model.
-        resumed.serialize(chainer.serializers.NpzDeserializer(
-            snapshot, 'opt/'))
-        resumed_model.serialize(chainer.serializers.NpzDeserializer(
-            snapshot, 'model/'))
+        load(snapshot, resumed_model, resumed)
         for u, k in calls[stop:]:
             resumed.update(resumed_model, *micro_batch(u, k, comm.rank))
         if MODES[mode].get('double_buffering'):
             opt.wait()
             resumed.wait()
-        for (name, a), (_, b) in zip(sorted(model.namedparams()),
-                                     sorted(resumed_model.namedparams())):
-            assert a.array.tobytes() == b.array.tobytes(), name
+        assert_same_bits(model, resumed_model)
         assert resumed.t == opt.t
     finally:
         comm.finalize()
@@ -308,27 +332,17 @@ def test_a_snapshot_before_the_first_applied_update_loads(mode):
         stop = K + 1   # one micro-step past the broadcast
         for u, k in calls[:stop]:
             opt.update(model, *micro_batch(u, k, comm.rank))
-        snapshot = {}
-        for prefix, obj in (('model/', model), ('opt/', opt)):
-            obj.serialize(chainer.serializers.DictionarySerializer(
-                snapshot, prefix))
-        snapshot = {key: numpy.array(value, copy=True)
-                    for key, value in snapshot.items()}
+        snapshot = snapshot_of(model, opt)
         for u, k in calls[stop:]:
             opt.update(model, *micro_batch(u, k, comm.rank))
         resumed_model, resumed = make(comm, K, **MODES[mode])
-        resumed.serialize(chainer.serializers.NpzDeserializer(
-            snapshot, 'opt/'))
-        resumed_model.serialize(chainer.serializers.NpzDeserializer(
-            snapshot, 'model/'))
+        load(snapshot, resumed_model, resumed)
         for u, k in calls[stop:]:
             resumed.update(resumed_model, *micro_batch(u, k, comm.rank))
         if mode == 'double_buffering':
             opt.wait()
             resumed.wait()
-        for (name, a), (_, b) in zip(sorted(model.namedparams()),
-                                     sorted(resumed_model.namedparams())):
-            assert a.array.tobytes() == b.array.tobytes(), name
+        assert_same_bits(model, resumed_model)
     finally:
         comm.finalize()
 
@@ -368,25 +382,15 @@ def test_update_without_loss_function_resumes_mid_accumulation():
         stop = 2 * K + 1
         model, opt = make(comm, K)
         run(opt, model, calls[:stop])
-        snapshot = {}
-        for prefix, obj in (('model/', model), ('opt/', opt)):
-            obj.serialize(chainer.serializers.DictionarySerializer(
-                snapshot, prefix))
-        snapshot = {key: numpy.array(value, copy=True)
-                    for key, value in snapshot.items()}
+        snapshot = snapshot_of(model, opt)
         run(opt, model, calls[stop:])
         resumed_model, resumed = make(comm, K)
-        resumed.serialize(chainer.serializers.NpzDeserializer(
-            snapshot, 'opt/'))
-        resumed_model.serialize(chainer.serializers.NpzDeserializer(
-            snapshot, 'model/'))
+        load(snapshot, resumed_model, resumed)
         # A fresh model's gradients are NaN (Chainer's): the loop starts
         # from cleared ones, its next update() adds the saved sums.
         resumed_model.cleargrads()
         run(resumed, resumed_model, calls[stop:])
-        for (name, a), (_, b) in zip(sorted(model.namedparams()),
-                                     sorted(resumed_model.namedparams())):
-            assert a.array.tobytes() == b.array.tobytes(), name
+        assert_same_bits(model, resumed_model)
     finally:
         comm.finalize()
 
@@ -402,18 +406,10 @@ def test_partial_sums_another_k_drops_are_said_once_on_rank_0(steps, caplog):
         model, opt = make(comm, K)
         for k in range(K + 2):   # one update, then two micro-steps
             opt.update(model, *micro_batch(k // K, k % K, comm.rank))
-        snapshot = {}
-        for prefix, obj in (('model/', model), ('opt/', opt)):
-            obj.serialize(chainer.serializers.DictionarySerializer(
-                snapshot, prefix))
-        snapshot = {key: numpy.array(value, copy=True)
-                    for key, value in snapshot.items()}
+        snapshot = snapshot_of(model, opt)
         resumed_model, resumed = make(comm, steps)
         with caplog.at_level('WARNING', logger='mnopt'):
-            for prefix, obj in (('opt/', resumed),
-                                ('model/', resumed_model)):
-                obj.serialize(chainer.serializers.NpzDeserializer(
-                    snapshot, prefix))
+            load(snapshot, resumed_model, resumed)
             for k in range(steps):
                 resumed.update(resumed_model, *micro_batch(5, k, comm.rank))
         said = [r.getMessage() for r in caplog.records
@@ -427,16 +423,8 @@ def test_partial_sums_another_k_drops_are_said_once_on_rank_0(steps, caplog):
             assert said == []
         # Nothing of the snapshot's micro-steps in the update: it equals
         # one from the same state over the new batches alone.
-        fresh_model, fresh = make(comm, steps)
-        for prefix, obj in (('opt/', fresh), ('model/', fresh_model)):
-            obj.serialize(chainer.serializers.NpzDeserializer(
-                snapshot, prefix, strict=False))
-        fresh._accumulation.loaded = None
-        for k in range(steps):
-            fresh.update(fresh_model, *micro_batch(5, k, comm.rank))
-        for (name, a), (_, b) in zip(sorted(resumed_model.namedparams()),
-                                     sorted(fresh_model.namedparams())):
-            assert a.array.tobytes() == b.array.tobytes(), name
+        assert_same_bits(resumed_model,
+                         updated_afresh(comm, steps, snapshot))
     finally:
         comm.finalize()
 
@@ -454,20 +442,12 @@ def test_partial_sums_of_another_number_of_ranks_are_dropped_on_every_rank(
         model, opt = make(comm, K)
         for k in range(K + 2):   # one update, then two micro-steps
             opt.update(model, *micro_batch(k // K, k % K, comm.rank))
-        snapshot = {}
-        for prefix, obj in (('model/', model), ('opt/', opt)):
-            obj.serialize(chainer.serializers.DictionarySerializer(
-                snapshot, prefix))
-        snapshot = {key: numpy.array(value, copy=True)
-                    for key, value in snapshot.items()}
+        snapshot = snapshot_of(model, opt)
         written_by = other if other != comm.size else other + 1
         snapshot['opt/mnopt_accumulation/size'] = numpy.int64(written_by)
         resumed_model, resumed = make(comm, K)
         with caplog.at_level('WARNING', logger='mnopt'):
-            for prefix, obj in (('opt/', resumed),
-                                ('model/', resumed_model)):
-                obj.serialize(chainer.serializers.NpzDeserializer(
-                    snapshot, prefix))
+            load(snapshot, resumed_model, resumed)
             t = resumed.t
             for k in range(K):
                 resumed.update(resumed_model, *micro_batch(5, k, comm.rank))
@@ -480,15 +460,7 @@ def test_partial_sums_of_another_number_of_ranks_are_dropped_on_every_rank(
             assert 'dropped on every rank' in said[0]
         else:
             assert said == []
-        fresh_model, fresh = make(comm, K)
-        for prefix, obj in (('opt/', fresh), ('model/', fresh_model)):
-            obj.serialize(chainer.serializers.NpzDeserializer(
-                snapshot, prefix, strict=False))
-        fresh._accumulation.loaded = None
-        for k in range(K):
-            fresh.update(fresh_model, *micro_batch(5, k, comm.rank))
-        for (name, a), (_, b) in zip(sorted(resumed_model.namedparams()),
-                                     sorted(fresh_model.namedparams())):
-            assert a.array.tobytes() == b.array.tobytes(), name
+        assert_same_bits(resumed_model,
+                         updated_afresh(comm, K, snapshot))
     finally:
         comm.finalize()
