@@ -43,10 +43,6 @@ FORWARD_SECONDS = 1.0
 #: the job (a plain non-zero exit does not end MPICH's).
 START_MPI_SECONDS = 10
 
-#: The variables in which launchers give a process its rank in the job
-#: (for the message before MPI has started): MPICH's and Intel MPI's
-#: Hydra, Open MPI, PMIx, MVAPICH2, Slurm.
-RANK_VARIABLES = log.RANK_VARIABLES
 
 
 def _abort_hook(exc_type, exc_value, exc_traceback):
@@ -121,7 +117,7 @@ def _watch_exit():
     watch = launched.exit_watch()
     if watch is None:
         return
-    rank = _rank_name()
+    rank = log.rank_name()
     before, _, after = log.tagged(
         'mnopt: %s exited with status {status} before MPI started; ending '
         "the job (a signal), since the other ranks would wait for it in "
@@ -137,12 +133,6 @@ def _unwatch_exit_once_mpi_started(watch):
         watch.unwatch_exit()
 
 
-def _rank_name():
-    """'rank N' from the launcher's variables, before MPI has started."""
-    return next(('rank ' + os.environ[v] for v in RANK_VARIABLES
-                 if v in os.environ), 'this process')
-
-
 def abort_before_mpi(why, code=1, failure=None):
     """Abort the job from a process in which MPI has not started: say
     ``why`` (and report ``failure``: (what, traceback)), start MPI
@@ -155,15 +145,10 @@ def abort_before_mpi(why, code=1, failure=None):
         else 'before MPI started'
     log.say(logger, logging.ERROR,
             'mnopt: %s on %s %s; aborting the MPI job',
-            why, _rank_name(), when, last_words=True)
+            why, log.rank_name(), when, last_words=True)
     if failure is not None:
         failure_summary.report('uncaught exception', *failure)
-    log.flush(__name__)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    log.flush(__name__)   # the handlers, stdout and stderr
     try:
         # MPI's start holds the GIL: only a signal ends a wait that is
         # too long.  The default action of SIGALRM ends the process.

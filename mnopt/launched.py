@@ -172,13 +172,8 @@ def start_mpi(where, stall_warning=None, timeout=None):
     return mpi
 
 
-def _rank_name():
-    rank, _ = log.job_rank()
-    return 'this process' if rank is None else 'rank %d' % rank
-
-
 def _start_watched(where, warning, limit):
-    who = _rank_name()
+    who = log.rank_name()
 
     def waited(seconds):
         return "mnopt: %s has been waiting in MPI's start at %s for %g s: " \
@@ -221,7 +216,7 @@ def _start_unwatched(where, limit):
                 'process ends after %g s (MNOPT_TIMEOUT) with a traceback '
                 "in MPI's start (mnopt's C extension _startwatch is not "
                 'built: no warning before, and Ctrl-C waits too)',
-                _rank_name(), where, limit)
+                log.rank_name(), where, limit)
     if limit:
         faulthandler.dump_traceback_later(limit, exit=True)
     try:

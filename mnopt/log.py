@@ -122,6 +122,12 @@ def job_rank():
     return rank, size or 1
 
 
+def rank_name():
+    """'rank N' (job_rank's), or 'this process' where nothing says."""
+    rank, _ = job_rank()
+    return 'this process' if rank is None else 'rank %d' % rank
+
+
 def tagged(text):
     """``text`` with every line tagged with this process's rank
     (``[rank 1] ``) where it is one of several ranks; else unchanged."""
