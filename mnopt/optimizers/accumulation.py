@@ -112,12 +112,11 @@ class Accumulation(object):
         sums('done', numpy.int64(self.done))
         sums('steps', numpy.int64(self.steps))
         sums('size', numpy.int64(size))
-        names = [n for n, p in sorted(target.namedparams())
-                 if self.done and p.grad is not None]
+        params = dict(target.namedparams()) if self.done else {}
+        names = sorted(n for n, p in params.items() if p.grad is not None)
         sums('names', numpy.array(names, dtype=str))
         for name in names:
-            sums['grads'](name.replace('/', '|'),
-                          dict(target.namedparams())[name].grad)
+            sums['grads'](name.replace('/', '|'), params[name].grad)
 
     def _say_dropped(self, done, steps, names):
         logger.warning(

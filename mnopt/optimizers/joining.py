@@ -144,7 +144,7 @@ def join_problem(optimizer, mode):
                 'the others\' updates.  Use a communicator without '
                 'compression for the epochs with uneven inputs '
                 '(docs/uneven_inputs.md)' % (compression,))
-    if getattr(getattr(comm, 'averaging', None), 'comm_hook', None):
+    if getattr(comm, 'comm_hook_registered', False):
         return ('mnopt.join does not combine with a registered comm hook '
                 '(register_comm_hook): the hook\'s mean would be over every '
                 'rank, and its state (residuals) would take a rank\'s zero '
