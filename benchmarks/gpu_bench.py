@@ -13,7 +13,11 @@ run, rounds interleaved (run it through benchmarks/gpu_check.sh):
    with a plain Chainer optimizer vs mnopt's pure_nccl (+float16 wire,
    +double buffering; overlap=True; shard_state=True), the averaging path
    forced at N=1
-   (``skip_single_rank=False``: pack, NCCL, unpack, overflow check).
+   (``skip_single_rank=False``: pack, NCCL, unpack, overflow check), and
+   with PowerSGD (rank 4) on pure_nccl.
+4. PowerSGD's arithmetic: one compressed step of ResNet-50's gradients
+   (rank 4, error feedback, warm start; the sums are the identity, N=1),
+   on the GPU beside the same step on the host with NumPy, same run.
 
 Writes gpu_bench.json and gpu_bench.md into --out.
 """
@@ -172,8 +176,11 @@ def wrapper(cp, rounds, steps, batch, insize):
         if variant == 'plain chainer':
             return model, sgd.setup(model), None
         wire = 'float16' if 'float16' in variant else None
+        low_rank = {'compression': 'powersgd', 'powersgd_rank': 4} \
+            if 'powersgd' in variant else {}
         comm = mnopt.create_communicator('pure_nccl',
-                                         allreduce_grad_dtype=wire)
+                                         allreduce_grad_dtype=wire,
+                                         **low_rank)
         comm.skip_single_rank = False
         opt = mnopt.create_multi_node_optimizer(
             sgd, comm, double_buffering='double' in variant,
@@ -183,7 +190,7 @@ def wrapper(cp, rounds, steps, batch, insize):
 
     variants = ['plain chainer', 'pure_nccl', 'pure_nccl float16',
                 'pure_nccl float16 double buffering', 'pure_nccl overlap',
-                'pure_nccl shard_state']
+                'pure_nccl shard_state', 'pure_nccl powersgd r4']
     runs = {}
 
     def run(variant, n):
@@ -228,6 +235,40 @@ def wrapper(cp, rounds, steps, batch, insize):
             'images_per_sec': {v: spread(r) for v, r in rates.items()},
             'ratio_to_plain': {v: spread([a / b for a, b in zip(r, plain)])
                                for v, r in rates.items()}}
+
+
+# ------------------------------------------------------------------ powersgd
+
+def powersgd_arithmetic(cp, rounds, reps, rank=4):
+    """Seconds per PowerSGD step of ResNet-50's gradients, the sums left
+    out (identity, one rank): the projections, orthogonalization and
+    reconstruction a step computes, on the GPU and on the host."""
+    from mnopt import powersgd
+    shapes = resnet50_grad_shapes()
+    host = [g for _, g in grad_list(shapes, 0)]
+    device = [cp.asarray(g) for g in host]
+
+    def stepper(grads, xp):
+        state = powersgd.PowerSGDState(shapes, rank=rank, start_iter=0)
+        return lambda: powersgd.step(state, grads, lambda a: a, 1, xp)
+
+    gpu_step, host_step = stepper(device, cp), stepper(host, numpy)
+    for _ in range(3):               # warm up: kernels compiled, warm Qs
+        gpu_step()
+    host_step()
+    cp.cuda.Device().synchronize()
+    gpu, cpu = [], []
+    for _ in range(rounds):
+        gpu.append(gpu_seconds(cp, gpu_step, reps))
+        start = time.perf_counter()
+        host_step()
+        cpu.append(time.perf_counter() - start)
+    entries = powersgd.plan(shapes, rank)
+    return {'rank': rank, 'arrays': len(shapes),
+            'compressed': sum(e.matrix is not None for e in entries),
+            'rounds': rounds, 'reps': reps,
+            'gpu_seconds': spread(gpu), 'host_seconds': spread(cpu),
+            'host_over_gpu': spread([c / g for c, g in zip(cpu, gpu)])}
 
 
 # ------------------------------------------------------------------ report
@@ -278,6 +319,20 @@ def markdown(res):
             r['max']))
     for v, why in w.get('failed', {}).items():
         lines.append('| %s | failed: %s | |' % (v, why.replace('|', '/')))
+    p = res.get('powersgd')
+    if p:
+        lines += ['', '### PowerSGD arithmetic per ResNet-50 step (rank %d, '
+                  '%d of %d arrays compressed, sums left out), %d rounds'
+                  % (p['rank'], p['compressed'], p['arrays'], p['rounds']),
+                  '', '| where | ms per step (min / median / max) |',
+                  '|---|---|',
+                  '| GPU | %s |' % three({k: v * 1e3 for k, v in
+                                          p['gpu_seconds'].items()}, '%.2f'),
+                  '| host, NumPy | %s |' % three(
+                      {k: v * 1e3 for k, v in p['host_seconds'].items()},
+                      '%.1f'),
+                  '', 'host / GPU: %s (times as long on the host)' % three(
+                      p['host_over_gpu'], '%.0f')]
     return '\n'.join(lines) + '\n'
 
 
@@ -289,7 +344,8 @@ def main(argv=None):
     p.add_argument('--steps', type=int, default=10)
     p.add_argument('--batch', type=int, default=32)
     p.add_argument('--insize', type=int, default=224)
-    p.add_argument('--only', nargs='*', default=['codec', 'nccl', 'wrapper'])
+    p.add_argument('--only', nargs='*',
+                   default=['codec', 'nccl', 'powersgd', 'wrapper'])
     args = p.parse_args(argv)
     import cupy as cp
     from cupy.cuda import nccl as libnccl
@@ -310,6 +366,10 @@ def main(argv=None):
     if 'nccl' in args.only:
         res['nccl'] = nccl(cp, args.rounds, args.reps)
         print(json.dumps(res['nccl'], indent=1), flush=True)
+        save()
+    if 'powersgd' in args.only:
+        res['powersgd'] = powersgd_arithmetic(cp, args.rounds, 5)
+        print(json.dumps(res['powersgd'], indent=1), flush=True)
         save()
     if 'wrapper' in args.only:
         res['wrapper'] = wrapper(cp, args.rounds, args.steps, args.batch,

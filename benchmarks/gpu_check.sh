@@ -8,7 +8,7 @@
 # bench: benchmarks/gpu_bench.py (codec bandwidth, NCCL, wrapper overhead).
 # zero:  ZeRO's state and held bytes for ResNet-50 with Adam at 2 and 3
 #        ranks, CuPy beside NumPy (benchmarks/zero.py --memory [--gpu]).
-# ranks: tests/test_gpu.py and tests/test_gpu_modes.py under mpiexec -n 2
+# ranks: tests/test_gpu{,_modes,_features}.py under mpiexec -n 2
 #        and -n 3 (the ranks share the GPU).
 # Each stage has a time limit (MNOPT_GPU_CHECK_LIMITS, seconds per stage in
 # that order), so one that hangs still leaves the others' results.
@@ -50,7 +50,7 @@ python3 - <<'EOF' || exit 1
 import glob, subprocess, sys, sysconfig
 suffix = sysconfig.get_config_var('EXT_SUFFIX')
 include = sysconfig.get_paths()['include']
-for name in ('_halfcast', '_signbits', '_mpiwait'):
+for name in ('_halfcast', '_signbits', '_mpiwait', '_startwatch'):
     subprocess.check_call(['gcc', '-O3', '-fPIC', '-shared', '-I' + include,
                            'mnopt/%s.c' % name, '-o', 'mnopt/%s%s' % (name, suffix)])
 EOF
@@ -84,7 +84,7 @@ limit() {   # limit STAGE: its seconds
     zero) echo "${limits[2]}" ;; ranks-2) echo "${limits[3]}" ;;
     ranks-3) echo "${limits[4]}" ;; esac
 }
-GPU_TESTS="tests/test_gpu.py tests/test_gpu_modes.py"
+GPU_TESTS="tests/test_gpu.py tests/test_gpu_modes.py tests/test_gpu_features.py"
 status=0
 for stage in $stages; do
 start=$(date +%s)
