@@ -332,7 +332,7 @@ def markdown(res):
                       {k: v * 1e3 for k, v in p['host_seconds'].items()},
                       '%.1f'),
                   '', 'host / GPU: %s (times as long on the host)' % three(
-                      p['host_over_gpu'], '%.0f')]
+                      p['host_over_gpu'], '%.1f')]
     return '\n'.join(lines) + '\n'
 
 
