@@ -14,6 +14,7 @@ from mnopt.optimizers.double_buffering import DoubleBufferingOptimizer
 from mnopt.optimizers.factory import check_actual_optimizer
 from mnopt.optimizers.factory import create_multi_node_optimizer  # NOQA
 from mnopt.optimizers.joining import join  # NOQA
+from mnopt.optimizers.outer_nesterov import OuterNesterov  # NOQA
 from mnopt.optimizers.overlap_optimizer import OverlapOptimizer
 from mnopt.optimizers.protocol import AVERAGE, BROADCAST, LOADED, RESUME
 from mnopt.optimizers.protocol import MultiNodeOptimizer

@@ -12,6 +12,8 @@ import numpy
 from mnopt.optimizers.double_buffering import DoubleBufferingOptimizer
 from mnopt.optimizers.overlap_optimizer import OverlapOptimizer
 from mnopt.optimizers.hook_agreement import hook_settings
+from mnopt.optimizers.local_steps import LocalStepsOptimizer
+from mnopt.optimizers.local_steps_settings import LocalSteps
 from mnopt.optimizers.protocol import MultiNodeOptimizer
 from mnopt.optimizers.zero.owned_update import optimizer_problem
 from mnopt.optimizers.zero.stage1 import ShardedStateOptimizer
@@ -87,7 +89,12 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
                                 double_buffering: bool = False,
                                 zero_fill: bool = True, overlap: bool = False,
                                 shard_state: bool = False,
-                                accumulation_steps: int = 1
+                                accumulation_steps: int = 1,
+                                local_steps: int | None = None,
+                                outer_optimizer: chainer.Optimizer | None
+                                = None, fragments: int = 1,
+                                fragment_sync_delay: int = 0,
+                                sync_warmup_steps: int = 0
                                 ) -> Any:  # acts as actual_optimizer
     """Wrap a Chainer optimizer so it averages gradients over all ranks.
 
@@ -123,6 +130,21 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
             backward passes are summed, divided by K and averaged once,
             and the wrapped optimizer updates once (``t`` counts
             updates).  With every mode above.
+        local_steps: DiLoCo (docs/local_sgd.md): each rank updates its
+            own replica with ``actual_optimizer`` (the inner one) on its
+            own gradients, and every ``local_steps`` = H updates the
+            pseudo-gradients (parameters at the last sync minus the
+            local ones) are averaged and ``outer_optimizer`` (default
+            ``mnopt.optimizers.OuterNesterov()``: PyTorch's Nesterov
+            SGD at DiLoCo's lr 0.7, momentum 0.9; any Chainer optimizer)
+            steps the synced parameters with their mean, which every
+            rank then holds.  ``fragments`` = F: Streaming DiLoCo, the
+            parameters cut into F parts of about equal bytes synced in
+            turn, H/F updates apart; ``fragment_sync_delay`` = tau: each
+            fragment's averaging runs in the background during the next
+            tau updates.  ``sync_warmup_steps``: synchronous updates
+            first.  Not with double_buffering, overlap, shard_state,
+            compression or a comm hook.
 
     A communicator with 'auto' settings (``bucket_bytes='auto'``, ...:
     docs/tuning.md) tunes them in its first averagings, with the plain
@@ -136,10 +158,14 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
     one rank: its error there, a RuntimeError naming it on the others).
     """
     check_communicator(communicator)
+    local = LocalSteps(local_steps, outer_optimizer, fragments,
+                       fragment_sync_delay, sync_warmup_steps)
     try:
         check_mode(actual_optimizer, communicator, double_buffering,
                    overlap, shard_state)
         check_accumulation_steps(accumulation_steps)
+        local.check(communicator, double_buffering=double_buffering,
+                    overlap=overlap, shard_state=shard_state)
         problem = None
     except (TypeError, ValueError) as e:
         problem = e
@@ -148,6 +174,8 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
         zero_fill=zero_fill, overlap=overlap, shard_state=shard_state)
     if problem is None:
         settings['accumulation_steps'] = int(accumulation_steps)
+        settings.update((name, comparable(value))
+                        for name, value in local.shared().items())
     # One exchange: a problem on any rank, or settings that differ, is an
     # error on every rank here, not a hang at the second update (a
     # double-buffered rank's mean_grads_async against another's
@@ -164,7 +192,9 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
     else:
         cls = DoubleBufferingOptimizer if double_buffering else \
             OverlapOptimizer if overlap else MultiNodeOptimizer
-    optimizer = cls(actual_optimizer, communicator, zero_fill)
+    optimizer = LocalStepsOptimizer(
+        actual_optimizer, communicator, zero_fill, local) if local.enabled \
+        else cls(actual_optimizer, communicator, zero_fill)
     optimizer._accumulate_over(int(accumulation_steps))
     return optimizer
 

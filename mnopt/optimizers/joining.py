@@ -26,6 +26,7 @@ import chainer
 
 from mnopt.optimizers import uneven
 from mnopt.optimizers.double_buffering import DoubleBufferingOptimizer
+from mnopt.optimizers.local_steps import LocalStepsOptimizer
 from mnopt.optimizers.overlap_optimizer import OverlapOptimizer
 from mnopt.optimizers.protocol import MultiNodeOptimizer
 from mnopt.optimizers.zero.stage1 import ShardedStateOptimizer
@@ -108,6 +109,9 @@ REFUSED_MODES = [
     (ShardedStateOptimizer, 'shard_state=True',
      'the owners update from a reduce-scatter the mean over contributors '
      'is not yet applied to'),
+    (LocalStepsOptimizer, 'local_steps',
+     'its syncs come every H updates, which a rank without data would '
+     'not count alike'),
 ]
 
 

@@ -1,0 +1,240 @@
+"""Local steps with an outer optimizer (``create_multi_node_optimizer(
+opt, comm, local_steps=H)``: DiLoCo, and with ``fragments=F`` Streaming
+DiLoCo; docs/local_sgd.md).
+
+Each rank updates its own replica with the wrapped (inner) optimizer on
+its own gradients; nothing is averaged between syncs.  Every H updates a
+fragment's pseudo-gradients (its synced parameters minus the local ones)
+are averaged through the communicator's ``mean_grads`` (so every
+communicator, wire and the timeline apply), and the fragment's outer
+optimizer steps the synced parameters with their mean; the model then
+holds the new synced values, bit for bit the same on every rank.  With
+``fragment_sync_delay=tau`` the averaging runs in the background
+(``mean_grads_async``) during the next tau inner updates and the outer
+update lands after the tau-th, replacing the fragment's local values (as
+torchft's DiLoCo with ``fragment_update_alpha=0``)."""
+
+import contextlib
+
+import chainer
+import numpy
+
+from mnopt.optimizers import fragments as schedule
+from mnopt.optimizers.protocol import BROADCAST, RESUME, MultiNodeOptimizer
+from mnopt.optimizers.protocol import digest, state_of, stepped
+from mnopt.optimizers.synced_copy import KEY, SyncedCopy
+
+#: Where a snapshot keeps this mode's state (under the optimizer's key).
+SNAPSHOT_KEY = 'mnopt_local_steps'
+
+
+class InFlight(object):
+    """A fragment whose mean is being averaged (``handle``; None once
+    done or loaded), applied after local step ``apply_at``."""
+
+    def __init__(self, index, apply_at, handle, means):
+        self.index, self.apply_at = index, apply_at
+        self.handle, self.means = handle, means
+
+    def wait(self, blocked):
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            blocked(handle.wait)
+        return self.means
+
+
+class LocalStepsOptimizer(MultiNodeOptimizer):
+    """``local_steps=H``: see the module.  ``_done`` counts the updates
+    applied since the last broadcast, the synchronous warm-up's
+    (``sync_warmup_steps``) first; local step s is the s-th after it."""
+
+    def __init__(self, actual_optimizer, communicator, zero_fill, settings):
+        super(LocalStepsOptimizer, self).__init__(
+            actual_optimizer, communicator, zero_fill)
+        object.__setattr__(self, '_local', settings)
+        object.__setattr__(self, '_template', settings.outer())
+        object.__setattr__(self, '_synced', None)
+        object.__setattr__(self, '_done', 0)
+        object.__setattr__(self, '_in_flight', None)
+
+    # ------------------------------------------------------------- public
+    @contextlib.contextmanager
+    def using_synced_parameters(self):
+        """Inside, the model holds the synced parameters (the last sync's,
+        the same on every rank: what to evaluate or export); its local
+        ones again after.  Before the first local step the model's own
+        parameters are the synchronous ones, and stay."""
+        if self._synced is None:
+            yield
+            return
+        with self._synced.swapped_in(self.target):
+            yield
+
+    def wait(self):
+        """Block until a fragment's averaging in flight is done (its outer
+        update still lands at its step)."""
+        if self._in_flight is not None:
+            self._in_flight.wait(self._blocked)
+
+    # --------------------------------------------------------------- step
+    @stepped
+    def update(self, lossfun=None, *args, **kwds):
+        if lossfun is not None:
+            self._backward(lossfun, args, kwds)
+        step = self._next_step()
+        if step is BROADCAST:
+            self.wait()
+            self.communicator.bcast_data(self.target)
+            self._restart()
+            return
+        if step is RESUME and not self._make_replicas_agree():
+            return
+        warmup = self._local.sync_warmup_steps
+        if self._done < warmup:
+            self._blocked(self.communicator.multi_node_mean_grad,
+                          self.target, self.zero_fill)
+            self._apply(*args, **kwds)
+            object.__setattr__(self, '_done', self._done + 1)
+            return
+        if self._synced is None or self._done == warmup:
+            # The local phase starts from the replicas' common parameters.
+            object.__setattr__(self, '_synced', SyncedCopy.of(
+                self.target, self._template, self._local.fragments))
+        self._apply(*args, **kwds)   # the inner update: own gradients only
+        object.__setattr__(self, '_done', self._done + 1)
+        local_step = self._done - warmup
+        self._land(local_step)
+        self._start(local_step)
+
+    def _restart(self):
+        object.__setattr__(self, '_synced', None)
+        object.__setattr__(self, '_done', 0)
+        object.__setattr__(self, '_in_flight', None)
+
+    def _land(self, local_step):
+        """The outer update of the fragment in flight, if its step."""
+        flight = self._in_flight
+        if flight is None or flight.apply_at != local_step:
+            return
+        means = flight.wait(self._blocked)
+        object.__setattr__(self, '_in_flight', None)
+        self._outer_update(flight.index, means)
+
+    def _start(self, local_step):
+        """The syncs due after this local step: averaged now and applied
+        (no delay), or started in the background."""
+        delay = self._local.fragment_sync_delay
+        for index in schedule.starting(local_step, self._local.local_steps,
+                                       self._local.fragments):
+            named = self._synced.pseudo_gradients(self.target, index)
+            if not named:
+                continue   # a fragment without arrays: on every rank
+            if delay == 0:
+                self._blocked(self.communicator.mean_grads, named)
+                self._outer_update(index, named)
+                continue
+            handle = self._blocked(self.communicator.mean_grads_async, named)
+            object.__setattr__(self, '_in_flight', InFlight(
+                index, local_step + delay, handle, named))
+
+    def _outer_update(self, index, means):
+        with self._timeline().span('update', 'compute'):
+            self._synced.apply(index, means, self.target)
+
+    # ---------------------------------------------------------- snapshots
+    def _serialize_state(self, serializer):
+        """Also this mode's state (``_serialize_local``).  The inner
+        optimizer's state and the model's parameters are each rank's own
+        between syncs: every rank's snapshot file holds its own (a
+        snapshot written by rank 0 alone resumes every rank from rank 0's
+        replica)."""
+        self.wait()
+        super(LocalStepsOptimizer, self)._serialize_state(serializer)
+        self._serialize_local(serializer[SNAPSHOT_KEY])
+
+    def _serialize_local(self, serializer):
+        """The updates done since the broadcast, the settings they count
+        in, the synced copy with its outer state, and the fragment in
+        flight with its (finished) mean: the same on every rank, and on
+        any number of ranks (means and synced values)."""
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        settings = numpy.array([self._local.local_steps,
+                                self._local.fragments,
+                                self._local.sync_warmup_steps], numpy.int64)
+        if not loading:
+            serializer('done', numpy.int64(self._done))
+            serializer('settings', settings)
+            serializer('has_synced', numpy.bool_(self._synced is not None))
+            if self._synced is not None:
+                self._synced.save(serializer[KEY])
+            flight = self._in_flight
+            serializer('in_flight', numpy.array(
+                [] if flight is None else [flight.index, flight.apply_at],
+                numpy.int64))
+            if flight is not None:
+                for i, (_, mean) in enumerate(flight.means):
+                    serializer['means']('m%d' % i, mean)
+            return
+        self._load_local(serializer, settings)
+
+    def _load_local(self, serializer, settings):
+        done = _read(serializer, 'done')
+        if done is None:   # a snapshot of another mode: start afresh
+            self._restart()
+            return
+        written = numpy.asarray(_read(serializer, 'settings'))
+        if not numpy.array_equal(written, settings):
+            raise ValueError(
+                'the snapshot was written with local_steps=%d, fragments=%d, '
+                'sync_warmup_steps=%d; this optimizer has %d, %d, %d: pass '
+                "the snapshot's settings to create_multi_node_optimizer to "
+                'resume it' % (tuple(written) + tuple(settings)))
+        synced = SyncedCopy.load(serializer[KEY], self.target,
+                                 self._template) \
+            if bool(_read(serializer, 'has_synced')) else None
+        flight = None
+        where = [int(v) for v in _read(serializer, 'in_flight')]
+        if where:
+            names = synced.names(where[0])
+            params = dict(self.target.namedparams())
+            means = []
+            for i, name in enumerate(names):
+                host = numpy.asarray(serializer['means']('m%d' % i, None))
+                param = params.get(name)
+                device = chainer.backend.CpuDevice() if param is None or \
+                    param.array is None else param.device
+                means.append((name, device.send(host)))
+            flight = InFlight(where[0], where[1], None, means)
+        object.__setattr__(self, '_done', int(done))
+        object.__setattr__(self, '_synced', synced)
+        object.__setattr__(self, '_in_flight', flight)
+
+    def _make_replicas_agree(self):
+        """After a load: the synced copy, outer state, step count and
+        fragment in flight must be the same on every rank (the local
+        parameters and inner state are each rank's own).  Where they
+        differ (a snapshot loaded on some ranks only), every rank takes
+        rank 0's whole state and replica, and this update applies
+        nothing, as after a broadcast.  True where nothing moved."""
+        comm = self.communicator
+        shared = state_of(lambda s: self._serialize_local(s[SNAPSHOT_KEY]))
+        votes = comm.everyone((digest(sorted(shared.items())), self._updates),
+                              'the synced parameters of local_steps')
+        object.__setattr__(self, '_updates', votes[0][1])
+        if all(v[0] == votes[0][0] for v in votes):
+            return True
+        comm.bcast_data(self.target)
+        state = comm.bcast_obj(state_of(self._serialize_state)
+                               if comm.rank == 0 else None)
+        if comm.rank != 0:
+            self._serialize_state(chainer.serializers.NpzDeserializer(
+                state, strict=False))
+        return False
+
+
+def _read(serializer, key):
+    """A snapshot's value of ``key``, or None where it has none."""
+    try:
+        return serializer(key, None)
+    except KeyError:
+        return None

@@ -1,0 +1,152 @@
+"""The synced copy of ``local_steps`` (mnopt/optimizers/local_steps.py):
+the parameters as of each fragment's last sync, the same on every rank,
+each fragment with its own copy of the outer optimizer set up on them;
+the pseudo-gradients (synced minus local), the outer update of a
+fragment from their mean, and its snapshot.
+
+The copy is kept in float32 at least (float16 parameters get a float32
+copy, as DiLoCo's outer state), so pseudo-gradients are computed and the
+outer optimizer steps in float32; the wire is the communicator's
+``allreduce_grad_dtype``.  Each fragment's outer optimizer is a copy of
+the one given, updating that fragment's parameters only (a Chainer
+optimizer updates every parameter of its target, and would move the
+others with zero gradients)."""
+
+import contextlib
+import copy
+
+import chainer
+import numpy
+
+from mnopt.optimizers.fragments import split_by_bytes
+from mnopt.optimizers.protocol import StatesMayBeAbsent
+
+#: Where a snapshot keeps it (under the optimizer's key).
+KEY = 'synced'
+
+
+def copy_dtype(dtype):
+    """The synced copy's dtype: the parameter's, float32 at least."""
+    return numpy.promote_types(dtype, numpy.float32)
+
+
+class Fragment(object):
+    """Some parameters' synced copy (``link``: p0, p1, ... in the order
+    of ``names``) and their outer optimizer."""
+
+    def __init__(self, names, arrays, template):
+        self.names = list(names)
+        self.link = chainer.Link()
+        with self.link.init_scope():
+            for i, array in enumerate(arrays):
+                setattr(self.link, 'p%d' % i, chainer.Parameter(array))
+        self.outer = copy.deepcopy(template)
+        self.outer.setup(self.link)
+
+    def params(self):
+        return [getattr(self.link, 'p%d' % i) for i in range(len(self.names))]
+
+
+class SyncedCopy(object):
+    """Every fragment's synced parameters and outer optimizer."""
+
+    def __init__(self, fragments):
+        self.fragments = fragments
+
+    @classmethod
+    def of(cls, target, template, count):
+        """A copy of ``target``'s parameters now, cut into ``count``
+        fragments of about equal bytes."""
+        params = dict(target.namedparams())
+        named = sorted((n, p.array) for n, p in params.items()
+                       if p.array is not None)
+        cuts = split_by_bytes([(n, a.nbytes) for n, a in named], count)
+        return cls([Fragment(names, [_copy_of(params[n].array)
+                                     for n in names], template)
+                    for names in cuts])
+
+    def names(self, index):
+        return self.fragments[index].names
+
+    def pseudo_gradients(self, target, index):
+        """``[(name, synced - local), ...]`` of fragment ``index`` in the
+        copy's dtype: what the communicator averages."""
+        params = dict(target.namedparams())
+        fragment = self.fragments[index]
+        out = []
+        for name, synced in zip(fragment.names, fragment.params()):
+            local = params[name].array
+            with chainer.using_device(params[name].device):
+                out.append((name, synced.array - local.astype(
+                    synced.array.dtype, copy=False)))
+        return out
+
+    def apply(self, index, means, target):
+        """The outer update of fragment ``index`` from the mean
+        pseudo-gradients ``[(name, array), ...]``; the model's parameters
+        of the fragment then take the new synced values (the same on every
+        rank, bit for bit)."""
+        fragment = self.fragments[index]
+        for param, (_, mean) in zip(fragment.params(), means):
+            param.grad = mean
+        fragment.outer.update()
+        params = dict(target.namedparams())
+        for name, synced in zip(fragment.names, fragment.params()):
+            synced.grad = None
+            local = params[name]
+            local.array[...] = synced.array.astype(local.array.dtype,
+                                                   copy=False)
+
+    @contextlib.contextmanager
+    def swapped_in(self, target):
+        """The model's parameters are the synced ones inside (cast to
+        their dtype), its local ones again after."""
+        params = dict(target.namedparams())
+        saved = {}
+        try:
+            for fragment in self.fragments:
+                for name, synced in zip(fragment.names, fragment.params()):
+                    param = params[name]
+                    saved[name] = param.array
+                    param.array = synced.array.astype(param.array.dtype)
+            yield
+        finally:
+            for name, array in saved.items():
+                params[name].array = array
+
+    # ------------------------------------------------------------ snapshots
+    def save(self, serializer):
+        """Each fragment's names, synced parameters and outer state."""
+        serializer('count', numpy.int64(len(self.fragments)))
+        for i, fragment in enumerate(self.fragments):
+            sub = serializer['f%d' % i]
+            sub('names', numpy.array(fragment.names, dtype=str))
+            fragment.link.serialize(sub['params'])
+            fragment.outer.serialize(sub['outer'])
+
+    @classmethod
+    def load(cls, serializer, target, template):
+        """The copy a snapshot holds, on the devices of ``target``'s
+        parameters (the host for those without data yet)."""
+        params = dict(target.namedparams())
+        fragments = []
+        for i in range(int(serializer('count', None))):
+            sub = serializer['f%d' % i]
+            names = [str(n) for n in sub('names', None)]
+            arrays = []
+            for j, name in enumerate(names):
+                host = numpy.asarray(sub['params']('p%d' % j, None))
+                param = params.get(name)
+                device = param.device if param is not None and \
+                    param.array is not None else chainer.backend.CpuDevice()
+                arrays.append(device.send(host))
+            fragment = Fragment(names, arrays, template)
+            # Before the first outer update of a fragment: no state yet.
+            fragment.outer.serialize(StatesMayBeAbsent(sub['outer']))
+            fragments.append(fragment)
+        return cls(fragments)
+
+
+def _copy_of(array):
+    """A copy of ``array`` in the synced copy's dtype, on its device."""
+    return array.astype(copy_dtype(array.dtype), copy=True)
