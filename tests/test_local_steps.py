@@ -1,0 +1,452 @@
+"""Local steps with an outer optimizer (``create_multi_node_optimizer(
+..., local_steps=H)``, docs/local_sgd.md): H=1 with an outer SGD of lr 1
+is synchronous averaging; ranks differ between syncs and hold the same
+bits at each; the outer Nesterov step is PyTorch's, against a
+one-process reference built from every rank's local parameters;
+fragments sync on their schedule; a snapshot mid-H or with a fragment in
+flight resumes bit for bit; refusals and differing settings are an error
+on every rank.
+
+Run serially and under mpiexec -n 2 and -n 3."""
+
+import numpy
+import pytest
+
+chainer = pytest.importorskip(
+    'chainer', reason='the Chainer layer (the numpy1 and numpy2 stacks run it)')
+import chainer.functions as F   # noqa: E402
+import chainer.links as L   # noqa: E402
+
+import mnopt   # noqa: E402
+from mnopt.optimizers.fragments import split_by_bytes, starting   # noqa
+from conftest import WORLD   # noqa: E402
+
+pytestmark = pytest.mark.many_ranks
+
+BATCH = 4
+
+
+class MLP(chainer.Chain):
+    def __init__(self):
+        super(MLP, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=_weights(8, 6, 1))
+            self.l2 = L.Linear(8, 8, initialW=_weights(8, 8, 2))
+
+    def __call__(self, x, t):
+        return F.softmax_cross_entropy(self.l2(F.tanh(self.l1(x))), t)
+
+
+class Linear(chainer.Chain):
+    """A loss linear in the parameters, ``sum(W * x)``: its gradient is
+    ``x``, whatever the parameters.  With dyadic data whose mean over the
+    ranks is dyadic too, and a power-of-two lr, every value the optimizers
+    compute is exact (no rounding anywhere)."""
+
+    def __init__(self):
+        super(Linear, self).__init__()
+        with self.init_scope():
+            self.W = chainer.Parameter(numpy.arange(
+                12, dtype=numpy.float32).reshape(3, 4) / 8)
+
+    def __call__(self, x):
+        return F.sum(self.W * x)
+
+
+def _weights(rows, cols, seed):
+    return numpy.random.RandomState(seed).normal(
+        0, 0.5, (rows, cols)).astype(numpy.float32)
+
+
+def batch(step, rank):
+    rng = numpy.random.RandomState(1000 * step + rank)
+    return (rng.normal(0, 1, (BATCH, 6)).astype(numpy.float32),
+            rng.randint(0, 8, BATCH).astype(numpy.int32))
+
+
+def dyadic_batch(step, rank, size):
+    """Quarters, spread about their mean over the ranks by whole
+    multiples of a quarter that sum to zero: the mean is a quarter too."""
+    rng = numpy.random.RandomState(step)
+    base = rng.randint(-8, 9, (3, 4)).astype(numpy.float32) / 4
+    spread = rng.randint(-2, 3, (3, 4)).astype(numpy.float32) / 4
+    return (base + (2 * rank - (size - 1)) * spread,)
+
+
+def make(comm, inner=None, model=None, **kwargs):
+    model = MLP() if model is None else model
+    opt = mnopt.create_multi_node_optimizer(
+        inner or chainer.optimizers.SGD(lr=0.1), comm, **kwargs)
+    return model, opt.setup(model)
+
+
+def params_of(model):
+    return {n: p.array.copy() for n, p in sorted(model.namedparams())}
+
+
+def same_on_every_rank(comm, arrays):
+    """Whether every rank holds ``arrays`` ({name: array}) bit for bit."""
+    mine = {n: a.tobytes() for n, a in arrays.items()}
+    return all(other == mine for other in comm.everyone(mine, 'test'))
+
+
+def snapshot_of(model, opt):
+    snapshot = {}
+    for prefix, obj in (('model/', model), ('opt/', opt)):
+        obj.serialize(chainer.serializers.DictionarySerializer(
+            snapshot, prefix))
+    return {key: numpy.array(value, copy=True)
+            for key, value in snapshot.items()}
+
+
+def load(snapshot, model, opt):
+    """As Chainer's trainer loads: the optimizer, then the model."""
+    for prefix, obj in (('opt/', opt), ('model/', model)):
+        obj.serialize(chainer.serializers.NpzDeserializer(snapshot, prefix))
+
+
+# ------------------------------------------------------------- H=1 is sync
+@pytest.mark.parametrize('wire', [None, 'float16', 'bfloat16'])
+def test_h1_with_outer_sgd_lr1_is_synchronous_averaging_bit_for_bit(
+        comm_name, wire):
+    """Exact arithmetic (a loss linear in the parameters, dyadic data
+    with a dyadic mean, a power-of-two lr): no step rounds, so the outer
+    SGD's synced - mean(synced - local_i) is synchronous averaging's
+    param - lr*mean(g_i) bit for bit, on every communicator and wire."""
+    comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire)
+    try:
+        results = []
+        for local in (False, True):
+            kwargs = {'local_steps': 1, 'outer_optimizer':
+                      chainer.optimizers.SGD(lr=1.0)} if local else {}
+            model, opt = make(comm, chainer.optimizers.SGD(lr=0.25),
+                              model=Linear(), **kwargs)
+            for step in range(5):
+                opt.update(model, *dyadic_batch(step, comm.rank, comm.size))
+            results.append(params_of(model))
+        assert results[0]['/W'].tobytes() == results[1]['/W'].tobytes()
+        assert same_on_every_rank(comm, results[1])
+    finally:
+        comm.finalize()
+
+
+def test_h1_with_outer_sgd_lr1_is_synchronous_within_float32_rounding():
+    """On a real model, synced - (synced - lr*g) is lr*g only up to
+    float32's rounding of the inner step: the two runs agree to it."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        results = []
+        for local in (False, True):
+            kwargs = {'local_steps': 1, 'outer_optimizer':
+                      chainer.optimizers.SGD(lr=1.0)} if local else {}
+            model, opt = make(comm, **kwargs)
+            for step in range(6):
+                opt.update(model, *batch(step, comm.rank))
+            results.append(params_of(model))
+        for name in results[0]:
+            numpy.testing.assert_allclose(results[1][name], results[0][name],
+                                          rtol=1e-5, atol=1e-6)
+        moved = params_of(make(comm)[0])
+        assert any((moved[n] != results[1][n]).any() for n in moved)
+    finally:
+        comm.finalize()
+
+
+# ----------------------------------------------------------- syncs and not
+def test_ranks_differ_between_syncs_and_agree_at_each():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=3)
+        opt.update(model, *batch(0, comm.rank))   # the broadcast
+        for step in range(1, 10):
+            opt.update(model, *batch(step, comm.rank))
+            agree = same_on_every_rank(comm, params_of(model))
+            if step % 3 == 0 or comm.size == 1:
+                assert agree, step
+            else:
+                assert not agree, step
+    finally:
+        comm.finalize()
+
+
+def pytorch_nesterov(param, buf, grad, lr, momentum):
+    """PyTorch's SGD(nesterov=True) step, in place (torch/optim/sgd.py:
+    buf = momentum*buf + grad; param -= lr*(grad + momentum*buf))."""
+    buf *= momentum
+    buf += grad
+    param -= lr * (grad + momentum * buf)
+
+
+def test_outer_nesterov_is_pytorchs_nesterov_sgd_bit_for_bit():
+    link = chainer.Link()
+    with link.init_scope():
+        link.p = chainer.Parameter(_weights(3, 5, 3))
+    param, buf = link.p.array.copy(), numpy.zeros_like(link.p.array)
+    opt = mnopt.optimizers.OuterNesterov(lr=0.7, momentum=0.9)
+    opt.setup(link)
+    for step in range(4):
+        grad = _weights(3, 5, 10 + step)
+        link.p.grad = grad.copy()
+        opt.update()
+        pytorch_nesterov(param, buf, grad, 0.7, 0.9)
+        assert link.p.array.tobytes() == param.tobytes()
+
+
+def test_the_outer_step_matches_a_one_process_reference():
+    """Every rank replays every rank's inner updates (MomentumSGD on its
+    own batches) in one process, averages the pseudo-gradients with NumPy
+    and steps PyTorch's Nesterov (DiLoCo's lr 0.7, momentum 0.9): the
+    model at each sync is that, to float32's rounding of the mean."""
+    H, steps = 2, 7
+    comm = mnopt.create_communicator('hierarchical')
+    try:
+        model, opt = make(comm, chainer.optimizers.MomentumSGD(lr=0.1),
+                          local_steps=H)
+        replicas = []
+        for rank in range(comm.size):
+            replica = MLP()
+            inner = chainer.optimizers.MomentumSGD(lr=0.1)
+            replicas.append((replica, inner.setup(replica)))
+        synced = params_of(replicas[0][0])
+        bufs = {n: numpy.zeros_like(a) for n, a in synced.items()}
+        opt.update(model, *batch(0, comm.rank))   # the broadcast
+        for step in range(1, steps + 1):
+            opt.update(model, *batch(step, comm.rank))
+            for rank, (replica, inner) in enumerate(replicas):
+                inner.update(replica, *batch(step, rank))
+            if step % H:
+                continue
+            locals_ = [params_of(r) for r, _ in replicas]
+            for name in synced:
+                mean = numpy.mean([synced[name] - p[name] for p in locals_],
+                                  axis=0)
+                pytorch_nesterov(synced[name], bufs[name], mean, 0.7, 0.9)
+            for replica, _ in replicas:
+                for name, param in replica.namedparams():
+                    param.array[...] = synced[name]
+            got = params_of(model)
+            for name in synced:
+                numpy.testing.assert_allclose(got[name], synced[name],
+                                              rtol=1e-5, atol=1e-6)
+    finally:
+        comm.finalize()
+
+
+# ---------------------------------------------------------------- fragments
+def test_fragments_are_contiguous_and_about_equal_in_bytes():
+    named = [('a', 100), ('b', 100), ('c', 10), ('d', 90), ('e', 100)]
+    assert split_by_bytes(named, 2) == [['a', 'b'], ['c', 'd', 'e']]
+    assert split_by_bytes(named, 1) == [['a', 'b', 'c', 'd', 'e']]
+    assert starting(4, 4, 2) == [0] and starting(2, 4, 2) == [1]
+    assert starting(3, 4, 2) == [] and starting(8, 8, 4) == [0]
+
+
+@pytest.mark.parametrize('delay', [0, 1, 2])
+def test_fragments_sync_on_their_schedule(delay):
+    """H=4, F=2: fragment f lands (the same on every rank) after local
+    steps s with (s - delay - 2f) % 4 == 0, and only then."""
+    H, frags = 4, 2
+    comm = mnopt.create_communicator('naive')
+    try:
+        model, opt = make(comm, local_steps=H, fragments=frags,
+                          fragment_sync_delay=delay)
+        opt.update(model, *batch(0, comm.rank))
+        for step in range(1, 13):
+            opt.update(model, *batch(step, comm.rank))
+            params = params_of(model)
+            for f in range(frags):
+                names = opt._synced.names(f)
+                assert names
+                landed = step - delay >= 1 and \
+                    (step - delay - f * H // frags) % H == 0
+                agree = same_on_every_rank(
+                    comm, {n: params[n] for n in names})
+                assert agree == (landed or comm.size == 1), (step, f)
+    finally:
+        comm.finalize()
+
+
+def test_each_sync_sends_one_fragment():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=4, fragments=2)
+        sent = []
+        mean_grads = comm.mean_grads
+
+        def recorded(named, *args, **kwargs):
+            named = list(named)
+            sent.append(sorted(n for n, _ in named))
+            return mean_grads(named, *args, **kwargs)
+        comm.mean_grads = recorded
+        for step in range(9):
+            opt.update(model, *batch(step, comm.rank))
+        assert sent == [opt._synced.names(1), opt._synced.names(0)] * 2
+        assert set(sent[0]).isdisjoint(sent[1])
+    finally:
+        comm.finalize()
+
+
+# ---------------------------------------------------------------- snapshots
+@pytest.mark.parametrize('at, settings', [
+    (3, {'local_steps': 4}),                                  # mid-H
+    (2, {'local_steps': 4, 'fragments': 2,
+         'fragment_sync_delay': 1}),                          # in flight
+    (4, {'local_steps': 4, 'fragments': 2,
+         'fragment_sync_delay': 2}),                          # in flight
+    (1, {'local_steps': 2, 'sync_warmup_steps': 2}),          # warm-up
+    (5, {'local_steps': 2, 'sync_warmup_steps': 2,
+         'outer_optimizer': chainer.optimizers.Adam(alpha=0.01)}),
+])
+def test_a_snapshot_resumes_bit_for_bit(at, settings):
+    comm = mnopt.create_communicator('flat')
+    try:
+        inner = chainer.optimizers.MomentumSGD(lr=0.1)
+        model, opt = make(comm, inner, **settings)
+        for step in range(12):
+            opt.update(model, *batch(step, comm.rank))
+            if step == at:
+                snapshot = snapshot_of(model, opt)
+        resumed_model, resumed = make(
+            comm, chainer.optimizers.MomentumSGD(lr=0.1), **settings)
+        load(snapshot, resumed_model, resumed)
+        for step in range(at + 1, 12):
+            resumed.update(resumed_model, *batch(step, comm.rank))
+        final, again = params_of(model), params_of(resumed_model)
+        assert all(final[n].tobytes() == again[n].tobytes() for n in final)
+        assert resumed.t == opt.t
+    finally:
+        comm.finalize()
+
+
+def test_a_snapshot_of_other_settings_is_refused_clearly():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=4)
+        for step in range(3):
+            opt.update(model, *batch(step, comm.rank))
+        snapshot = snapshot_of(model, opt)
+        other_model, other = make(comm, local_steps=8)
+        with pytest.raises(ValueError, match='written with local_steps=4'):
+            load(snapshot, other_model, other)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_a_snapshot_loaded_on_rank_0_alone_gives_every_rank_its_state():
+    comm = mnopt.create_communicator('naive')
+    try:
+        model, opt = make(comm, local_steps=4)
+        for step in range(6):
+            opt.update(model, *batch(step, comm.rank))
+        snapshot = snapshot_of(model, opt)
+        resumed_model, resumed = make(comm, local_steps=4)
+        if comm.rank == 0:
+            load(snapshot, resumed_model, resumed)
+        resumed.update(resumed_model, *batch(6, comm.rank))  # agrees
+        assert same_on_every_rank(comm, params_of(resumed_model))
+        for step in range(7, 10):
+            resumed.update(resumed_model, *batch(step, comm.rank))
+        # Rank 0's count: local step 8 (update 8) is a sync.
+        assert same_on_every_rank(comm, params_of(resumed_model))
+    finally:
+        comm.finalize()
+
+
+# ---------------------------------------------------------------- evaluator
+def test_the_synced_parameters_swap_in_for_evaluation():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=4)
+        for step in range(7):
+            opt.update(model, *batch(step, comm.rank))
+        local = params_of(model)
+        with opt.using_synced_parameters():
+            inside = params_of(model)
+        assert same_on_every_rank(comm, inside)
+        after = params_of(model)
+        assert all(local[n].tobytes() == after[n].tobytes() for n in local)
+        if comm.size > 1:
+            assert any((inside[n] != local[n]).any() for n in local)
+    finally:
+        comm.finalize()
+
+
+def test_accumulation_counts_inner_updates():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=2, accumulation_steps=2)
+        for step in range(10):   # 5 updates: broadcast, then 4 local
+            opt.update(model, *batch(step, comm.rank))
+        assert opt.t == 4
+        assert same_on_every_rank(comm, params_of(model))
+    finally:
+        comm.finalize()
+
+
+# ----------------------------------------------------------------- refusals
+@pytest.mark.parametrize('kwargs, match', [
+    ({'local_steps': 2, 'double_buffering': True}, 'double_buffering=True'),
+    ({'local_steps': 2, 'overlap': True}, 'overlap=True'),
+    ({'local_steps': 2, 'shard_state': True}, 'shard_state=True'),
+    ({'local_steps': 0}, 'local_steps must be a whole number'),
+    ({'local_steps': True}, 'local_steps must be a whole number'),
+    ({'local_steps': 4, 'fragments': 3}, 'fragments must be a whole number'),
+    ({'local_steps': 4, 'fragments': 2, 'fragment_sync_delay': 3},
+     'fragment_sync_delay must be'),
+    ({'local_steps': 4, 'sync_warmup_steps': -1}, 'sync_warmup_steps must'),
+    ({'fragments': 2}, 'only apply with local_steps'),
+    ({'local_steps': 2, 'outer_optimizer': chainer.optimizers.SGD},
+     'outer_optimizer takes a Chainer optimizer instance'),
+])
+def test_a_refused_setting_is_an_error_on_every_rank(kwargs, match):
+    comm = mnopt.create_communicator('naive')
+    try:
+        with pytest.raises((ValueError, TypeError), match=match):
+            make(comm, **kwargs)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('setting, match', [
+    ({'compression': 'sign'}, "compression='sign'"),
+    ({'bucket_bytes': 'auto'}, "'auto' settings"),
+])
+def test_a_refused_communicator_is_an_error_on_every_rank(setting, match):
+    comm = mnopt.create_communicator('flat', **setting)
+    try:
+        with pytest.raises(ValueError, match=match):
+            make(comm, local_steps=2)
+    finally:
+        comm.finalize()
+
+
+def test_a_comm_hook_and_join_are_refused_on_every_rank():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=2)
+        with pytest.raises(ValueError, match='not with local_steps'):
+            with mnopt.join(opt):
+                pass
+        comm.register_comm_hook({}, lambda state, bucket, c: None)
+        with pytest.raises(ValueError, match='registered comm hook'):
+            make(comm, local_steps=2)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+@pytest.mark.parametrize('differ', [
+    lambda rank: {'local_steps': 2 + rank},
+    lambda rank: {'local_steps': 4, 'fragments': 2 ** rank},
+    lambda rank: {'local_steps': 4, 'outer_optimizer':
+                  mnopt.optimizers.OuterNesterov(lr=0.7 + rank)},
+    lambda rank: {'local_steps': 4, 'sync_warmup_steps': rank},
+])
+def test_settings_that_differ_across_ranks_fail_together(differ):
+    comm = mnopt.create_communicator('naive')
+    try:
+        with pytest.raises(ValueError, match='every rank must pass the same'):
+            make(comm, **differ(comm.rank))
+    finally:
+        comm.finalize()
