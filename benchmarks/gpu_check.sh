@@ -70,7 +70,7 @@ mpiexec -n 2 python3 -c 'from mpi4py import MPI
 assert MPI.COMM_WORLD.size == 2, MPI.Get_library_version()' || exit 1
 
 stages=${*:-tests bench zero ranks}
-read -r -a limits <<< "${MNOPT_GPU_CHECK_LIMITS:-240 140 80 55 55}"
+read -r -a limits <<< "${MNOPT_GPU_CHECK_LIMITS:-240 130 70 55 55}"
 if [ "${#limits[@]}" -ne 5 ]; then
     echo "MNOPT_GPU_CHECK_LIMITS: five numbers of seconds (tests, bench," \
         "zero, -n 2, -n 3), not '${MNOPT_GPU_CHECK_LIMITS:-}'"

@@ -19,8 +19,13 @@ import pytest
 
 import mnopt
 from mnopt.communicators import comm_hooks
+from mnopt.transport import collective_check
 from conftest import WORLD, chainer, needs_chainer
 from test_gpu import same_bits
+
+needs_ranks = pytest.mark.skipif(
+    WORLD.size < 2, reason='needs two ranks (mpiexec -n 2): the gpu_check '
+                           'ranks stage runs it')
 
 CPU_KINDS = ('naive', 'flat', 'hierarchical', 'hierarchical-2-per-node')
 SHAPES = [(3, 5), (700,), (40, 33), (7,), (2500,)]
@@ -91,6 +96,30 @@ def assert_same(numpy_params, cupy_params):
         assert same_bits(numpy_params[n], cupy_params[n]), n
 
 
+def expected_params(updates, k):
+    """The parameters a synchronous step gives, from the constants alone
+    (an independent reference): the first update broadcasts rank 0's
+    parameters and applies nothing; each later one applies LR times the
+    mean over the ranks of its k micro-steps' mean constant."""
+    params = {'/p%d' % i: numpy.full(s, 0.25 * i, numpy.float64)
+              for i, s in enumerate(SHAPES)}
+    for u in range(1, updates):
+        means = [sum(constants(u * k + j, r, numpy)[i].astype(numpy.float64)
+                     for j in range(k)) / k
+                 for r in range(WORLD.size) for i in range(len(SHAPES))]
+        for i in range(len(SHAPES)):
+            mean = sum(means[r * len(SHAPES) + i]
+                       for r in range(WORLD.size)) / WORLD.size
+            params['/p%d' % i] -= LR * mean
+    return params
+
+
+def assert_near(got, want):
+    for n in want:
+        numpy.testing.assert_allclose(got[n], want[n], rtol=1e-5,
+                                      atol=1e-5, err_msg=n)
+
+
 MODES = {'sync': {}, 'double_buffering': {'double_buffering': True},
          'overlap': {'overlap': True}, 'zero1': {'shard_state': True},
          'zero2': {'shard_state': True, 'overlap': True}}
@@ -104,8 +133,9 @@ def test_accumulation_on_the_gpu_is_accumulation_on_the_host(cupy, kind,
     on_host = train(numpy, kind, updates=2 * STEPS, **options)
     on_gpu = train(cupy, kind, updates=2 * STEPS, **options)
     assert_same(on_host, on_gpu)
-    assert any(float(abs(v - 0.25 * i).max()) > 0 for i, v in
-               enumerate(on_gpu[k] for k in sorted(on_gpu)))   # it trained
+    if mode != 'double_buffering':   # (its updates apply the last step's)
+        # The K micro-steps' mean, not their last one or their sum.
+        assert_near(on_gpu, expected_params(STEPS, 2))
 
 
 @needs_chainer
@@ -117,6 +147,8 @@ def test_accumulation_on_a_16_bit_wire_on_the_gpu(cupy, wire):
     on_gpu = train(cupy, 'flat', updates=6, settings=settings,
                    accumulation_steps=3)
     assert_same(on_host, on_gpu)
+    if wire is None:
+        assert_near(on_gpu, expected_params(2, 3))
 
 
 def join_train(xp, name, counts):
@@ -160,6 +192,12 @@ def test_a_comm_hook_takes_cupy_gradients(cupy, kind, hook):
     fn = own_hook if hook == 'own' else getattr(comm_hooks, hook)
     comm = mnopt.create_communicator(kind, bucket_bytes=4096)
     comm.skip_single_rank = False
+    # The reference: the averaging each hook stands for, with no hook
+    # (float16_compress_hook's bits are the float16 wire's).
+    wire = 'float16' if hook == 'float16_compress_hook' else None
+    plain = mnopt.create_communicator(kind, bucket_bytes=4096,
+                                      allreduce_grad_dtype=wire)
+    plain.skip_single_rank = False
     state = {} if hook == 'own' else None
     try:
         comm.register_comm_hook(state, fn)
@@ -168,15 +206,17 @@ def test_a_comm_hook_takes_cupy_gradients(cupy, kind, hook):
             a = [('p%d' % i, rng.standard_normal(s).astype(numpy.float32))
                  for i, s in enumerate(SHAPES)]
             b = cupy_copy(cupy, a)
-            comm.mean_grads(a)
+            plain.mean_grads(a)
+            calls = state['calls'] if state else 0
             comm.mean_grads(b)
+            if hook == 'own':   # the hook ran on the CuPy buckets
+                assert state['calls'] > calls
             for (_, x), (_, y) in zip(a, b):
                 assert isinstance(y, cupy.ndarray)
                 assert same_bits(x, cupy.asnumpy(y))
-        if hook == 'own':
-            assert state['calls'] > 2
     finally:
         comm.finalize()
+        plain.finalize()
 
 
 @needs_chainer
@@ -204,25 +244,45 @@ def test_a_comm_hook_through_the_optimizer_on_the_gpu(cupy, mode):
     assert_same(hooked(numpy), hooked(cupy))
 
 
+@needs_ranks
 @needs_chainer
 def test_the_debug_mode_checks_cupy_collectives(cupy, kind, monkeypatch):
-    """MNOPT_DEBUG=detail with CuPy gradients: the checks pass where every
-    rank calls alike, and the steps keep their bits."""
-    from mnopt.transport import collective_check
+    """MNOPT_DEBUG=detail with CuPy gradients (checked at two ranks or
+    more; one rank has nothing to compare): every call is described by its
+    CuPy shapes and dtypes, and the steps keep their bits."""
     plain = train(cupy, kind)
     monkeypatch.setenv('MNOPT_DEBUG', 'detail')
     checked = []
     real = collective_check.digest
 
     def counting(value):
-        checked.append(value)
+        checked.append(repr(value))
         return real(value)
 
     monkeypatch.setattr(collective_check, 'digest', counting)
     debugged = train(cupy, kind)
     assert_same(plain, debugged)
-    if WORLD.size > 1:
-        assert checked, 'MNOPT_DEBUG=detail checked no collective'
+    assert checked, 'MNOPT_DEBUG=detail checked no collective'
+    assert not [c for c in checked if 'unreadable' in c], checked
+
+
+@needs_ranks
+def test_the_debug_mode_names_cupy_shapes_that_differ(cupy, monkeypatch):
+    monkeypatch.setenv('MNOPT_DEBUG', 'detail')
+    comm = mnopt.create_communicator('flat')
+    try:
+        n = 5 + (comm.rank == comm.size - 1)
+        with pytest.raises(collective_check.CollectiveMismatchError,
+                           match=r'mean_grads\(1 arrays \(5 elements, '
+                                 r'float32\)\) at .*\n.*mean_grads\(1 '
+                                 r'arrays \(6 elements, float32\)\)'):
+            comm.mean_grads([('w', cupy.zeros(n, numpy.float32))])
+        # Nothing ran: the ranks are in step, the next call works.
+        named = [('w', cupy.ones(5, numpy.float32))]
+        comm.mean_grads(named)
+        assert float(named[0][1].sum()) == 5.0
+    finally:
+        comm.finalize()
 
 
 @pytest.mark.many_ranks
@@ -263,6 +323,8 @@ def test_the_tuner_on_hierarchical_takes_cupy_gradients(cupy, monkeypatch,
             record.append((used, [cupy.asnumpy(a) for _, a in named]))
         chosen = comm.tuned_settings
         assert chosen is not None
+        tried = {tuple(sorted(u.items())) for u, _ in record}
+        assert len(tried) > 1, tried
         assert agreement.everyone(WORLD, chosen, 'test') == \
             [chosen] * WORLD.size
     finally:
