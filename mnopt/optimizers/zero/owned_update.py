@@ -1,13 +1,26 @@
-"""The wrapped optimizer's update on this rank's parameters only: its
-per-parameter hooks, GradientClipping by the global norm, its update rules,
-and which optimizers and hooks allow that."""
+"""The wrapped optimizer's update on this rank's pieces of the parameters
+only (mnopt/optimizers/zero/partition.py): its per-parameter hooks,
+GradientClipping by the global norm, its update rules, and which
+optimizers and hooks allow that (those that work element by element).
+
+A piece is updated through a stand-in ``chainer.Parameter`` whose array
+and gradient are flat views of the piece: an update rule keeps state of
+the piece's shape, and an elementwise rule gives each element what it
+gives it unsharded."""
 
 import chainer
 import numpy
+from chainer import optimizer_hooks
 from chainer.optimizer_hooks import GradientClipping
 
+#: Chainer's hooks that work element by element (the piece's elements
+#: get what the whole parameter's would).
+ELEMENTWISE_HOOKS = (optimizer_hooks.WeightDecay, optimizer_hooks.Lasso,
+                     optimizer_hooks.GradientHardClipping,
+                     optimizer_hooks.GradientNoise)
 
-def optimizer_hooks(optimizer, timing):
+
+def optimizer_hooks_of(optimizer, timing):
     """The optimizer's hooks of ``timing`` as (name, hook), in the order
     Chainer calls them.
 
@@ -18,9 +31,45 @@ def optimizer_hooks(optimizer, timing):
                  else hookable._post_update_hooks).items())
 
 
+def _elementwise(thing, known):
+    """Whether a rule or hook works element by element: one of ``known``,
+    or one that says so (``elementwise = True``)."""
+    return isinstance(thing, known) or \
+        getattr(thing, 'elementwise', False) is True
+
+
+def _is_chainers_rule(rule):
+    """Chainer's own update rules (chainer.optimizers: SGD, MomentumSGD,
+    Adam, AdaGrad, RMSprop...) and mnopt's Signum all work element by
+    element."""
+    module = type(rule).__module__
+    return module.startswith('chainer.optimizers.') or \
+        module == 'mnopt.optimizers.signum'
+
+
+def _rule_problem(name, rule):
+    if not (_is_chainers_rule(rule) or _elementwise(rule, ())):
+        return ('shard_state splits parameters between ranks, so each '
+                'update rule runs on a piece of its parameter; the rule of '
+                '%r (%s) is not one of Chainer\'s, which work element by '
+                'element: if yours does too, set its class\'s '
+                '`elementwise = True`' % (name, type(rule).__name__))
+    hookable = getattr(rule, '_hookable', None)
+    for timing in ('_pre_update_hooks', '_post_update_hooks'):
+        for hook_name, hook in getattr(hookable, timing, {}).items():
+            if not _elementwise(hook, ELEMENTWISE_HOOKS):
+                return ('shard_state splits parameters between ranks; the '
+                        'update rule hook %r (%s) of %r is not known to work '
+                        'element by element: remove it, or set '
+                        '`elementwise = True` on it if it does'
+                        % (hook_name, type(hook).__name__, name))
+    return None
+
+
 def optimizer_problem(optimizer):
     """Why ``optimizer`` cannot have its state sharded (a sentence), or
-    None: its update must be Chainer's per-parameter one."""
+    None: its update must be Chainer's per-parameter one, its rules and
+    per-parameter hooks elementwise."""
     if not isinstance(optimizer, chainer.optimizer.GradientMethod) or \
             type(optimizer).update is not \
             chainer.optimizer.GradientMethod.update:
@@ -35,83 +84,112 @@ def optimizer_problem(optimizer):
     if optimizer.target is None:
         return None
     for timing in ('pre', 'post'):
-        for name, hook in optimizer_hooks(optimizer, timing):
-            if getattr(hook, 'call_for_each_param', False):
-                continue
+        for name, hook in optimizer_hooks_of(optimizer, timing):
             if type(hook) is GradientClipping and timing == 'pre':
                 continue
-            return ('shard_state runs per-parameter hooks (WeightDecay, '
-                    'Lasso, GradientHardClipping...) and GradientClipping; '
-                    'hook %r (%s) looks at every parameter at once and '
-                    'would see only this rank\'s share'
-                    % (name, type(hook).__name__))
+            if not getattr(hook, 'call_for_each_param', False):
+                return ('shard_state runs per-parameter hooks (WeightDecay, '
+                        'Lasso, GradientHardClipping...) and GradientClipping; '
+                        'hook %r (%s) looks at every parameter at once and '
+                        'would see only this rank\'s share'
+                        % (name, type(hook).__name__))
+            if not _elementwise(hook, ELEMENTWISE_HOOKS):
+                return ('shard_state splits parameters between ranks, so a '
+                        'per-parameter hook sees a piece of its parameter; '
+                        'hook %r (%s) is not known to work element by '
+                        'element (GradientLARS takes norms of whole '
+                        'parameters): remove it, or set `elementwise = True` '
+                        'on it if it does' % (name, type(hook).__name__))
+    for name, param in sorted(optimizer.target.namedparams()):
+        rule = getattr(param, 'update_rule', None)
+        problem = rule is not None and _rule_problem(name, rule)
+        if problem:
+            return problem
     return None
 
 
-def reallocate_cleared_grads(params):
-    """GradientMethod.reallocate_cleared_grads on ``params`` only (the
-    owned ones: the others' gradients stay dropped): zeros where a hook
-    cleared a gradient."""
-    for param in params:
-        if param.array is not None and param.grad is None:
-            with chainer.using_device(param.device):
-                param.grad = param.device.xp.zeros_like(param.array)
+class PieceUpdate(object):
+    """One piece of a parameter at update time: the parameter, the
+    piece, and a stand-in ``chainer.Parameter`` over flat views of the
+    piece's elements and of its mean gradient (``grad``: flat, the
+    piece's length)."""
+
+    def __init__(self, param, piece, grad):
+        self.param, self.piece = param, piece
+        self.view = param.array.reshape(-1)[piece.lo:piece.hi]
+        self.stand_in = chainer.Parameter(self.view)
+        self.stand_in.grad = grad
+        self.stand_in._loss_scale = getattr(param, '_loss_scale', None)
+
+    def write_back(self):
+        """Where a rule replaced the array (fp32 updates do), its values
+        into the parameter."""
+        if self.stand_in.array is not self.view:
+            self.view[...] = self.stand_in.array
 
 
-def update_owned(actual, communicator, target, owners):
+def update_pieces(actual, communicator, target, pieces):
     """Chainer's GradientMethod.update after the backward, on this rank's
-    parameters only (``owners``: {name: rank}); ``actual`` is the wrapped
-    optimizer."""
-    rank = communicator.rank
-    owned = [p for n, p in target.namedparams() if owners.get(n) == rank]
-    reallocate_cleared_grads(owned)
-    _call_hooks(actual, 'pre', communicator, target, owners, owned)
+    pieces only (``pieces``: PieceUpdate's, name order) of ``target``'s
+    parameters; ``actual`` is the wrapped optimizer."""
+    _reallocate_cleared_grads(pieces)
+    _call_hooks(actual, 'pre', communicator, target, pieces)
     actual.t += 1
-    for param in owned:
-        param.update()
-    reallocate_cleared_grads(owned)
-    _call_hooks(actual, 'post', communicator, target, owners, owned)
+    for p in pieces:
+        rule = p.param.update_rule
+        if rule is not None:
+            rule.update(p.stand_in)
+            p.write_back()
+    _reallocate_cleared_grads(pieces)
+    _call_hooks(actual, 'post', communicator, target, pieces)
 
 
-def _call_hooks(actual, timing, communicator, target, owners, owned):
-    """The wrapped optimizer's hooks of ``timing`` on ``owned``."""
-    for _, hook in optimizer_hooks(actual, timing):
+def _reallocate_cleared_grads(pieces):
+    """GradientMethod.reallocate_cleared_grads on the pieces: zeros where
+    a hook cleared a gradient."""
+    for p in pieces:
+        if p.stand_in.grad is None:
+            xp = chainer.backend.get_array_module(p.view)
+            p.stand_in.grad = xp.zeros_like(p.view)
+
+
+def _call_hooks(actual, timing, communicator, target, pieces):
+    """The wrapped optimizer's hooks of ``timing`` on the pieces."""
+    for _, hook in optimizer_hooks_of(actual, timing):
         if getattr(hook, 'call_for_each_param', False):
-            for param in owned:
-                hook(param.update_rule, param)
+            for p in pieces:
+                hook(p.param.update_rule, p.stand_in)
         else:   # GradientClipping (optimizer_problem refuses others)
-            clip_by_global_norm(hook.threshold, communicator, target, owners,
-                                owned)
-        reallocate_cleared_grads(owned)
+            clip_by_global_norm(hook.threshold, communicator, target,
+                                pieces)
+        _reallocate_cleared_grads(pieces)
 
 
-def clip_by_global_norm(threshold, communicator, target, owners, owned):
-    """GradientClipping with the norm of every mean gradient: each
-    parameter's squared norm comes from its owner (one small
-    allreduce, each entry from one rank: exact), and they are summed
-    in Chainer's order and dtype, so the rate is the unsharded one,
-    bit for bit.  The owners (``owned``: this rank's parameters) then
-    scale their gradients."""
+def clip_by_global_norm(threshold, communicator, target, pieces):
+    """GradientClipping with the norm of every mean gradient: each rank
+    computes its pieces' squared norms (each a dot in its gradient's
+    dtype, as Chainer's), one small allreduce (a float64 per parameter)
+    gives every rank every parameter's, and they are summed in Chainer's
+    order and dtype.  A parameter held whole by one rank gets Chainer's
+    dot exactly; one that spans ranks the sum of its pieces' dots, which
+    can differ from it in the last bits (docs/zero.md).  The pieces'
+    gradients are then scaled."""
     params = [(n, p) for n, p in target.namedparams()
               if p.array is not None]
-    rank = communicator.rank
+    index = {n: k for k, (n, _) in enumerate(params)}
     squares = numpy.zeros(len(params), numpy.float64)
-    dtypes = []
-    for k, (name, param) in enumerate(params):
-        dtypes.append(param.grad.dtype if param.grad is not None
-                      else param.array.dtype)
-        if owners.get(name) == rank:
-            g = param.grad.ravel()
-            squares[k] = float(g.dot(g))
-    squares = numpy.asarray(
-        chainer.backend.CpuDevice().send(
-            communicator.allreduce(squares)))
+    for p in pieces:
+        g = p.stand_in.grad
+        squares[index[p.piece.name]] += float(g.dot(g))
+    squares = numpy.asarray(chainer.backend.CpuDevice().send(
+        communicator.allreduce(squares)))
     # GradientClipping: sum(dots), each dot in its gradient's dtype.
-    sqnorm = sum(numpy.dtype(d).type(s) for d, s in zip(dtypes, squares))
+    sqnorm = sum(numpy.dtype(p.array.dtype).type(s)
+                 for (_, p), s in zip(params, squares))
     rate = threshold / numpy.sqrt(sqnorm)
     if rate >= 1:
         return
-    for param in owned:
-        grad = param.grad
-        with chainer.using_device(param.device):
+    for p in pieces:
+        grad = p.stand_in.grad
+        with chainer.using_device(p.param.device):
             grad *= rate

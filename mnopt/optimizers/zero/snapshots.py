@@ -1,41 +1,65 @@
 """A sharded optimizer's snapshot: each rank's share of the state (what
 it holds, writing and reading it), and re-sharding from every rank's
-share on another number of ranks.
+share on any number of ranks.
 
-A share holds the update rules of the parameters its rank owns, under
-their names, and whose share it is: ``mnopt_shard/size``, ``/rank``,
-``/names``, ``/owners``.  The functions read and write the serializer and
-the parameters' update rules; the optimizer keeps what they return.
+A share holds the update rules of this rank's pieces (partition.py),
+under their parameters' names: ``t`` and the state arrays, flat, of the
+piece's length.  ``mnopt_shard/size``, ``/rank`` say whose share it is and
+``/names``, ``/lo``, ``/hi``, ``/ranks`` the whole partition.  A share
+written before parameters were split (whole-parameter ownership) has
+``/owners`` instead of ``/lo`` ``/hi`` ``/ranks`` and its state arrays in
+the parameters' shapes: it is read as pieces that cover whole parameters.
+Re-sharding cuts and joins the saved pieces' arrays element by element,
+so the state is the saved state bit for bit, on any number of ranks.
 """
 
 import numpy
 
-from mnopt.optimizers.zero.ownership import assign_owners
+from mnopt.optimizers.zero.partition import Piece, partition
 
 #: Serializer group holding a shard's metadata in snapshots.
 SHARD_KEY = 'mnopt_shard'
 
 
-def write_share(serializer, communicator, owners, params):
-    """This rank's share of the state (``owners``: {name: rank}, ``params``:
-    {name: parameter}) and whose share it is."""
+def write_share(serializer, communicator, pieces, params):
+    """This rank's share of the state (``pieces``: the partition,
+    ``params``: {name: parameter}) and whose share it is."""
     meta = serializer[SHARD_KEY]
-    names = sorted(owners)
     meta('size', communicator.size)
     meta('rank', communicator.rank)
-    meta('names', numpy.array(names, dtype=str))
-    meta('owners', numpy.array([owners[n] for n in names],
-                               dtype=numpy.int64))
-    rank = communicator.rank
-    for name in sorted(n for n, r in owners.items() if r == rank):
-        rule = getattr(params[name], 'update_rule', None)
-        if rule is not None:
-            rule.serialize(serializer[name])
+    meta('names', numpy.array([p.name for p in pieces], dtype=str))
+    for key in ('lo', 'hi', 'rank'):
+        meta(key + 's' if key == 'rank' else key,
+             numpy.array([getattr(p, key) for p in pieces], numpy.int64))
+    for piece in pieces:
+        if piece.rank == communicator.rank:
+            rule = getattr(params[piece.name], 'update_rule', None)
+            if rule is not None:
+                rule.serialize(serializer[piece.name])
 
 
-def read_meta(serializer):
-    """(size, rank, names, owners as a list) of the share a deserializer
-    holds; None if it holds an unsharded optimizer's state."""
+def _meta_of(read, sizes):
+    """(size, rank, pieces, whether written by whole-parameter ownership)
+    from ``read(key)`` of the metadata (KeyError where absent);
+    ``sizes``: {name: elements} of the model, for the old format's
+    pieces."""
+    size, rank = int(read('size')), int(read('rank'))
+    names = [str(n) for n in read('names')]
+    try:
+        los = [int(x) for x in read('lo')]
+    except KeyError:   # whole-parameter ownership
+        owners = [int(o) for o in read('owners')]
+        return size, rank, [Piece(n, 0, sizes.get(n, 0), o)
+                            for n, o in zip(names, owners)], True
+    his = [int(x) for x in read('hi')]
+    ranks = [int(x) for x in read('ranks')]
+    return size, rank, [Piece(*p) for p in zip(names, los, his, ranks)], \
+        False
+
+
+def read_meta(serializer, sizes):
+    """What ``_meta_of`` says of the share a deserializer holds; None if
+    it holds an unsharded optimizer's state."""
     meta = serializer[SHARD_KEY]
     try:
         size = meta('size', None)
@@ -43,21 +67,59 @@ def read_meta(serializer):
         size = None
     if size is None:   # (not strict: the key's absence reads as None)
         return None
-    size = int(size)
-    rank = int(meta('rank', None))
-    names = [str(n) for n in meta('names', None)]
-    owner_list = [int(o) for o in meta('owners', None)]
-    return size, rank, names, owner_list
+
+    def read(key):
+        value = meta(key, None)
+        if value is None:
+            raise KeyError(key)
+        return value
+    return _meta_of(read, sizes)
+
+
+def coverage_problem(pieces, params):
+    """What is wrong with ``pieces`` as a partition of ``params`` (every
+    parameter with data covered exactly, in order), or None."""
+    have = {n: p.array.size for n, p in params.items()
+            if p.array is not None}
+    covered = {}
+    for p in pieces:
+        if p.lo != covered.get(p.name, 0) or p.hi <= p.lo:
+            return 'the pieces of %r do not follow each other' % p.name
+        covered[p.name] = p.hi
+    if covered != {n: s for n, s in have.items() if s}:
+        extra = sorted(set(covered) - set(have))[:3]
+        missing = sorted(n for n in have if covered.get(n) != have[n])[:3]
+        return ('the snapshot\'s parameters are not the model\'s (only in '
+                'the snapshot: %s; not as in the snapshot or without data '
+                'in the model: %s)' % (extra, missing))
+    return None
+
+
+def _reset_others(params, pieces, rank):
+    """Only a piece's rank holds state for it: rules of parameters this
+    rank holds no piece of forget theirs (Chainer has no public reset:
+    ``_state`` is UpdateRule's own attribute)."""
+    mine = {p.name for p in pieces if p.rank == rank}
+    for name, param in params.items():
+        rule = getattr(param, 'update_rule', None)
+        if rule is not None and name not in mine:
+            rule._state = None
 
 
 def load_share(serializer, meta, communicator, params):
-    """Load this rank's share (``meta`` from ``read_meta``): (the owners
+    """Load this rank's share (``meta`` from ``read_meta``): (the pieces
     it was written with, None), or (them, why this rank cannot resume
     from it) having loaded nothing."""
-    size, rank, names, owner_list = meta
+    size, rank, pieces, whole = meta
     comm = communicator
     problem = None
-    if size != comm.size or rank != comm.rank:
+    if whole and size == comm.size:
+        problem = ('the snapshot was written with whole parameters per '
+                   'rank (an earlier mnopt); every rank re-shards it from '
+                   'all %d shares (mnopt.zero.load_shards_of; '
+                   'multi_node_snapshot\'s autoload and the ImageNet '
+                   'example\'s --resume do)' % size)
+    elif size != comm.size or rank != comm.rank:
         problem = ('the snapshot holds rank %d\'s share of an optimizer '
                    'sharded over %d ranks, and this is rank %d of %d: '
                    'each rank loads its own share on as many ranks, or '
@@ -65,112 +127,168 @@ def load_share(serializer, meta, communicator, params):
                    '(mnopt.zero.load_shards; multi_node_snapshot\'s '
                    'autoload and the ImageNet example\'s --resume do)'
                    % (rank, size, comm.rank, comm.size, size))
-    owners = dict(zip(names, owner_list))
+    else:
+        problem = coverage_problem(pieces, params)
     if problem is None:
-        for name in names:
-            if owners[name] == rank and name in params:
-                rule = getattr(params[name], 'update_rule', None)
-                if rule is not None:
-                    rule.serialize(serializer[name])
-    return owners, problem
+        _reset_others(params, pieces, rank)
+        for piece in pieces:
+            rule = getattr(params[piece.name], 'update_rule', None)
+            if piece.rank == rank and rule is not None:
+                rule._state = None   # loaded as saved, the piece's shape
+                rule.serialize(serializer[piece.name])
+    return pieces, problem
+
+
+def _specs(params):
+    return [(n, p.array.size, p.array.dtype.name)
+            for n, p in sorted(params.items()) if p.array is not None]
 
 
 def load_unsharded(serializer, communicator, params, previous):
     """Load a snapshot of an unsharded optimizer (every rank loads the
-    same one, on any number of ranks): the owners are assigned now (names
-    in ``previous`` keep theirs), and each rank loads the update rules of
-    its share only.  Returns (owners, None), or ({}, why it cannot)."""
+    same one, on any number of ranks): the partition is made now (the
+    pieces of ``previous`` kept), and each rank keeps its pieces of the
+    update rules' state.  Returns (pieces, None), or ([], why it
+    cannot)."""
     missing = sorted(n for n, p in params.items() if p.array is None)
     if missing:
-        return {}, ('loading an unsharded snapshot needs every parameter '
-                    'initialised (it decides who owns what); %s has no data '
-                    'yet' % missing[0])
-    owners = assign_owners(
-        [(n, p.array.nbytes) for n, p in sorted(params.items())],
-        communicator.size, previous)
+        return [], ('loading an unsharded snapshot needs every parameter '
+                    'initialised (it decides who holds what); %s has no '
+                    'data yet' % missing[0])
+    pieces = partition(_specs(params), communicator.size, previous)
     rank = communicator.rank
-    for name in sorted(owners):
-        rule = getattr(params[name], 'update_rule', None)
-        if owners[name] == rank and rule is not None:
-            rule.serialize(serializer[name])
-    return owners, None
+    _reset_others(params, pieces, rank)
+    for piece in pieces:
+        rule = getattr(params[piece.name], 'update_rule', None)
+        if piece.rank != rank or rule is None:
+            continue
+        rule._state = None
+        rule.serialize(serializer[piece.name])   # the whole parameter's
+        if rule.state is not None:
+            rule._state = {k: _cut(v, piece.lo, piece.hi)
+                           for k, v in rule.state.items()}
+    return pieces, None
+
+
+def _cut(array, lo, hi):
+    """Elements lo:hi of ``array``'s flat view, a copy."""
+    return array.reshape(-1)[lo:hi].copy()
+
+
+class _Shares(object):
+    """Every rank's file of one sharded snapshot, opened as needed."""
+
+    def __init__(self, shares, path, sizes):
+        self.shares, self.path, self.sizes = shares, path, sizes
+        self.opened, self.metas = {}, {}
+
+    def __len__(self):
+        return len(self.shares)
+
+    def file(self, r):
+        if r not in self.opened:
+            f = self.shares[r]
+            self.opened[r] = numpy.load(f) if isinstance(f, (str, bytes)) \
+                or hasattr(f, '__fspath__') else f
+        return self.opened[r]
+
+    def meta(self, r):
+        if r not in self.metas:
+            f, key = self.file(r), self.path + SHARD_KEY + '/'
+            if key + 'size' not in f:
+                raise ValueError('share %d holds no sharded optimizer '
+                                 'state under %r' % (r, self.path))
+            self.metas[r] = _meta_of(lambda k: f[key + k], self.sizes)
+        return self.metas[r]
+
+    def value(self, r, name, key):
+        """The array ``key`` of ``name``'s rule in share r, or None."""
+        f, full = self.file(r), self.path + name.lstrip('/') + '/' + key
+        return f[full] if full in f else None
+
+    def state_keys(self, r, name):
+        prefix = self.path + name.lstrip('/') + '/'
+        return sorted(k[len(prefix):] for k in self.file(r).keys()
+                      if k.startswith(prefix) and '/' not in
+                      k[len(prefix):] and k != prefix + 't')
+
+    def close(self):
+        for r, f in self.opened.items():
+            if f is not self.shares[r] and hasattr(f, 'close'):
+                f.close()
+
+
+def _joined_state(files, saved, piece):
+    """(t, {key: flat array of the piece}) joined from the saved pieces of
+    ``piece.name`` that overlap it; (t, None) where they hold no state."""
+    overlaps = [p for p in saved if p.name == piece.name
+                and p.lo < piece.hi and piece.lo < p.hi]
+    first = overlaps[0].rank
+    t = files.value(first, piece.name, 't')
+    keys = files.state_keys(first, piece.name)
+    if not keys:
+        return t, None
+    state = {}
+    for key in keys:
+        out = None
+        for p in overlaps:
+            value = files.value(p.rank, piece.name, key)
+            if value is None:
+                return t, None
+            value = value.reshape(-1)
+            if out is None:
+                out = numpy.empty(piece.hi - piece.lo, value.dtype)
+            lo, hi = max(p.lo, piece.lo), min(p.hi, piece.hi)
+            out[lo - piece.lo:hi - piece.lo] = value[lo - p.lo:hi - p.lo]
+        state[key] = out
+    return t, state
 
 
 def reshard(shares, path, communicator, params, actual):
-    """Load this rank's part of a sharded snapshot from every rank's share
-    (``shares``: paths of .npz files or mappings, rank 0's first; ``path``:
-    the key prefix of the optimizer in them; ``actual``: the wrapped
-    optimizer, whose ``t`` and ``epoch`` are loaded).  On as many ranks as
-    wrote it, the saved owners; on another number, owners assigned anew.
-    Returns (owners, None), or (None, what is wrong); raises if a file is
-    missing or damaged."""
+    """Load this rank's pieces of a sharded snapshot from every rank's
+    share (``shares``: paths of .npz files or mappings, rank 0's first;
+    ``path``: the key prefix of the optimizer in them; ``actual``: the
+    wrapped optimizer, whose ``t`` and ``epoch`` are loaded).  On as many
+    ranks as wrote it (by elements), the saved partition; otherwise a
+    fresh one for this number of ranks.  Returns (pieces, None), or
+    (None, what is wrong); raises if a file is missing or damaged."""
     from chainer.serializers import NpzDeserializer
     if path is None:
         raise ValueError('load_shards needs path= (the key prefix of the '
                          'optimizer in the files): no snapshot of it '
                          'was loaded yet')
     comm = communicator
-    opened, metas = {}, {}
-
-    def share(r):
-        if r not in opened:
-            f = shares[r]
-            opened[r] = numpy.load(f) if isinstance(f, (str, bytes)) or \
-                hasattr(f, '__fspath__') else f
-        return opened[r]
-
-    def meta(r):
-        if r not in metas:
-            f, key = share(r), path + SHARD_KEY + '/'
-            if key + 'size' not in f:
-                raise ValueError('share %d holds no sharded optimizer '
-                                 'state under %r' % (r, path))
-            metas[r] = (int(f[key + 'size']), int(f[key + 'rank']),
-                        [str(n) for n in f[key + 'names']],
-                        [int(o) for o in f[key + 'owners']])
-        return metas[r]
-
+    sizes = {n: p.array.size for n, p in params.items()
+             if p.array is not None}
+    files = _Shares(shares, path, sizes)
     try:
-        size = len(shares)
+        size = len(files)
         for r in range(size):
-            s, rank, names, owner_list = meta(r)
+            s, rank, pieces, _ = files.meta(r)
             if (s, rank) != (size, r):
                 return None, ('share %d holds rank %d\'s share of %d ranks, '
                               'not rank %d\'s of %d' % (r, rank, s, r, size))
-            if (names, owner_list) != meta(0)[2:]:
+            if pieces != files.meta(0)[2]:
                 return None, ('shares 0 and %d were written by different '
-                              'shardings (their owners differ)' % r)
-        names, owner_list = meta(0)[2:]
-        have = sorted(n for n, p in params.items() if p.array is not None)
-        if have != sorted(names):
-            return None, ('the snapshot\'s parameters are not the model\'s '
-                          '(only in the snapshot: %s; only in the model or '
-                          'without data: %s)'
-                          % (sorted(set(names) - set(have))[:3],
-                             sorted(set(params) - set(names))[:3]))
-        saved = dict(zip(names, owner_list))
-        if size == comm.size:
-            owners = saved
-        else:
-            owners = assign_owners(
-                [(n, params[n].array.nbytes) for n in have], comm.size)
-        first = NpzDeserializer(share(0), path=path)
+                              'shardings (their partitions differ)' % r)
+        saved, whole = files.meta(0)[2:]
+        problem = coverage_problem(saved, params)
+        if problem is not None:
+            return None, problem
+        pieces = saved if size == comm.size and not whole else \
+            partition(_specs(params), comm.size)
+        first = NpzDeserializer(files.file(0), path=path)
         actual.t = first('t', actual.t)
         actual.epoch = first('epoch', actual.epoch)
-        for name in sorted(params):
-            rule = getattr(params[name], 'update_rule', None)
-            if rule is None:
+        _reset_others(params, pieces, comm.rank)
+        for piece in pieces:
+            rule = getattr(params[piece.name], 'update_rule', None)
+            if piece.rank != comm.rank or rule is None:
                 continue
-            if owners.get(name) != comm.rank:
-                # Only owners hold state (a rule that held some under
-                # another ownership would be stale).  Chainer has no
-                # public reset: _state is UpdateRule's own attribute.
-                rule._state = None
-                continue
-            rule.serialize(NpzDeserializer(
-                share(saved[name]), path=path)[name])
+            t, state = _joined_state(files, saved, piece)
+            if t is not None:
+                rule.t = int(t)
+            rule._state = state
     finally:
-        for r, f in opened.items():
-            if f is not shares[r] and hasattr(f, 'close'):
-                f.close()
-    return owners, None
+        files.close()
+    return pieces, None

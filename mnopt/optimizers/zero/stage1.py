@@ -1,5 +1,6 @@
 """ZeRO stage 1 (``shard_state=True``): the multi-node step with the
-optimizer state sharded; each rank updates the parameters it owns."""
+optimizer state sharded; each rank updates its pieces of the parameters
+(an equal share of their elements: partition.py)."""
 
 import chainer
 
@@ -8,9 +9,32 @@ from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.protocol import AVERAGE, BROADCAST, RESUME
 from mnopt.optimizers.protocol import MultiNodeOptimizer, digest, stepped
 from mnopt.optimizers.zero import snapshots
+from mnopt.optimizers.zero.owned_update import PieceUpdate
 from mnopt.optimizers.zero.owned_update import optimizer_problem
-from mnopt.optimizers.zero.owned_update import update_owned
-from mnopt.optimizers.zero.ownership import assign_owners, layout_by_owner
+from mnopt.optimizers.zero.owned_update import update_pieces
+from mnopt.optimizers.zero.partition import by_rank, holders, partition
+from mnopt.optimizers.zero.partition import piece_label
+
+
+def flat_grads(target):
+    """{name: the flat (C-contiguous) gradient} of every parameter with
+    data (zeros where it has none), each a view of ``param.grad``."""
+    out = {}
+    for name, grad in named_grads(target, True):
+        out[name] = grad
+    params = dict(target.namedparams())
+    for name, grad in out.items():
+        if not grad.flags.c_contiguous:
+            grad = params[name].grad = grad.copy()   # C order
+        out[name] = grad.reshape(-1)
+    return out
+
+
+def flat_array(param):
+    """``param.array`` flat, a view (the array made C-contiguous first)."""
+    if not param.array.flags.c_contiguous:
+        param.array = param.array.copy()
+    return param.array.reshape(-1)
 
 
 class ShardedStateOptimizer(MultiNodeOptimizer):
@@ -20,10 +44,10 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
     mnopt/optimizers/zero/__init__.py).
 
     A snapshot of it holds this rank's share only (``mnopt_shard/size``,
-    ``/rank``, ``/names``, ``/owners`` say whose): every rank saves its own
-    and loads its own, on the same number of ranks; on another number,
-    every rank re-shards from all the shares (``load_shards``), else the
-    next update is an error on every rank.  A snapshot of an unsharded
+    ``/rank``, ``/names``, ``/lo``, ``/hi``, ``/ranks`` say whose): every
+    rank saves its own and loads its own, on the same number of ranks; on
+    another number, every rank re-shards from all the shares
+    (``load_shards``), else the next update is an error on every rank.  A snapshot of an unsharded
     optimizer loads on any number of ranks, each rank keeping its share of
     it."""
 
@@ -33,8 +57,8 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         # From now on the communicator refuses a comm hook, which the
         # sharded collectives would never call.
         communicator.add_sharded_optimizer(self)
-        object.__setattr__(self, 'owners', {})  # name -> rank
-        # After a load: (owners from the snapshot, problem or None).
+        object.__setattr__(self, '_pieces', [])   # partition.Piece's
+        # After a load: (pieces from the snapshot, problem or None).
         object.__setattr__(self, '_loaded_share', None)
         # After a load of a sharded snapshot: (its size, its rank), and the
         # key prefix the optimizer was loaded under (load_shards' default).
@@ -43,24 +67,36 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
 
     def setup(self, link):
         super(ShardedStateOptimizer, self).setup(link)
-        object.__setattr__(self, 'owners', {})
+        object.__setattr__(self, '_pieces', [])
         return self
 
     # ------------------------------------------------------------ plan
+    @property
+    def pieces(self):
+        """The partition: ``[Piece(name, lo, hi, rank), ...]``, rank
+        ``rank`` holding elements lo:hi of parameter ``name`` (flat)."""
+        return list(self._pieces)
+
+    @property
+    def owners(self):
+        """{name: the ranks holding a piece of it}."""
+        return holders(self._pieces)
+
     def _plan(self):
-        """(names laid out by owner, arrays per rank) for the parameters
-        with data; new parameters get owners (``assign_owners``)."""
-        params = [(n, p.array.nbytes) for n, p in
-                  sorted(self.target.namedparams()) if p.array is not None]
+        """(pieces laid out by rank, pieces per rank) for the parameters
+        with data; new parameters are cut among the ranks
+        (``partition``)."""
+        specs = [(n, p.array.size, p.array.dtype.name) for n, p in
+                 sorted(self.target.namedparams()) if p.array is not None]
         size = self.communicator.size
-        owners = assign_owners(params, size, self.owners)
-        object.__setattr__(self, 'owners', owners)
-        return layout_by_owner(owners, size)
+        object.__setattr__(self, '_pieces',
+                           partition(specs, size, self._pieces))
+        return by_rank(self._pieces, size)
 
     def owned_names(self):
-        """The names of the parameters this rank updates."""
+        """The names of the parameters this rank holds a piece of."""
         rank = self.communicator.rank
-        return sorted(n for n, r in self.owners.items() if r == rank)
+        return sorted({p.name for p in self._pieces if p.rank == rank})
 
     def state_nbytes(self):
         """Bytes of optimizer state this rank holds (every update rule's
@@ -118,16 +154,15 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         snapshots (the same on every rank, checked); rank 0's parameters
         where they differ.  True if they were the same everywhere."""
         comm = self.communicator
-        owners = self._loaded_share[0] if self._loaded_share else {}
-        mine = (digest(self._named_params()),
-                repr(sorted(owners.items())))
+        pieces = self._loaded_share[0] if self._loaded_share else []
+        mine = (digest(self._named_params()), repr(pieces))
         digests = comm.everyone(mine, 'the digests of the replicas')
         if any(d[1] != digests[0][1] for d in digests):
             raise RuntimeError(
                 'the loaded snapshots were written by different shardings '
-                '(their parameter owners differ): load every rank\'s share '
+                '(their partitions differ): load every rank\'s share '
                 'of one snapshot')
-        object.__setattr__(self, 'owners', owners)
+        object.__setattr__(self, '_pieces', list(pieces))
         object.__setattr__(self, '_loaded_share', None)
         same = all(d[0] == digests[0][0] for d in digests)
         if not same:
@@ -150,27 +185,55 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         order, per_rank = self._plan()
         params = dict(self.target.namedparams())
         # Every parameter with data takes part (zeros where it has no
-        # gradient): its owner must receive its mean.
-        grads = dict(named_grads(self.target, True))
+        # gradient): its pieces' ranks must receive their means.
+        flat = flat_grads(self.target)
         self._blocked(comm.reduce_scatter_mean,
-                      [(n, grads[n]) for n in order], per_rank)
-        del grads
-        # The other ranks' gradients were packed and are not means: drop
-        # them (their memory is free until the next backward, and nobody
-        # reads a gradient that is not the mean).
-        for name in order:
-            if self.owners[name] != comm.rank:
-                params[name].cleargrad()
-        self._update_owned()
-        self._blocked(comm.allgather_params,
-                      [(n, params[n].array) for n in order], per_rank)
+                      [(piece_label(p), flat[p.name][p.lo:p.hi])
+                       for p in order], per_rank)
+        mine = self.take_own_means(params, flat)
+        del flat
+        self._update_pieces(mine)
+        self._allgather(params, order, per_rank)
 
-    def _update_owned(self):
+    def take_own_means(self, params, flat):
+        """{name: this rank's piece's mean gradient, flat} from ``flat``
+        (name: flat gradient).  A parameter this rank holds whole keeps
+        its gradient (the mean); the others' are dropped: what is left of
+        them is not a mean (their memory is free until the next
+        backward), and a piece's mean is copied out of it."""
+        rank, mine = self.communicator.rank, {}
+        for p in self._pieces:
+            if p.rank == rank:
+                whole = p.lo == 0 and p.hi == flat[p.name].size
+                mine[p.name] = flat[p.name] if whole else \
+                    flat[p.name][p.lo:p.hi].copy()
+        for name in flat:
+            whole = name in mine and mine[name].size == flat[name].size
+            if not whole:
+                params[name].cleargrad()
+        return mine
+
+    def _allgather(self, params, order, per_rank):
+        """Every rank's pieces of the parameters to every rank."""
+        arrays = {}
+        for p in order:
+            if p.name not in arrays:
+                arrays[p.name] = flat_array(params[p.name])
+        self._blocked(self.communicator.allgather_params,
+                      [(piece_label(p), arrays[p.name][p.lo:p.hi])
+                       for p in order], per_rank)
+
+    def _update_pieces(self, means):
         """Chainer's GradientMethod.update after the backward, on this
-        rank's parameters only (mnopt/optimizers/zero/owned_update.py)."""
+        rank's pieces only (``means``: {name: the piece's mean gradient};
+        mnopt/optimizers/zero/owned_update.py)."""
+        params = dict(self.target.namedparams())
+        rank = self.communicator.rank
+        pieces = [PieceUpdate(params[p.name], p, means[p.name])
+                  for p in self._pieces if p.rank == rank]
         with self._timeline().span('update', 'compute'):
-            update_owned(self.actual_optimizer, self.communicator,
-                         self.target, self.owners)
+            update_pieces(self.actual_optimizer, self.communicator,
+                          self.target, pieces)
 
     # ------------------------------------------------------------ snapshots
     def _serialize_state(self, serializer):
@@ -184,14 +247,16 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         actual.epoch = serializer('epoch', actual.epoch)
         params = dict(self.target.namedparams())
         if not loading:
-            snapshots.write_share(serializer, comm, self.owners, params)
+            snapshots.write_share(serializer, comm, self._pieces, params)
             return
-        meta = snapshots.read_meta(serializer)
+        meta = snapshots.read_meta(serializer, {
+            n: p.array.size for n, p in params.items()
+            if p.array is not None})
         if meta is None:   # an unsharded optimizer's snapshot
             object.__setattr__(self, '_loaded_shape', None)
             object.__setattr__(self, '_loaded_share',
                                snapshots.load_unsharded(serializer, comm,
-                                                        params, self.owners))
+                                                        params, self._pieces))
             return
         object.__setattr__(self, '_loaded_path', getattr(serializer, 'path',
                                                          None))
@@ -215,32 +280,32 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         of it (paths of .npz files, or mappings as ``numpy.load`` gives),
         rank 0's first; ``path`` the key prefix of the optimizer in them
         (default: the one it was last loaded under, e.g.
-        ``updater/optimizer:main/``).  On as many ranks as wrote it, this
-        rank loads its own share; on another number, the owners are
-        assigned anew for this number of ranks (as a fresh run's) and this
-        rank loads, for each parameter it now owns, that parameter's
-        update rule (``t`` and state: Adam's m and v...) from the share of
-        the rank that owned it.  The per-parameter state is moved whole,
-        never recomputed, so it is the saved state bit for bit.
+        ``updater/optimizer:main/``).  On as many ranks as wrote it, the
+        saved partition; on another number (or a snapshot of
+        whole-parameter ownership), a fresh partition for this number of
+        ranks, and this rank joins, for each of its pieces, the update
+        rule's ``t`` and state (Adam's m and v...) from the saved pieces
+        that overlap it: cut and joined element by element, never
+        recomputed, so it is the saved state bit for bit.
 
         Every parameter must be initialised.  No communication: each rank
-        reads only the files of its parameters' previous owners, so every
+        reads only the files holding elements of its pieces, so every
         rank must see them (a shared directory).  Returns None, or what is
         wrong (a share missing, of another snapshot...), which the next
         update also raises on every rank."""
         comm = self.communicator
         problem = None
         try:
-            owners, problem = snapshots.reshard(
+            pieces, problem = snapshots.reshard(
                 shares, self._loaded_path if path is None else path, comm,
                 dict(self.target.namedparams()), self.actual_optimizer)
         except Exception as e:   # a file missing or damaged
             problem = '%s: %s' % (type(e).__name__, e)
         if problem is None:
-            object.__setattr__(self, '_loaded_share', (owners, None))
+            object.__setattr__(self, '_loaded_share', (pieces, None))
             object.__setattr__(self, '_loaded_shape', (comm.size, comm.rank))
         else:
             object.__setattr__(self, '_loaded_share',
-                               ({}, 'cannot re-shard: %s' % problem))
+                               ([], 'cannot re-shard: %s' % problem))
         self._mark_loaded()
         return problem

@@ -1,9 +1,13 @@
 """ZeRO stage 2 (``shard_state=True, overlap=True``): stage 1 with the
-gradients sharded too, each bucket reduce-scattered to its owners during
-backward (overlap's machinery, extended)."""
+gradients sharded too, each bucket reduce-scattered to its pieces' ranks
+during backward (overlap's machinery, extended)."""
 
+import collections
+
+from mnopt.arrays import array_module
 from mnopt.optimizers.overlap import Overlap
 from mnopt.optimizers.protocol import BROADCAST, RESUME, stepped
+from mnopt.optimizers.zero.partition import piece_label
 from mnopt.optimizers.zero.stage1 import ShardedStateOptimizer
 
 
@@ -17,10 +21,12 @@ class ShardedOverlap(Overlap):
     overlap's: Chainer may share the array it passes) and gives the
     parameter none, so Chainer drops its own array at once instead of
     holding every parameter's gradient until backward ends.  A bucket
-    holds its arrays laid out by owner (rank 0's, then rank 1's...: plan
-    order within each) and goes to ``reduce_scatter_mean_async``; the
-    copies of other ranks' parameters are referenced by that job only,
-    so they are freed when its reduce-scatter ends."""
+    holds its gradients' pieces laid out by rank (rank 0's, then rank
+    1's...: plan order within each) and goes to
+    ``reduce_scatter_mean_async``; the copies of parameters this rank
+    holds no piece of are referenced by that job only, so they are freed
+    when its reduce-scatter ends (a parameter cut by this rank's share's
+    ends is kept whole until backward ends: at most two per dtype)."""
 
     #: Buckets in flight at most: launching one more first waits for the
     #: oldest (whose other ranks' gradients are then freed), so that a
@@ -28,8 +34,8 @@ class ShardedOverlap(Overlap):
     #: every gradient.
     max_in_flight = 2
 
-    def __init__(self, communicator, target, owners):
-        self._owners = owners   # () -> {name: rank}
+    def __init__(self, communicator, target, pieces):
+        self._pieces = pieces   # () -> [Piece, ...]
         super(ShardedOverlap, self).__init__(communicator, target, True)
 
     def reset(self):
@@ -55,18 +61,30 @@ class ShardedOverlap(Overlap):
         """The copy its node took (the bucket's job alone holds it where
         another rank owns the parameter), else its gradient."""
         if name in self.early:
-            return self.early[name] if self._owners()[name] == \
-                self.comm.rank else self.early.pop(name)   # the job's alone
+            return self.early[name] if self.comm.rank in \
+                self._holders().get(name, ()) \
+                else self.early.pop(name)   # the job's alone
         # Unused by its link this time: zeros, or what a use outside gave.
         return self.summed_gradient(name, params[name])
 
+    def _holders(self):
+        """{name: the ranks holding a piece of it}."""
+        return _ranks_of(self._pieces())
+
     def send(self, named):
-        """Queue the reduce-scatter of ``named`` laid out by owner."""
-        owners, size = self._owners(), self.comm.size
-        named = sorted(named, key=lambda x: owners[x[0]])   # stable
-        per_rank = [0] * size
-        for name, _ in named:
-            per_rank[owners[name]] += 1
+        """Queue the reduce-scatter of ``named``'s pieces laid out by
+        rank."""
+        of = collections.defaultdict(list)
+        for p in self._pieces():
+            of[p.name].append(p)
+        by_rank = collections.defaultdict(list)
+        for name, grad in named:
+            flat = _flat(grad)
+            for p in of[name]:
+                by_rank[p.rank].append((piece_label(p), flat[p.lo:p.hi]))
+        size = self.comm.size
+        per_rank = [len(by_rank[r]) for r in range(size)]
+        named = [x for r in range(size) for x in by_rank[r]]
         while len(self.handles) - self.oldest >= self.max_in_flight:
             self.handles[self.oldest].wait()
             self.oldest += 1
@@ -98,19 +116,29 @@ class ShardedOverlap(Overlap):
         return self.handles
 
     def adopt(self):
-        """Once every handle is done: this rank's parameters get their
-        means, the others' gradients are dropped."""
-        owners, rank = self._owners(), self.comm.rank
+        """Once every handle is done: {name: this rank's piece's mean
+        gradient, flat}.  A parameter this rank holds whole gets its mean
+        as gradient; the others' gradients are dropped."""
+        rank, means = self.comm.rank, {}
+        mine = {p.name: p for p in self._pieces() if p.rank == rank}
         for name, param in self.params().items():
-            if owners.get(name) != rank:
-                param.grad = None
-                continue
+            piece = mine.get(name)
             mean = self.early.get(name)
-            if mean is not None:
+            if piece is not None and mean is not None:
                 if name in self.extra:   # mean of the link's + the rest's
                     mean += param.grad
                 param.grad = mean
+            if piece is None or param.grad is None:
+                param.grad = None
+                continue
+            flat = _flat(param.grad)
+            if piece.lo == 0 and piece.hi == flat.size:
+                means[name] = flat
+            else:
+                means[name] = flat[piece.lo:piece.hi].copy()
+                param.grad = None
         self.early, self.fired, self.extra = {}, set(), set()
+        return means
 
     def make_plan(self):
         """From the planning iteration: parameters its nodes vouched for,
@@ -120,6 +148,21 @@ class ShardedOverlap(Overlap):
                        for n, k in self.wraps.items()
                        if k == 1 and n in self.vouched])
         self.vouched = set()
+
+
+def _ranks_of(pieces):
+    out = collections.defaultdict(set)
+    for p in pieces:
+        out[p.name].add(p.rank)
+    return out
+
+
+def _flat(grad):
+    """A gradient's flat view (a C-ordered copy if it is not
+    contiguous: then the mean lands in the copy, which is what is read)."""
+    if not grad.flags.c_contiguous:
+        grad = array_module([grad]).ascontiguousarray(grad)
+    return grad.reshape(-1)
 
 
 class ShardedGradsOptimizer(ShardedStateOptimizer):
@@ -146,7 +189,7 @@ class ShardedGradsOptimizer(ShardedStateOptimizer):
     def setup(self, link):
         super(ShardedGradsOptimizer, self).setup(link)
         object.__setattr__(self, '_overlap', ShardedOverlap(
-            self.communicator, link, lambda: self.owners))
+            self.communicator, link, lambda: self._pieces))
         return self
 
     @property
@@ -174,9 +217,9 @@ class ShardedGradsOptimizer(ShardedStateOptimizer):
                 None, *args, **kwds)
         loaded = self._loaded_share
         if loaded is not None and loaded[1] is None and loaded[0]:
-            # The snapshot's owners (checked the same on every rank at
-            # this update), before any bucket leaves for its owner.
-            object.__setattr__(self, 'owners', dict(loaded[0]))
+            # The snapshot's pieces (checked the same on every rank at
+            # this update), before any bucket leaves for their ranks.
+            object.__setattr__(self, '_pieces', list(loaded[0]))
         ov, actual, comm = self._overlap, self.actual_optimizer, \
             self.communicator
         if self._accumulation.end():
@@ -185,8 +228,8 @@ class ShardedGradsOptimizer(ShardedStateOptimizer):
         try:
             ov.forward_backward(lossfun, args, kwds, actual._loss_scale,
                                 actual.t)
-            order, per_rank = self._plan()   # owners of new parameters
-            used = dict(self.owners)
+            order, per_rank = self._plan()   # pieces of new parameters
+            used = list(self._pieces)
             ov.finish()
             # Whether any rank has gradients no bucket holds rides on the
             # step's exchange: from the third update on usually none
@@ -201,25 +244,22 @@ class ShardedGradsOptimizer(ShardedStateOptimizer):
             self._wait_all(ov.handles, quiet=True)
             raise
         self._wait_all(ov.handles)
-        ov.adopt()
+        means = ov.adopt()
         if step is BROADCAST:
             ov.forget_plan()
             comm.bcast_data(self.target)
             self._plan()
             return
-        if step is RESUME and (not self._make_replicas_agree() or any(
-                self.owners.get(n) != r for n, r in used.items())):
-            # Other weights' gradients, or sent to other owners than the
+        if step is RESUME and (not self._make_replicas_agree() or
+                               used != self._pieces):
+            # Other weights' gradients, or sent to other pieces than the
             # snapshot's: nothing applied (as after a broadcast).
             ov.forget_plan()
             self._plan()
             for name, param in self.target.namedparams():
-                if self.owners.get(name) != comm.rank:
-                    param.cleargrad()
+                param.cleargrad()
             return
         if ov.plan is None:
             ov.make_plan()
-        self._update_owned()
-        params = dict(self.target.namedparams())
-        self._blocked(comm.allgather_params,
-                      [(n, params[n].array) for n in order], per_rank)
+        self._update_pieces(means)
+        self._allgather(dict(self.target.namedparams()), order, per_rank)
