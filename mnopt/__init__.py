@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from mnopt.extensions import (
         create_multi_node_checkpointer as create_multi_node_checkpointer)
     from mnopt.links import MultiNodeChainList as MultiNodeChainList
+    from mnopt.optimizers import OuterNesterov as OuterNesterov
     from mnopt.optimizers import Signum as Signum
     from mnopt.optimizers import UnevenInputsError as UnevenInputsError
     from mnopt.optimizers import join as join
@@ -98,6 +99,7 @@ _CHAINER_LAYER = {
     'functions': 'mnopt.functions',
     'create_multi_node_optimizer': 'mnopt.optimizers',
     'Signum': 'mnopt.optimizers',
+    'OuterNesterov': 'mnopt.optimizers',
     'join': 'mnopt.optimizers',
     'UnevenInputsError': 'mnopt.optimizers',
     'create_multi_node_evaluator': 'mnopt.evaluator',

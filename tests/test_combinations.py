@@ -49,7 +49,7 @@ allpairspy = pytest.importorskip('allpairspy')
 
 FACTORS = collections.OrderedDict([
     ('mode', ['sync', 'double_buffering', 'overlap', 'shard_state',
-              'stage2']),
+              'stage2', 'local_steps']),
     # Sign votes, PowerSGD, PowerSGD where it pays ('auto'), a user's
     # comm hook (top-k with error feedback: combination_job.topk_hook).
     ('compression', [None, 'sign', 'powersgd', 'auto', 'hook']),
@@ -82,10 +82,15 @@ def _allowed(row):
     values = dict(zip(FACTORS, row))
     if values.get('tune') == 'auto' and (
             values.get('comm') == 'naive' or values.get('mode') in (
-                'overlap', 'shard_state', 'stage2') or
+                'overlap', 'shard_state', 'stage2', 'local_steps') or
             values.get('compression') is not None):
         # Refused (refused() says why; tests/test_tune.py checks each
         # refusal on every rank): a case spent on it would test no pair.
+        return False
+    if values.get('mode') == 'local_steps' and \
+            values.get('compression') is not None:
+        # Refused likewise (tests/test_local_steps.py checks it on every
+        # rank): the pairs of local_steps go to cases that train.
         return False
     if values.get('data') == 'uneven+join' and (
             values.get('mode', 'sync') != 'sync' or
@@ -107,7 +112,8 @@ def refused(case):
     sharded = case['mode'] in ('shard_state', 'stage2')
     if case['tune'] == 'auto' and (
             case['comm'] == 'naive' or sharded or
-            case['mode'] == 'overlap' or case['compression'] is not None):
+            case['mode'] in ('overlap', 'local_steps') or
+            case['compression'] is not None):
         # naive has nothing to tune; compression, overlap and ZeRO
         # average in ways a tuning cannot time (docs/tuning.md).
         return "='auto'"
@@ -121,6 +127,12 @@ def refused(case):
         return 'compression=%r' % (case['compression'],)
     if sharded and case['comm'] == 'reduction_server':
         return 'reduction_server'
+    if case['mode'] == 'local_steps' and case['compression'] == 'hook':
+        # Made for every step's gradients (docs/local_sgd.md).
+        return 'registered comm hook'
+    if case['mode'] == 'local_steps' and case['compression'] is not None:
+        # Not made to follow syncs and fragments yet (docs/local_sgd.md).
+        return 'compression=%r' % (case['compression'],)
     if case['data'] == 'uneven+join':
         return join_refuses(case)
     return None
@@ -132,7 +144,8 @@ def join_refuses(case):
     a comm hook (docs/uneven_inputs.md)."""
     keyword = {'double_buffering': 'double_buffering=True',
                'overlap': 'overlap=True', 'shard_state': 'shard_state=True',
-               'stage2': 'shard_state=True'}.get(case['mode'])
+               'stage2': 'shard_state=True',
+               'local_steps': 'local_steps'}.get(case['mode'])
     if keyword is not None:
         return 'synchronous optimizer only, not with ' + keyword
     if case['accumulation'] > 1:
@@ -224,6 +237,10 @@ def bit_identical_promised(case):
     if case['accumulation'] > 1 and case['sets'] == 'one':
         # The partial sums are each rank's own: with one replica set
         # every rank resumes rank 0's (docs/accumulation.md).
+        return False
+    if case['mode'] == 'local_steps' and case['sets'] == 'one':
+        # The local parameters and inner state are each rank's own: with
+        # one replica set every rank resumes rank 0's (docs/local_sgd.md).
         return False
     if case['compression'] == 'auto':
         # Which gradient sets are compressed follows the first steps'

@@ -135,7 +135,7 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
             own gradients, and every ``local_steps`` = H updates the
             pseudo-gradients (parameters at the last sync minus the
             local ones) are averaged and ``outer_optimizer`` (default
-            ``mnopt.optimizers.OuterNesterov()``: PyTorch's Nesterov
+            ``mnopt.OuterNesterov()``: PyTorch's Nesterov
             SGD at DiLoCo's lr 0.7, momentum 0.9; any Chainer optimizer)
             steps the synced parameters with their mean, which every
             rank then holds.  ``fragments`` = F: Streaming DiLoCo, the

@@ -102,7 +102,7 @@ class LocalSteps(object):
             raise TypeError(
                 'outer_optimizer takes a Chainer optimizer instance that is '
                 'not set up (e.g. chainer.optimizers.SGD(lr=1.0), or '
-                'mnopt.optimizers.OuterNesterov(lr=0.7, momentum=0.9)); '
+                'mnopt.OuterNesterov(lr=0.7, momentum=0.9)); '
                 'got %r' % (outer,))
         if getattr(outer, 'target', None) is not None:
             raise ValueError(
@@ -129,10 +129,11 @@ class LocalSteps(object):
         if tuning_problem is not None and \
                 tuning_problem('local_steps') is not None:
             raise ValueError(
-                "the communicator's 'auto' settings tune by timing every "
-                'step\'s averaging; local_steps averages once every H steps '
-                '(a fragment at a time), which it cannot time as one: pass '
-                'numbers (docs/tuning.md)')
+                "local_steps does not combine with a communicator's "
+                "settings ='auto' (bucket_bytes='auto', ...): they tune by "
+                "timing every step's averaging, and local_steps averages "
+                'once every H steps, a fragment at a time.  Pass numbers '
+                '(docs/tuning.md)')
 
     def shared(self):
         """What every rank must pass alike, as comparable values (the
