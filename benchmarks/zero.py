@@ -38,6 +38,16 @@ saving is in backward.
 
     mpiexec -n 2 python -m mpi4py benchmarks/zero.py --memory --backward \
         --modes unsharded,sharded,stage2 --json out.json
+
+``--partition`` computes, without launching the ranks (every rank
+computes the same partition from the parameters' shapes, so the split is
+exact for any N), the optimizer state per rank (Adam: two float32 arrays
+per element) of the one-dominant-array MLP (``--model dominant``) and of
+ResNet-50 at N = 2, 3, 4, 8 and 16: the element partition's largest
+rank against total/N, beside whole-parameter ownership (the greedy
+by-bytes assignment mnopt used before):
+
+    python benchmarks/zero.py --partition --json out.json
 """
 
 import argparse
@@ -54,6 +64,7 @@ from mnopt.transport import ring
 from mnopt.benchmarking.harness import spread
 from mnopt.benchmarking.workloads import resnet50_grad_shapes
 import chainer  # NOQA
+from mnopt import zero  # NOQA
 import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
 
@@ -80,8 +91,63 @@ def make_model(width, layers, model='mlp'):
                     (numpy.random.standard_normal(shape) * 0.01)
                     .astype(numpy.float32)))
         return link
+    if model == 'dominant':
+        # One array holds 99% of the parameters: Linear(1200, 400), then
+        # Linear(400, 10).
+        return chainer.Sequential(L.Linear(1200, 400), L.Linear(400, 10))
     return chainer.Sequential(*[L.Linear(width, width)
                                 for _ in range(layers)])
+
+
+def whole_parameter_owners(sizes, n):
+    """Whole-parameter ownership as mnopt had it: largest first, each to
+    the rank with the fewest elements so far (ties: the lowest rank)."""
+    load = [0] * n
+    for _, size in sorted(sizes, key=lambda x: (-x[1], x[0])):
+        rank = min(range(n), key=lambda r: (load[r], r))
+        load[rank] += size
+    return load
+
+
+def partition_table(args):
+    """The state per rank, by element against by whole parameter."""
+    rows = []
+    for model in ('dominant', 'resnet50'):
+        link = make_model(0, 0, model)
+        specs = [(n, p.array.size, p.array.dtype.name)
+                 for n, p in sorted(link.namedparams())]
+        total = sum(s for _, s, _ in specs)
+        for n in (2, 3, 4, 8, 16):
+            by_element = zero.elements_per_rank(
+                zero.partition(specs, n), n)
+            by_param = whole_parameter_owners(
+                [(name, s) for name, s, _ in specs], n)
+            state = 8   # Adam: m and v, float32
+            rows.append({
+                'model': model, 'N': n, 'state_total_MB': total * state / 1e6,
+                'even_share_MB': total * state / n / 1e6,
+                'largest_by_element_MB': max(by_element) * state / 1e6,
+                'smallest_by_element_MB': min(by_element) * state / 1e6,
+                'largest_by_element_over_even': max(by_element) * n / total,
+                'largest_by_element_minus_even_elements':
+                    max(by_element) - total / n,
+                'largest_by_parameter_MB': max(by_param) * state / 1e6,
+                'smallest_by_parameter_MB': min(by_param) * state / 1e6,
+                'largest_by_parameter_over_even': max(by_param) * n / total})
+    print('| model | N | total/N MB | by element: largest / smallest MB | '
+          'largest / (total/N) | by whole parameter: largest / smallest MB '
+          '| largest / (total/N) |')
+    print('|---|---|---|---|---|---|---|')
+    for r in rows:
+        print('| %s | %d | %.3f | %.3f / %.3f | %.5f | %.3f / %.3f | %.3f |'
+              % (r['model'], r['N'], r['even_share_MB'],
+                 r['largest_by_element_MB'], r['smallest_by_element_MB'],
+                 r['largest_by_element_over_even'],
+                 r['largest_by_parameter_MB'], r['smallest_by_parameter_MB'],
+                 r['largest_by_parameter_over_even']))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump({'align': zero.ALIGN, 'rows': rows}, f, indent=1)
 
 
 def describe_model(model):
@@ -201,9 +267,13 @@ def main():
                         choices=sorted(OPTIMIZERS))
     parser.add_argument('--json', help='also write the result here')
     parser.add_argument('--model', default='mlp',
-                        choices=['mlp', 'resnet50'],
+                        choices=['mlp', 'dominant', 'resnet50'],
                         help='mlp: --layers x Linear(--width, --width); '
+                        'dominant: Linear(1200, 400) + Linear(400, 10); '
                         "resnet50: ResNet-50's 162 parameter arrays")
+    parser.add_argument('--partition', action='store_true',
+                        help='the state per rank at N = 2-16, computed '
+                        '(no ranks launched)')
     parser.add_argument('--memory', action='store_true',
                         help='measure memory and wire bytes, not time')
     parser.add_argument('--modes', default=','.join(MODES),
@@ -217,6 +287,8 @@ def main():
     parser.add_argument('--gpu', action='store_true',
                         help='with --memory: the model on the GPU (CuPy)')
     args = parser.parse_args()
+    if args.partition:
+        return partition_table(args)
     modes = args.modes.split(',')
     if any(m not in MEMORY_MODES for m in modes):
         parser.error('--modes: each of %s' % ', '.join(MEMORY_MODES))
