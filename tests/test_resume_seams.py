@@ -261,8 +261,7 @@ def test_an_unsharded_snapshot_loads_into_a_sharded_optimizer_not_strict(
 # iterator of batch 4 (a SerialIterator or a MultiprocessIterator).
 # x[:, 0] is an example's index, so the job sees which examples its
 # iterator yields: a copy of the loaded iterator, and the training itself
-# (the converter records each batch under the epoch it belongs to: a batch
-# that ended an epoch belongs to it).
+# (the converter records each example under the epoch it belongs to).
 #: One variant (``mode``, ``kind``) of the resize job, run with its own
 #: globals by RESIZE_JOB: one mpiexec job per stage runs every variant.
 RESIZE_VARIANT = r"""
@@ -286,8 +285,13 @@ trained = {}
 
 
 def converter(batch, device=None):
+    ids = [int(e[0][0]) for e in batch]
+    # A batch that ended an epoch: its last current_position examples are
+    # the next epoch's (Chainer's iterators fill the batch from it).
+    ended = len(ids) - it.current_position if it.is_new_epoch else len(ids)
     epoch = it.epoch - 1 if it.is_new_epoch else it.epoch
-    trained.setdefault(epoch, []).extend(int(e[0][0]) for e in batch)
+    trained.setdefault(epoch, []).extend(ids[:ended])
+    trained.setdefault(it.epoch, []).extend(ids[ended:])
     return chainer.dataset.concat_examples(batch, device)
 
 
@@ -311,9 +315,14 @@ if resumed_at:
         old_n = len(f['updater/iterator:main/order'])
         old_position = int(f['updater/iterator:main/current_position'])
     assert old_n != n, (old_n, n)
-    # A copy of the loaded state: the rest of this epoch (up to and with
-    # the batch that ends it) has no example twice, the next epoch every
-    # example of the shard once.
+    # The examples the epoch has not read (the snapshot records them),
+    # split among the ranks: this rank's share is read at the end of its
+    # epoch, whatever its shard (mnopt/iterators/epoch_position.py).
+    with numpy.load(os.path.join(out, 'snapshot_iter_%d.0' % resumed_at)) \
+            as f:
+        read = numpy.unpackbits(
+            f['updater/iterator:main/mnopt_epoch_seen'], count=48)
+    unread = {i for i in range(48) if not read[i]}
     state = {}
     chainer.serializers.DictionarySerializer(state).save(it)
     copy = iterator(shard)
@@ -321,23 +330,23 @@ if resumed_at:
     seen = []
     while copy.epoch == epoch:
         seen += [int(e[0][0]) for e in copy.next()]
+    if copy.is_new_epoch and copy.current_position:   # the next epoch's
+        seen = seen[:-copy.current_position]
     assert len(set(seen)) == len(seen), seen
     assert len(seen) == n - it.current_position, (len(seen), n)
-    assert set(seen) <= {int(e[0][0]) for e in shard}
+    assert set(seen) <= unread, (sorted(seen), sorted(unread))
+    # Between them the ranks read every unread example; twice only as
+    # force_equal_length's padding (fewer than one a rank).
+    everyone = sum(comm.allgather_obj(seen), [])
+    assert set(everyone) == unread and \
+        len(everyone) - len(unread) < comm.size, everyone
     whole = []
     while copy.epoch == epoch + 1:
         whole += [int(e[0][0]) for e in copy.next()]
-    assert sorted(whole) == sorted(int(e[0][0]) for e in shard), whole
+    whole = whole[:n]   # the last batch may reach into the epoch after
     if kind == 'multiprocess':
         copy.finalize()
-    # The same epoch; the position scaled to this rank's shard, moved back
-    # by less than a batch to where the rest of the epoch is whole
-    # batches; epoch_detail as saved but for that step back.
-    scaled = old_position * n // old_n
-    assert it.epoch == epoch and scaled - 4 < it.current_position <= \
-        scaled and (n - it.current_position) % 4 == 0, \
-        (it.epoch, it.current_position, scaled)
-    assert 0 <= epoch + old_position / old_n - it.epoch_detail < 4 / n
+    assert it.epoch == epoch and it.current_position == n - len(seen)
     if comm.rank == 0:
         print('%s: RESUMED epoch %d at %d of %d (%d of %d saved)'
               % (label, epoch, it.current_position, n, old_position, old_n),
@@ -383,18 +392,16 @@ RESIZE_VARIANTS = ['plain-serial', 'sharded-serial', 'plain-multiprocess',
 def test_a_resize_rebuilds_each_ranks_iterator_for_its_new_shard(tmp_path):
     # Every variant (plain or sharded optimizer state x Serial or
     # Multiprocess iterator) in turn, in each stage's one job.
-    # 2 ranks to iteration 5 (20 of 24), 3 ranks to 9 (13 of 16 scaled,
-    # resumed at 12: one batch to the epoch's end, then epoch 1 to 12 of
-    # 16), 2 ranks to 15 (18 of 24 scaled, resumed at 16: two batches to
-    # the epoch's end, then epoch 2 to 16 of 24).  The resumed positions
-    # are not batch-aligned when scaled: a batch that ended the epoch
-    # would take the next epoch's first examples (from a new order, maybe
-    # one just read) as well.
+    # 2 ranks to iteration 5 (20 of 24 each: 8 of 48 unread), 3 ranks to
+    # 9 (3 of the 8 each, force_equal_length's padding: resumed at 13 of
+    # 16; one batch to the epoch's end, which takes 1 of epoch 1, then
+    # epoch 1 to 13 of 16: 9 of 48 unread), 2 ranks to 15 (5 of the 9
+    # each: resumed at 19 of 24).
     out = str(tmp_path)
     for n, stop, resumed_at, expect in (
             (2, 5, 0, None),
-            (3, 9, 5, 'RESUMED epoch 0 at 12 of 16 (20 of 24 saved)'),
-            (2, 15, 9, 'RESUMED epoch 1 at 16 of 24 (12 of 16 saved)')):
+            (3, 9, 5, 'RESUMED epoch 0 at 13 of 16 (20 of 24 saved)'),
+            (2, 15, 9, 'RESUMED epoch 1 at 19 of 24 (13 of 16 saved)')):
         proc = run_mpi(n, RESIZE_JOB, timeout=240,
                        args=[out, str(stop), str(resumed_at)] +
                        RESIZE_VARIANTS)

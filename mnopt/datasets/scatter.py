@@ -1,5 +1,8 @@
 """scatter_dataset and scatter_index: each rank's share of a dataset that
-one rank holds, split as ChainerMN splits it."""
+one rank holds, split as ChainerMN splits it, as a ScatteredDataset that
+knows which of the whole dataset's examples it holds (so that a resume on
+another number of ranks can hand out the rest of an interrupted epoch:
+mnopt/iterators/epoch_position.py)."""
 
 import chainer.datasets
 import numpy
@@ -9,6 +12,46 @@ class DataSizeError(RuntimeError):
     """ChainerMN raises it when a dataset is too large to scatter in one
     message; mnopt moves objects in pieces, so it is never raised.  Here so
     that scripts catching it import unchanged."""
+
+
+class ScatteredDataset(chainer.datasets.SubDataset):
+    """One rank's share of a scattered dataset: a ``SubDataset`` (as
+    ChainerMN's ``scatter_dataset`` returns) that also says which examples
+    of the whole dataset it holds.
+
+    ``global_indices[i]`` is the whole dataset's index of example ``i``;
+    ``n_total`` the whole dataset's length.  A resume mid-epoch may give
+    the share a *detour*: examples of the whole dataset, by index, read at
+    positions ``len(self)``, ``len(self) + 1``, ... (past the share's own
+    examples), which only the resumed epoch's order names; later epochs
+    read the share's own examples as before."""
+
+    def __init__(self, dataset, start, finish, order, force_equal_length):
+        super().__init__(dataset, start, finish, order)
+        self.n_total = len(dataset)
+        self.force_equal_length = force_equal_length
+        positions = numpy.arange(start, finish)
+        self.global_indices = positions if order is None else \
+            numpy.asarray(order)[positions]
+        #: The whole dataset's order the shares were cut from.
+        self.root_order = numpy.arange(self.n_total) if order is None \
+            else numpy.asarray(order)
+        self.detour = numpy.zeros(0, dtype=numpy.int64)
+
+    def get_example(self, i):
+        if len(self) <= i < len(self) + len(self.detour):
+            return self._dataset[int(self.detour[i - len(self)])]
+        return super().get_example(i)
+
+    def global_index(self, positions):
+        """The whole dataset's indices of ``positions`` (an int array of
+        the share's positions, the detour's included)."""
+        positions = numpy.asarray(positions, dtype=numpy.int64)
+        inside = positions < len(self)
+        found = numpy.empty(len(positions), dtype=numpy.int64)
+        found[inside] = self.global_indices[positions[inside]]
+        found[~inside] = self.detour[positions[~inside] - len(self)]
+        return found
 
 
 def _check_root(comm, root):
@@ -64,6 +107,13 @@ def _scatter_index(n_total_samples, size, force_equal_length):
         begin = end
 
 
+def share_bounds(n_total_samples, size, force_equal_length):
+    """``[(begin, end)]`` of each of ``size`` ranks' shares of
+    ``n_total_samples`` examples, as ``scatter_dataset`` cuts them."""
+    return [(b, e) for _, b, e in _scatter_index(
+        n_total_samples, size, force_equal_length)]
+
+
 def _scatter_shares(n_total_samples, comm, root, force_equal_length):
     if comm.rank == root:
         shares = [(b, e) for _, b, e in _scatter_index(
@@ -86,7 +136,9 @@ def scatter_dataset(dataset, comm, root=0, shuffle=False, seed=None,
                     max_buf_len=256 * 1024 * 1024, *,
                     force_equal_length=True):
     """Give each rank its share of ``dataset`` (the one ``root`` holds;
-    the others' are ignored), as a ``chainer.datasets.SubDataset``.
+    the others' are ignored), as a ``ScatteredDataset`` (a
+    ``chainer.datasets.SubDataset`` that knows which of the whole
+    dataset's examples it holds).
 
     With ``shuffle`` the examples are taken in the order of a permutation
     drawn from ``numpy.random.RandomState(seed)``.  With
@@ -109,4 +161,4 @@ def scatter_dataset(dataset, comm, root=0, shuffle=False, seed=None,
     dataset, order = _from_root(comm, root, dataset_and_order)
     begin, end = _scatter_shares(len(dataset), comm, root,
                                  force_equal_length)
-    return chainer.datasets.SubDataset(dataset, begin, end, order)
+    return ScatteredDataset(dataset, begin, end, order, force_equal_length)

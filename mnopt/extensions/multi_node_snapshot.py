@@ -37,9 +37,13 @@ before mnopt recorded ids have none, and load as before.  A set's file
 beyond the sets that wrote a snapshot (as set 0's file records) is an
 earlier run's: set 0's file stands in for it.
 
-After a resume on another number of ranks, iterators whose shard changed
-length are rebuilt (``mnopt.iterators.resize``: the same epoch and
-fraction of it, a new order of the new shard, a warning).
+Every file records where each iterator over a ``scatter_dataset`` share
+is in its epoch across all ranks (which of the dataset's examples the
+epoch has read); a resume, on any number of ranks, splits the examples
+the epoch has not read among the ranks (mnopt/iterators/epoch_position.py).
+Other iterators whose shard changed length are rebuilt
+(``mnopt.iterators.resize``: the same epoch and fraction of it, a new
+order of the new shard, a warning).
 
 ``n_retains`` (of ``extensions.snapshot``) is applied by every rank alike:
 after each snapshot the ranks keep the ``n_retains`` newest (by the
@@ -69,6 +73,7 @@ from mnopt.extensions.loadable import npz_is_whole  # NOQA
 from mnopt.extensions.retention import agreed_retention
 from mnopt.extensions.snapshot_records import (
     RecordingSets, recorded_sets, shard_size, write_id)
+from mnopt.iterators.epoch_position import epoch_record
 from mnopt.iterators.resize import load_resizing_iterators
 from mnopt.optimizers.zero.trainer import load_shards_of, sharded_optimizers
 
@@ -214,6 +219,8 @@ class _MultiNodeSnapshot(extension.Extension):
     def __call__(self, trainer):
         iteration = trainer.updater.iteration
         problem = None
+        self.snapshot.writer.extra = epoch_record(self._target(trainer),
+                                                  self.comm)
         if self.is_master:
             self.snapshot.writer.write_id = '%s.%d' % (self.job, iteration)
             try:

@@ -1,6 +1,6 @@
 """What each multi_node_snapshot file records beside the trainer's state:
-how many replica sets wrote the snapshot and which write it belongs to
-(added by the recording writer), and how to read that back, with the
+how many replica sets wrote the snapshot, which write it belongs to and
+the epoch's position across ranks (added by the recording writer), and how to read that back, with the
 number of ranks a sharded optimizer's file was written by."""
 
 import numpy
@@ -56,10 +56,13 @@ class RecordingSets(object):
     def __init__(self, writer, n_sets):
         self.writer, self.n_sets = writer, n_sets
         self.write_id = None   # set before each write
+        #: More arrays to write (the epoch's position), set before each.
+        self.extra = {}
 
     def __call__(self, filename, outdir, target):
         # Chainer 7's snapshot hands its writer npz.serialize's dict.
         target = dict(target)
+        target.update(self.extra)
         target[N_SETS_KEY] = numpy.asarray(self.n_sets)
         if self.write_id is not None:
             target[WRITE_ID_KEY] = numpy.asarray(self.write_id)

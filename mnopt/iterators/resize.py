@@ -20,6 +20,11 @@ newly drawn order that may repeat one just read, so that batch (the one
 Both of Chainer's iterators (``SerialIterator``, ``MultiprocessIterator``)
 step the same state machine and behave alike here.
 
+Iterators over a ``scatter_dataset`` share whose snapshot records the
+epoch's position across ranks are then placed at the rest of that epoch,
+split among the ranks (mnopt/iterators/epoch_position.py): no example of
+the epoch is read twice or skipped, on any number of ranks.
+
 Iterators that save no order (``shuffle=False``) load as Chainer loads
 them.  Only iterators at Chainer's serialization paths are found: a
 trainer's ``updater/iterator:NAME`` or an updater's ``iterator:NAME``.
@@ -29,6 +34,7 @@ import numpy
 from chainer.serializers import NpzDeserializer
 
 from mnopt import log
+from mnopt.iterators.epoch_position import SEEN_KEY, resume_epochs
 
 logger = log.get(__name__)
 
@@ -106,6 +112,8 @@ def _rebuilt(npz, target):
         replaced[key] = numpy.asarray(new_order)
         # Chainer guesses it from the position, as for an older file.
         hidden.add(group + 'previous_epoch_detail')
+        if group + SEEN_KEY in npz.files:
+            continue   # placed by the epoch's record (epoch_position.py)
         notes.append('%s: %d examples saved at %d, %d now, resumed at %d'
                      % (group.rstrip('/'), n_old, saved, n, position))
     return replaced, hidden, notes
@@ -119,6 +127,10 @@ def load_resizing_iterators(path, target, comm, what):
     with numpy.load(path) as npz:
         replaced, hidden, notes = _rebuilt(npz, target)
         NpzDeserializer(_Overlay(npz, replaced, hidden)).load(target)
+        record = {k: npz[k] for k in npz.files if '/mnopt_epoch' in k}
+    placed = resume_epochs(record, target, comm, what)
+    if placed and comm.rank == 0:
+        logger.info('mnopt: %s: %s', what, '; '.join(placed))
     said = comm.everyone(notes, what + ': iterators rebuilt')
     rebuilt = ['rank %d: %s' % (r, n) for r, ns in enumerate(said)
                for n in ns]

@@ -1,0 +1,254 @@
+"""The epoch's position across ranks: which examples of the whole dataset
+an interrupted epoch has read, recorded in each snapshot, and at a resume
+on any number of ranks the rest of that epoch split among the ranks, so
+that over the epoch no example is read twice and none is skipped.
+
+It works for iterators (Chainer's ``SerialIterator`` and
+``MultiprocessIterator``) over a ``scatter_dataset`` share
+(``mnopt.datasets.scatter.ScatteredDataset``, which knows the whole
+dataset's index of each of its examples).
+
+At a snapshot every rank says which of the whole dataset's examples its
+iterator has read in the current epoch (its order up to its position,
+mapped to the whole dataset's indices; a bit each, packed); the union is
+recorded beside the iterator's own state (``ITERATOR/mnopt_epoch_seen``,
+``.../mnopt_epoch`` and ``.../mnopt_epoch_n_total``), the same in every
+file.  Ranks whose share length differs (``force_equal_length=False``)
+may end an epoch an iteration apart: one already in the next epoch counts
+its whole share as read.
+
+At a resume the examples not read yet, in the order ``scatter_dataset``
+drew for the whole dataset, are cut into one share per rank exactly as
+``scatter_dataset`` cuts a dataset (so with ``force_equal_length`` every
+rank reads the same number and the epoch ends at the same iteration
+everywhere; the padding that asks for repeats fewer than one example per
+rank, as ``scatter_dataset``'s own padding does).  Each rank's share is
+its dataset's *detour*, read at positions past its own examples, which
+only the resumed epoch's order names: the iterator is placed that many
+examples before the end of its epoch.  The next epoch is a plain epoch of
+the rank's own share.  An unshuffled ``SerialIterator`` is given an order
+that keeps its examples in place (so that its epoch can hold the detour).
+
+A ``MultiprocessIterator`` must be resumed before its first batch (its
+workers copy the dataset when they start): a trainer's autoload is.
+"""
+
+import weakref
+
+import numpy
+from chainer import serializer as chainer_serializer
+from chainer.serializers import DictionarySerializer
+
+from mnopt.datasets.scatter import ScatteredDataset, share_bounds
+
+#: Key suffixes (beside the iterator's own state) of the record.
+SEEN_KEY = 'mnopt_epoch_seen'
+EPOCH_KEY = 'mnopt_epoch'
+N_TOTAL_KEY = 'mnopt_epoch_n_total'
+
+#: iterator -> (epoch, seen): what a resume found read before it, for a
+#: snapshot taken later in the same (resumed) epoch.
+_read_before_resume = weakref.WeakKeyDictionary()
+
+
+class _Names(chainer_serializer.Serializer):
+    """A serializer that only notes the names of the updater's iterators
+    (Chainer's updaters name them only when they serialize)."""
+
+    def __init__(self, names=None):
+        self.names = [] if names is None else names
+
+    def __getitem__(self, key):
+        if key.startswith('iterator:'):
+            self.names.append(key[len('iterator:'):])
+        return _Names(self.names)
+
+    def __call__(self, key, value):
+        return value
+
+
+def scattered_iterators(target):
+    """``{key prefix: iterator}`` of ``target``'s iterators (a trainer's
+    ``updater/iterator:NAME/``, an updater's ``iterator:NAME/``) that read
+    a ``scatter_dataset`` share."""
+    prefix, updater = ('updater/', target.updater) if hasattr(
+        target, 'updater') else ('', target)
+    if not hasattr(updater, 'get_iterator'):
+        return {}
+    names = _Names()
+    updater.serialize(names)
+    found = {}
+    for name in sorted(set(names.names)):
+        it = updater.get_iterator(name)
+        if isinstance(getattr(it, 'dataset', None), ScatteredDataset):
+            found['%siterator:%s/' % (prefix, name)] = it
+    return found
+
+
+def _order(iterator):
+    """The iterator's order of its examples this epoch (None: in place),
+    as its own serialize() states it."""
+    state = DictionarySerializer()
+    iterator.serialize(state)
+    return state.target.get('order')
+
+
+def _read_this_epoch(iterator):
+    """(epoch, bool array over the whole dataset) of what ``iterator`` has
+    read in its current epoch."""
+    dataset = iterator.dataset
+    position = iterator.current_position
+    order = _order(iterator)
+    positions = numpy.arange(position) if order is None else \
+        numpy.asarray(order[:position])
+    positions = positions[positions >= 0]   # the resumed epoch's fillers
+    seen = numpy.zeros(dataset.n_total, dtype=bool)
+    seen[dataset.global_index(positions)] = True
+    before = _read_before_resume.get(iterator)
+    if before is not None and before[0] == iterator.epoch:
+        seen |= before[1]
+    return iterator.epoch, seen
+
+
+def _union(said, dataset_n_total):
+    """(epoch, seen) of the whole job from every rank's (epoch, packed
+    seen, whole-share packed): the earliest epoch; a rank in the next one
+    counts its whole share; None where ranks are further apart."""
+    epochs = [e for e, _, _ in said]
+    epoch = min(epochs)
+    if max(epochs) > epoch + 1:
+        return None
+    seen = numpy.zeros(dataset_n_total, dtype=bool)
+    for e, bits, share in said:
+        packed = share if e > epoch else bits
+        seen |= numpy.unpackbits(packed, count=dataset_n_total).astype(bool)
+    return epoch, seen
+
+
+def epoch_record(target, comm):
+    """The record of every scattered iterator's epoch, as ``{key: array}``
+    to write beside ``target``'s state, the same on every rank.
+    Collective: every rank calls it."""
+    mine = {}
+    for group, it in scattered_iterators(target).items():
+        epoch, seen = _read_this_epoch(it)
+        share = numpy.zeros(it.dataset.n_total, dtype=bool)
+        share[it.dataset.global_indices] = True
+        mine[group] = (epoch, numpy.packbits(seen), numpy.packbits(share),
+                       it.dataset.n_total)
+    gathered = comm.gather_obj(mine, root=0)
+    if comm.rank == 0:
+        record = {}
+        for group in mine:
+            said = [g.get(group) for g in gathered]
+            if any(s is None or s[3] != mine[group][3] for s in said):
+                continue
+            union = _union([s[:3] for s in said], mine[group][3])
+            if union is None:
+                continue
+            record[group + EPOCH_KEY] = numpy.asarray(union[0])
+            record[group + SEEN_KEY] = numpy.packbits(union[1])
+            record[group + N_TOTAL_KEY] = numpy.asarray(mine[group][3])
+    else:
+        record = None
+    return comm.bcast_obj(record, root=0)
+
+
+class _KeepOrder(object):
+    """An order sampler that keeps the examples in place (an unshuffled
+    iterator's order, made explicit so that a resumed epoch can hold a
+    detour)."""
+
+    def __call__(self, current_order, current_position):
+        return numpy.arange(len(current_order))
+
+
+class _Values(chainer_serializer.Deserializer):
+    """A deserializer that hands an iterator the state it is to take (a
+    missing key raises KeyError, which Chainer's iterators answer by
+    working the value out)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __getitem__(self, key):
+        return self
+
+    def __call__(self, key, value):
+        new = self.values[key]
+        if isinstance(value, numpy.ndarray):
+            numpy.copyto(value, new)
+            return value
+        return new
+
+
+def _place(iterator, epoch, detour, rng):
+    """Give ``iterator`` the rest of epoch ``epoch``: ``detour`` (the
+    whole dataset's indices) read at the end of the epoch."""
+    dataset = iterator.dataset
+    n = len(dataset)
+    if _order(iterator) is None:
+        iterator.order_sampler = _KeepOrder()
+        iterator.reset()
+    shuffled = not isinstance(iterator.order_sampler, _KeepOrder)
+    dataset.detour = numpy.asarray(detour, dtype=numpy.int64)
+    order = numpy.full(n, -1, dtype=numpy.int64)
+    tail = n + (rng.permutation(len(detour)) if shuffled
+                else numpy.arange(len(detour)))
+    order[n - len(detour):] = tail
+    iterator.serialize(_Values({
+        'current_position': n - len(detour), 'epoch': epoch,
+        'is_new_epoch': False, 'order': order}))
+
+
+def _rest_of_epoch(record, group, dataset, comm):
+    """This rank's share of the examples the recorded epoch has not read,
+    or None where nothing of it was read (it starts afresh)."""
+    seen = numpy.unpackbits(record[group + SEEN_KEY],
+                            count=dataset.n_total).astype(bool)
+    if not seen.any():
+        return None
+    order = dataset.root_order
+    rest = order[~seen[order]]
+    begin, end = share_bounds(len(rest), comm.size,
+                              dataset.force_equal_length)[comm.rank]
+    return rest[begin:end]
+
+
+def resume_epochs(npz, target, comm, what):
+    """Place every scattered iterator of ``target`` (just loaded from
+    ``npz``, a mapping of the snapshot's arrays) at the rest of its
+    recorded epoch.  Collective.  Returns this rank's notes, one per
+    iterator resumed mid-epoch; an iterator without a record (an older
+    snapshot) or of another dataset is left as loaded."""
+    notes, problem = [], None
+    rng = numpy.random.RandomState()
+    for group, it in scattered_iterators(target).items():
+        if group + SEEN_KEY not in npz or \
+                int(npz[group + N_TOTAL_KEY]) != it.dataset.n_total:
+            continue
+        epoch = int(npz[group + EPOCH_KEY])
+        rest = _rest_of_epoch(npz, group, it.dataset, comm)
+        if rest is None:   # at the epoch's start: as loaded, at 0
+            it.serialize(_Values({'current_position': 0, 'epoch': epoch,
+                                  'is_new_epoch': it.is_new_epoch,
+                                  'order': _order(it)}))
+            continue
+        if len(rest) > len(it.dataset):
+            problem = ValueError(
+                '%s: %s: %d examples of the interrupted epoch fall to this '
+                'rank, more than its share of %d: scatter the same dataset '
+                'with the same force_equal_length as the run that wrote the '
+                'snapshot' % (what, group.rstrip('/'), len(rest),
+                              len(it.dataset)))
+            continue
+        _place(it, epoch, rest, rng)
+        seen = numpy.unpackbits(npz[group + SEEN_KEY],
+                                count=it.dataset.n_total).astype(bool)
+        _read_before_resume[it] = (epoch, seen)
+        notes.append('%s: epoch %d resumed with %d of its examples not '
+                     'read yet, %d of them here' % (
+                         group.rstrip('/'), epoch,
+                         int((~seen).sum()), len(rest)))
+    comm.raise_together(problem, what + ': the rest of the epoch')
+    return notes

@@ -1,0 +1,102 @@
+"""A resume mid-epoch on another number of ranks: the examples of an epoch
+interrupted at 4 ranks and finished at 3 (and at 3, finished at 5) are
+the examples of one uninterrupted epoch, none read twice (but the padding
+``force_equal_length`` asks for) and none skipped, with ``scatter_dataset``
+shuffled and not, ``SerialIterator`` (shuffled and not) and
+``MultiprocessIterator``.  Spawns its own jobs (tests/epoch_resume_job.py);
+the record itself is tested serially."""
+
+import collections
+import json
+import os
+
+import numpy
+import pytest
+
+from conftest import REPO, mpiexec, python_path, run_job
+
+pytest.importorskip('chainer', reason='iterators and snapshots are of the '
+                                      'Chainer layer')
+
+import chainer  # NOQA
+
+import mnopt  # NOQA
+from mnopt.datasets.scatter import share_bounds  # NOQA
+
+JOB = os.path.join(REPO, 'tests', 'epoch_resume_job.py')
+N, BATCH = 26, 2
+
+
+def job(n, phase, out):
+    import sys
+    env = dict(os.environ, PYTHONPATH=python_path())
+    done = run_job(mpiexec() + ['-n', str(n), sys.executable, '-m', 'mpi4py',
+                                JOB, phase, str(out), str(N), str(BATCH)],
+                   300, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def read_in_epoch_0(out, phase, n):
+    found = []
+    for rank in range(n):
+        with open(os.path.join(out, '%s.%d.json' % (phase, rank))) as f:
+            found += json.load(f).get('0', [])
+    return found
+
+
+def padding(n_ranks, equal):
+    """How many examples one epoch over ``n_ranks`` reads twice."""
+    return sum(e - b for b, e in share_bounds(N, n_ranks, equal)) - N
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize('before,after', [(4, 3), (3, 5)])
+def test_an_epoch_interrupted_and_finished_on_another_rank_count(
+        tmp_path, before, after):
+    import epoch_resume_job
+    job(before, 'first', tmp_path)
+    done = job(after, 'resume', tmp_path)
+    # The old rebuild (the same fraction of the epoch, a new order) is
+    # not what happened.
+    assert 'same fraction' not in done.stderr
+    for k, (kind, it_shuffle, scatter_shuffle, equal) in enumerate(
+            epoch_resume_job.CONFIGS):
+        out = tmp_path / str(k)
+        first = read_in_epoch_0(out, 'first', before)
+        rest = read_in_epoch_0(out, 'resume', after)
+        what = '%s iterator (shuffle=%s), scatter shuffle=%s, ' \
+            'force_equal_length=%s' % (kind, it_shuffle, scatter_shuffle,
+                                       equal)
+        assert len(first) == before * 2 * BATCH, what
+        counts = collections.Counter(first + rest)
+        assert sorted(counts) == list(range(N)), what   # none skipped
+        if not equal:   # the shares are disjoint: each example once
+            assert set(counts.values()) == {1}, what
+        else:   # twice only as padding: the old epoch's, and < one a rank
+            assert sum(counts.values()) - N <= \
+                padding(before, True) + after - 1, what
+        # Every new rank read the same number of the epoch's examples
+        # with force_equal_length (the epoch ends at one iteration).
+        if equal:
+            per_rank = {len(json.load(open(out / ('resume.%d.json' % r)))
+                            .get('0', [])) for r in range(after)}
+            assert len(per_rank) == 1, (what, per_rank)
+
+
+def test_the_record_is_what_every_rank_read(tmp_path):
+    # One rank: the record marks exactly the examples read this epoch.
+    from mnopt.iterators.epoch_position import epoch_record, SEEN_KEY
+    comm = mnopt.create_communicator('naive')
+    data = mnopt.scatter_dataset(numpy.arange(N), comm, shuffle=True, seed=1)
+    it = chainer.iterators.SerialIterator(data, 4)
+    read = [int(i) for _ in range(3) for i in it.next()]
+    opt = chainer.optimizers.SGD()
+    opt.setup(chainer.links.Linear(1, 1))
+    trainer = chainer.training.Trainer(
+        chainer.training.StandardUpdater(it, opt), (1, 'epoch'),
+        out=str(tmp_path))
+    record = epoch_record(trainer, comm)
+    seen = numpy.unpackbits(record['updater/iterator:main/' + SEEN_KEY],
+                            count=N).astype(bool)
+    assert sorted(numpy.nonzero(seen)[0]) == sorted(read)
