@@ -18,6 +18,7 @@ import chainer.functions as F   # noqa: E402
 import chainer.links as L   # noqa: E402
 
 import mnopt   # noqa: E402
+import mnopt.timeline as timelines   # noqa: E402
 from mnopt.optimizers.fragments import split_by_bytes, starting   # noqa
 from conftest import WORLD   # noqa: E402
 
@@ -182,7 +183,7 @@ def test_outer_nesterov_is_pytorchs_nesterov_sgd_bit_for_bit():
     with link.init_scope():
         link.p = chainer.Parameter(_weights(3, 5, 3))
     param, buf = link.p.array.copy(), numpy.zeros_like(link.p.array)
-    opt = mnopt.optimizers.OuterNesterov(lr=0.7, momentum=0.9)
+    opt = mnopt.OuterNesterov(lr=0.7, momentum=0.9)
     opt.setup(link)
     for step in range(4):
         grad = _weights(3, 5, 10 + step)
@@ -372,6 +373,107 @@ def test_the_synced_parameters_swap_in_for_evaluation():
         comm.finalize()
 
 
+def test_the_multi_node_evaluator_sees_the_synced_parameters():
+    """docs/local_sgd.md's SyncedEvaluator: what every rank evaluates
+    is the synced parameters, whatever its local ones."""
+    comm = mnopt.create_communicator('naive')
+    try:
+        model, opt = make(comm, local_steps=4)
+        for step in range(7):
+            opt.update(model, *batch(step, comm.rank))
+
+        class Probe(chainer.training.extensions.Evaluator):
+            def evaluate(self):
+                return {'w': float(model.l1.W.array.astype(
+                    numpy.float64).sum())}
+
+        class SyncedEvaluator(Probe):
+            def evaluate(self):
+                with opt.using_synced_parameters():
+                    return super(SyncedEvaluator, self).evaluate()
+
+        evaluator = mnopt.create_multi_node_evaluator(
+            SyncedEvaluator(chainer.iterators.SerialIterator(
+                [0], 1, repeat=False), model),
+            comm)
+        with opt.using_synced_parameters():
+            synced = float(model.l1.W.array.astype(numpy.float64).sum())
+        assert evaluator.evaluate()['w'] == pytest.approx(synced, abs=1e-9)
+    finally:
+        comm.finalize()
+
+
+def test_every_communicator_and_wire_syncs_and_resumes(any_comm):
+    settings = {'local_steps': 4, 'fragments': 2, 'fragment_sync_delay': 1}
+    model, opt = make(any_comm, chainer.optimizers.MomentumSGD(lr=0.1),
+                      **settings)
+    for step in range(11):
+        opt.update(model, *batch(step, any_comm.rank))
+        if step == 6:
+            snapshot = snapshot_of(model, opt)
+    opt.wait()
+    with opt.using_synced_parameters():
+        synced = params_of(model)
+    assert same_on_every_rank(any_comm, synced)
+    resumed_model, resumed = make(
+        any_comm, chainer.optimizers.MomentumSGD(lr=0.1), **settings)
+    load(snapshot, resumed_model, resumed)
+    for step in range(7, 11):
+        resumed.update(resumed_model, *batch(step, any_comm.rank))
+    again = params_of(resumed_model)
+    assert all(again[n].tobytes() == v.tobytes()
+               for n, v in params_of(model).items())
+
+
+@pytest.mark.parametrize('wire', ['float16', 'bfloat16'])
+def test_a_16_bit_wire_carries_the_pseudo_gradients(wire):
+    """Within the wire's rounding of the float32 run, and not equal to
+    it: the pseudo-gradients did travel in 16 bits."""
+    results = []
+    for dtype in (None, wire):
+        comm = mnopt.create_communicator('flat', allreduce_grad_dtype=dtype)
+        try:
+            model, opt = make(comm, local_steps=2)
+            for step in range(7):
+                opt.update(model, *batch(step, comm.rank))
+            results.append(params_of(model))
+        finally:
+            comm.finalize()
+    for name in results[0]:
+        numpy.testing.assert_allclose(results[1][name], results[0][name],
+                                      rtol=0, atol=2e-2)
+    if WORLD.size > 1:
+        assert any((results[0][n] != results[1][n]).any()
+                   for n in results[0])
+
+
+def test_the_timeline_shows_each_sync_with_its_bytes(tmp_path):
+    path = str(tmp_path / 'trace.json')
+    comm = mnopt.create_communicator('flat', timeline=path)
+    try:
+        model, opt = make(comm, local_steps=4, fragments=2)
+        for step in range(9):   # syncs after local steps 2, 4, 6, 8
+            opt.update(model, *batch(step, comm.rank))
+        fragments = [opt._synced.names(f) for f in (1, 0)] * 2
+        nbytes = [sum(4 * p.array.size for n, p in model.namedparams()
+                      if n in names) for names in fragments]
+    finally:
+        comm.finalize()
+    events = timelines.load(timelines.trace_path(path, WORLD.rank))
+    wires = [e for e in events if e.get('name') == 'wire'
+             and e.get('ph') == 'X']
+    by_seq = {}
+    for e in wires:
+        by_seq.setdefault(e['args']['seq'], []).append(e)
+    if comm.size > 1:   # one rank sends nothing
+        assert len(by_seq) == 4   # one averaging per sync, none between
+        sent = [sum(e['args']['bytes'] for e in by_seq[k])
+                for k in sorted(by_seq)]
+        assert all(s > 0 for s in sent)
+        # Each sync carries its fragment: the bigger one more bytes.
+        assert (sent[0] > sent[1]) == (nbytes[0] > nbytes[1])
+
+
 def test_accumulation_counts_inner_updates():
     comm = mnopt.create_communicator('flat')
     try:
@@ -410,7 +512,8 @@ def test_a_refused_setting_is_an_error_on_every_rank(kwargs, match):
 
 @pytest.mark.parametrize('setting, match', [
     ({'compression': 'sign'}, "compression='sign'"),
-    ({'bucket_bytes': 'auto'}, "'auto' settings"),
+    ({'compression': 'powersgd'}, "compression='powersgd'"),
+    ({'bucket_bytes': 'auto'}, "settings ='auto'"),
 ])
 def test_a_refused_communicator_is_an_error_on_every_rank(setting, match):
     comm = mnopt.create_communicator('flat', **setting)
@@ -440,7 +543,7 @@ def test_a_comm_hook_and_join_are_refused_on_every_rank():
     lambda rank: {'local_steps': 2 + rank},
     lambda rank: {'local_steps': 4, 'fragments': 2 ** rank},
     lambda rank: {'local_steps': 4, 'outer_optimizer':
-                  mnopt.optimizers.OuterNesterov(lr=0.7 + rank)},
+                  mnopt.OuterNesterov(lr=0.7 + rank)},
     lambda rank: {'local_steps': 4, 'sync_warmup_steps': rank},
 ])
 def test_settings_that_differ_across_ranks_fail_together(differ):
