@@ -52,6 +52,11 @@ ones; a write still in flight (an asynchronous writer) is never removed.
 A rank whose write fails raises its error, every other rank one naming
 it.
 
+With ``asynchronous=True`` the state is copied to host memory at the step
+and written by a thread (mnopt/extensions/background_writer.py: a
+temporary name, fsync, read back, renamed); the next snapshot first
+confirms on every rank that the previous write is complete.
+
 Beside this extension: which snapshot every rank can load
 (mnopt/extensions/loadable.py) and what each file records besides the
 trainer (mnopt/extensions/snapshot_records.py).
@@ -67,6 +72,8 @@ import numpy
 from chainer.training import extension
 
 from mnopt import log
+from mnopt.extensions.background_writer import (
+    background_writer_for, remove_partial_files)
 from mnopt.extensions.loadable import newest_loadable, npz_problem
 # npz_is_whole: imported from here by code written before it moved.
 from mnopt.extensions.loadable import npz_is_whole  # NOQA
@@ -124,20 +131,30 @@ def _natural_key(name):
 
 class _MultiNodeSnapshot(extension.Extension):
 
-    def __init__(self, comm, snapshot, replica_sets):
+    def __init__(self, comm, snapshot, replica_sets, asynchronous=False):
         self.comm = comm
         self.snapshot = snapshot
+        self.asynchronous = bool(asynchronous)
         # Given explicitly (not None or []): kept, a sharded optimizer's
         # ranks grouped in one set are an error (see initialize).
         self._sets_given = bool(replica_sets)
         sets = parse_replica_sets(
             [] if replica_sets is None else replica_sets, comm.size)
         self.sets = [sorted(s) for s in sets]
-        everyone = comm.everyone(self.sets, 'multi_node_snapshot replica_sets')
+        said = comm.everyone((self.sets, self.asynchronous),
+                             'multi_node_snapshot replica_sets')
+        everyone = [s for s, _ in said]
         if any(s != self.sets for s in everyone):
             raise ValueError('ranks passed different replica_sets: %s'
                              % ', '.join('rank %d: %r' % rs
                                          for rs in enumerate(everyone)))
+        if any(a != self.asynchronous for _, a in said):
+            raise ValueError(
+                'multi_node_snapshot: asynchronous=True on ranks %s only: '
+                'pass the same on every rank' % [
+                    r for r, (_, a) in enumerate(said) if a])
+        if self.asynchronous:
+            snapshot.writer = background_writer_for(snapshot.writer)
         self.set_index = next(k for k, s in enumerate(self.sets)
                               if comm.rank in s)
         self.replica_set = set(self.sets[self.set_index])
@@ -214,11 +231,19 @@ class _MultiNodeSnapshot(extension.Extension):
         if self.autoload:
             self._autoload(trainer)
         if self.is_master:
+            if self.asynchronous:
+                remove_partial_files(trainer.out, '.%d' % self.comm.rank)
             self.snapshot.initialize(trainer)
 
     def __call__(self, trainer):
         iteration = trainer.updater.iteration
         problem = None
+        if self.asynchronous:
+            # The previous write is complete on every writer (or its
+            # error raised on every rank) before the next one starts.
+            self.comm.raise_together(
+                self._wait_for_write(), 'multi_node_snapshot: the '
+                'background write before iteration %d' % iteration)
         self.snapshot.writer.extra = epoch_record(self._target(trainer),
                                                   self.comm)
         if self.is_master:
@@ -273,7 +298,20 @@ class _MultiNodeSnapshot(extension.Extension):
                                   self.comm.rank == 0 and r not in writers):
                 os.remove(os.path.join(outdir, '%s.%d' % (name, r)))
 
+    def _wait_for_write(self):
+        """The error of this rank's write in flight, if any, once it is
+        done (None on a rank that writes nothing)."""
+        if not self.is_master:
+            return None
+        try:
+            self.snapshot.writer.wait()
+        except Exception as e:
+            return e
+        return None
+
     def finalize(self):
+        # The last background write's error: on its writer alone (after a
+        # failure a collective could wait forever).
         if self.is_master:
             self.snapshot.finalize()
 
@@ -347,11 +385,15 @@ class _MultiNodeSnapshot(extension.Extension):
         self.loaded = newest
 
 
-def multi_node_snapshot(comm, snapshot, replica_sets=None):
+def multi_node_snapshot(comm, snapshot, replica_sets=None, *,
+                        asynchronous=False):
     """Wrap ``snapshot`` (``chainer.training.extensions.snapshot(...)``) so
     that the first rank of each replica set writes it, to
     ``FILENAME.RANK`` as ChainerMN's, and ``autoload`` resumes every rank
     from the newest snapshot all of them hold completely (see the module's
     doc).  ``replica_sets``: ranks or iterables of ranks, the ranks left
-    out forming one more set; ``[]`` (or None): one set of every rank."""
-    return _MultiNodeSnapshot(comm, snapshot, replica_sets)
+    out forming one more set; ``[]`` (or None): one set of every rank.
+    ``asynchronous``: copy the state to host memory at the step and write
+    it in the background (mnopt/extensions/background_writer.py), the
+    same on every rank."""
+    return _MultiNodeSnapshot(comm, snapshot, replica_sets, asynchronous)
