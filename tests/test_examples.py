@@ -337,12 +337,16 @@ def test_resume_on_another_number_of_ranks(tmp_path, data_cache):
                  str(tmp_path / 'snapshot_iter_2.npz'))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'data split anew for 3 ranks' in proc.stdout
+    # The epoch goes on: the examples it has not read, split among the 3
+    # ranks (rank 0's file records which), and the plots' sums with it:
+    # iterations 1 to 4.
+    assert re.search(r'snapshot_iter_2.npz: updater/iterator:main: epoch 0 '
+                     r'resumed with \d+ of its examples not read yet',
+                     proc.stdout), proc.stdout[-3000:]
     assert (tmp_path / 'snapshot_iter_4.npz').exists()
-    # The epoch restarted from its beginning, and the plots' sums with it:
-    # iterations 3 and 4 only.
     with numpy.load(str(tmp_path / 'snapshot_iter_4.npz')) as f:
         sums = json.loads(str(f['extensions/epoch_plots/sums']))
-    assert sums['main/loss'][1] == 2, sums
+    assert sums['main/loss'][1] == 4, sums
     # The unsharded snapshot split into shares (its lazily sized layers
     # have data only once the model is loaded, after the optimizer).
     proc = train(2, tmp_path, data_cache, '--iteration', '3', '--resume',

@@ -13,7 +13,6 @@ a run completes in about a minute on 2 CPU cores.  Each rank uses one GPU
 """
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -37,6 +36,7 @@ import embedded_data  # NOQA
 import models  # NOQA
 import plots  # NOQA
 import run_summary  # NOQA
+import snapshot_modes  # NOQA
 import table  # NOQA
 
 
@@ -170,6 +170,10 @@ def parse_args(argv=None):
                    "mnopt.launch")
     p.add_argument('--snapshot-interval', type=int, default=None,
                    help='iterations between snapshots (default: each epoch)')
+    p.add_argument('--async-snapshots', action='store_true',
+                   help='write snapshots in the background: the state is '
+                        'copied to host memory at the step, a thread '
+                        'writes it (docs/reliability.md)')
     p.add_argument('--keep-snapshots', type=_positive_int, default=2,
                    help='how many of the latest snapshots in --out to '
                         'keep (at least 1): this configuration\'s whole '
@@ -257,7 +261,7 @@ class SeedGpuRandom(training.Extension):
     __call__ = _reseed      # after each iteration, for the next
 
 
-def trainer_snapshot(comm, config):
+def trainer_snapshot(comm, config, asynchronous=False):
     """The shared part of a snapshot: the trainer (model, optimizer state,
     iteration, epoch, rank 0's iterator, the log), the same on every rank,
     so rank 0 alone writes it, to ``snapshot_iter_N.npz`` (Chainer's
@@ -265,14 +269,9 @@ def trainer_snapshot(comm, config):
     name it ``snapshot_iter_N.npz.0``, as ChainerMN's)."""
     if comm.rank != 0:
         return lambda trainer: None
-    # Uncompressed: 10x faster to write (the parameters compress little).
-    # The writer's own keywords would not do: Chainer 7.8's Writer.save
-    # calls the save function without them.
     return WarnOfOverwriting(extensions.snapshot(
         filename='snapshot_iter_{.updater.iteration}.npz',
-        writer=extensions.snapshot_writers.SimpleWriter(
-            savefun=functools.partial(chainer.serializers.save_npz,
-                                      compression=False))), config)
+        writer=snapshot_modes.shared_writer(asynchronous)), config)
 
 
 class WarnOfOverwriting(training.Extension):
@@ -335,9 +334,13 @@ class Snapshot(training.Extension):
 
     priority = -101  # after the trainer's snapshot of the same iteration
 
-    def __init__(self, comm, keep, optimizer=None, config=None):
+    def __init__(self, comm, keep, optimizer=None, config=None,
+                 asynchronous=False):
         self.comm = comm
         self.keep = keep
+        #: In the background: the write in flight is no snapshot yet.
+        self.asynchronous = asynchronous
+        self.write = snapshot_modes.RankWriter(asynchronous)
         self.config = config or {}
         self.written = None   #: the shared file this run wrote last
         self.optimizer = optimizer   #: a sharded one: its share is saved
@@ -362,11 +365,14 @@ class Snapshot(training.Extension):
     def __call__(self, trainer):
         out, iteration = trainer.out, trainer.updater.iteration
         path = os.path.join(out, 'snapshot_iter_%d.npz' % iteration)
-        _atomic_save(rank_file(path, self.comm.rank),
-                     _RankState(trainer.updater.get_iterator('main'),
-                                self.comm.size, self.optimizer,
-                                self.write_id(), self.comm,
-                                trainer.updater.get_optimizer('main').target))
+        self.write.wait()   # the previous write, in the background
+        self.write(rank_file(path, self.comm.rank),
+                   _RankState(trainer.updater.get_iterator('main'),
+                              self.comm.size, self.optimizer,
+                              self.write_id(), self.comm,
+                              trainer.updater.get_optimizer('main').target,
+                              snapshot_modes.record_epoch(trainer,
+                                                          self.comm)))
         # Rank 0's listing, taken before anyone removes anything, says
         # what to prune; gathering it also waits until every rank's file
         # is complete.
@@ -385,7 +391,8 @@ class Snapshot(training.Extension):
         the same --out reaches other iterations."""
         older = [i for i in snapshots_by_write(out) if i != iteration and
                  self._ours(os.path.join(out, 'snapshot_iter_%d.npz' % i))]
-        return older[:max(0, len(older) - (self.keep - 1))]
+        keep = self.keep if self.asynchronous else self.keep - 1
+        return older[:max(0, len(older) - keep)]
 
     def _ours(self, path):
         """Whether the shared file ``path`` is whole and of this run's
@@ -400,6 +407,9 @@ class Snapshot(training.Extension):
             return self._checked[seen]
         except OSError:   # removed meanwhile
             return False
+
+    def finalize(self):
+        self.write.wait()
 
     def _remove(self, out, iteration):
         """This rank's part of snapshot ``iteration``; on rank 0 also the
@@ -511,8 +521,9 @@ class _RankState(object):
     when saved, the snapshot's ``write_id``."""
 
     def __init__(self, iterator, size, optimizer=None, write_id=None,
-                 comm=None, model=None):
+                 comm=None, model=None, epoch_record=None):
         self.iterator, self.size = iterator, size
+        self.epoch_record = epoch_record or {}
         self.optimizer = optimizer
         self.write_id = write_id
         self.comm = comm
@@ -538,6 +549,10 @@ class _RankState(object):
                                             shared=False)
         if self.write_id is not None:
             serializer('write_id', self.write_id)
+        if isinstance(serializer, chainer.serializer.Serializer):
+            # The epoch's position across ranks: a resume on another
+            # number of ranks reads the rest of the epoch (snapshot_modes).
+            snapshot_modes.save_record(serializer, self.epoch_record)
         if self.model is not None:
             # Each rank's batch normalizations' running statistics: they
             # follow the rank's own batches (without --mnbn), and the
@@ -562,12 +577,6 @@ def _start_epoch(iterator, epoch):
 
 def rank_file(path, rank):
     return path[:-len('.npz')] + '.rank%d.npz' % rank
-
-
-def _atomic_save(path, obj):
-    tmp = path + '.tmp%d' % os.getpid()
-    chainer.serializers.save_npz(tmp, obj, compression=False)  # 10x faster
-    os.replace(tmp, path)
 
 
 #: The shared file's key that says its optimizer state is sharded (rank
@@ -624,13 +633,16 @@ def resume(path, trainer, comm, optimizer):
     if any of them cannot.  With the number of ranks it was written with,
     each rank also gets its iterator and random state back (a rank's
     missing file is an error naming it), and its share of a sharded
-    optimizer's state; with another, the data is split anew, the epoch
-    restarts from its beginning, and a sharded optimizer's state is
-    re-sharded from every rank file (``optimizer.load_shards``).  Returns
-    (whether the number of ranks is the same, the number of ranks the
-    optimizer state was re-sharded from or None)."""
+    optimizer's state; with another, the data is split anew, the examples
+    the interrupted epoch has not read are split among the ranks (rank 0's
+    file records them: snapshot_modes; a snapshot without the record
+    restarts the epoch from its beginning), and a sharded optimizer's
+    state is re-sharded from every rank file (``optimizer.load_shards``).
+    Returns (whether the number of ranks is the same, the number of ranks
+    the optimizer state was re-sharded from or None)."""
     error = None
     resharded = None
+    record = {}
     try:
         if not os.path.isfile(path):
             raise KnownReason('there is no such file')
@@ -649,9 +661,13 @@ def resume(path, trainer, comm, optimizer):
         mixed = mixed_writes(path, [own]) if same_layout else None
         if mixed:
             raise KnownReason(mixed)
+        if not same_layout:
+            record = snapshot_modes.read_record(rank_file(path, 0))
         with numpy.load(path) as f:
             epoch = int(f['updater/iterator:main/epoch'])
-            skip_plots = plots.keys_to_skip(f.files, same_layout)
+            # The epoch goes on where the record says: its sums too.
+            skip_plots = plots.keys_to_skip(f.files,
+                                            same_layout or bool(record))
             earlier_points = plots.points_of_plot_reports(f)
         shards = sharded_by(path)
         sharded = hasattr(optimizer, 'load_shards')
@@ -699,6 +715,9 @@ def resume(path, trainer, comm, optimizer):
     bad = [(r, e) for r, e in enumerate(comm.allgather_obj(error)) if e]
     if bad:
         raise CannotResume(why_not_resumed(path, bad))
+    if not same_layout:
+        snapshot_modes.resume_rest_of_epoch(record, trainer, comm,
+                                            os.path.basename(path))
     return same_layout, resharded
 
 
@@ -954,10 +973,11 @@ def main(argv=None):
     snapshot_trigger = SnapshotTrigger(snapshot_interval, stop)
     config = {'arch': args.arch, 'n_classes': args.n_classes,
               'insize': args.insize}
-    trainer.extend(trainer_snapshot(comm, config), name='snapshot',
-                   trigger=snapshot_trigger)
+    trainer.extend(trainer_snapshot(comm, config, args.async_snapshots),
+                   name='snapshot', trigger=snapshot_trigger)
     rank_snapshot = Snapshot(comm, args.keep_snapshots,
-                             optimizer if args.shard_state else None, config)
+                             optimizer if args.shard_state else None, config,
+                             args.async_snapshots)
     trainer.extend(rank_snapshot, name=RANK_SNAPSHOT,
                    trigger=FiredWith(snapshot_trigger))
     # Each step's communication (comm/exposed, comm/hidden, comm/busbw,
