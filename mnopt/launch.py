@@ -13,6 +13,15 @@ holds completely (the ImageNet example: ``--resume auto``; see
 docs/reliability.md).  It does not manage processes: MPI's launcher (or
 Slurm) starts and ends the ranks, and ends them all when one dies.
 
+Elastic (``--hosts h1,h2,...``, ``--hostfile F``, or inside a Slurm
+allocation, with ``--min-nodes K --procs-per-node P``): the command after
+``--`` is each process's (``python train.py --resume auto``), and the
+launcher starts mpiexec itself, on the hosts that answer a short probe
+(mnopt/elastic.py), before every attempt: a failure is relaunched on the
+hosts still answering, as long as at least K do, and a host that answers
+again is taken back at the next attempt.  It says which hosts it dropped
+or took back, and why.
+
 It stops at the first success, at ``--max-restarts`` failures in a row, or
 when interrupted (SIGINT/SIGTERM are passed to the job, which is then not
 restarted).  Its exit status is the last attempt's.
@@ -37,6 +46,7 @@ import tempfile
 import threading
 import time
 
+from mnopt import elastic
 from mnopt import failure_summary
 from mnopt import log as _log
 
@@ -114,9 +124,12 @@ def _attempt(command, env):
     return child, folder, ended, readers
 
 
-def run(command, max_restarts=3, delay=1.0, log=None):
+def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
     """Run ``command`` (an argv list) until it succeeds or has failed
-    ``max_restarts + 1`` times; returns the last exit status.
+    ``max_restarts + 1`` times; returns the last exit status.  With
+    ``plan`` (elastic.ElasticPlan) each attempt's command is the plan's,
+    on the hosts that answer; too few of them end the launcher (status
+    1, or the last attempt's).
 
     Each failure and an interruption are reported as WARNING records of
     logger ``mnopt.launch`` (mnopt/log.py: by default on stderr), or
@@ -136,13 +149,19 @@ def run(command, max_restarts=3, delay=1.0, log=None):
             child.send_signal(signum)
 
     child = None
+    status = 1
     previous = {s: signal.signal(s, forward)
                 for s in (signal.SIGINT, signal.SIGTERM)}
+    if plan is not None:
+        plan.pool.say = say
     try:
         for attempt in range(max_restarts + 1):
             env = dict(os.environ, MNOPT_RESTART=str(attempt))
+            argv = command if plan is None else plan.command_for_attempt()
+            if argv is None:
+                return status
             start = time.monotonic()
-            child, folder, ended, readers = _attempt(command, env)
+            child, folder, ended, readers = _attempt(argv, env)
             status = child.wait()
             for reader in readers:   # its output out before the summary
                 reader.join(READ_S)
@@ -178,13 +197,32 @@ def main(argv=None):
         prog='python -m mnopt.launch',
         description='Relaunch a job that failed, so it resumes from its '
                     'newest complete snapshot.',
-        usage='%(prog)s [--max-restarts N] [--delay S] -- COMMAND ...')
+        usage='%(prog)s [--max-restarts N] [--delay S] -- COMMAND ...\n'
+              '       %(prog)s [--hosts H1,H2,... | --hostfile F] '
+              '--min-nodes K --procs-per-node P [--probe CMD] -- '
+              'python train.py ...')
     from mnopt import cli
     p.add_argument('--max-restarts', type=cli.nonnegative_int, default=3,
                    metavar='N', help='restarts after failures (default 3)')
     p.add_argument('--delay', type=cli.nonnegative_float, default=1.0,
                    metavar='S', help='seconds between a failure and the '
                    'restart (default 1)')
+    p.add_argument('--hosts', metavar='H1,H2,...',
+                   help='elastic: the hosts to run on (each attempt on '
+                   'those that answer the probe)')
+    p.add_argument('--hostfile', metavar='FILE',
+                   help='elastic: the hosts, one a line')
+    p.add_argument('--min-nodes', type=cli.positive_int, metavar='K',
+                   help='elastic: the fewest hosts to start an attempt on '
+                   '(default 1)')
+    p.add_argument('--procs-per-node', type=cli.positive_int, metavar='P',
+                   help='elastic: processes per host (default 1)')
+    p.add_argument('--probe', default=elastic.SSH_PROBE, metavar='CMD',
+                   help='elastic: the command that tells whether {host} '
+                   'answers (default: %(default)s)')
+    p.add_argument('--mpiexec', default='mpiexec', metavar='PATH',
+                   help='elastic: the MPI launcher to start (default '
+                   'mpiexec)')
     p.add_argument('command', nargs=argparse.REMAINDER,
                    help='the job: mpiexec ..., srun ...')
     args = p.parse_args(argv)
@@ -192,7 +230,34 @@ def main(argv=None):
         else args.command
     if not command:
         p.error('no command given (put it after --)')
-    return run(command, args.max_restarts, args.delay)
+    plan = None
+    if args.hosts or args.hostfile or args.min_nodes or args.procs_per_node:
+        plan = _elastic_plan(p, args, command)
+    return run(command, args.max_restarts, args.delay, plan=plan)
+
+
+#: Launchers an elastic command must not start with: the launcher runs
+#: mpiexec itself.
+_LAUNCHERS = ('mpiexec', 'mpirun', 'srun', 'orterun')
+
+
+def _elastic_plan(p, args, command):
+    if os.path.basename(command[0]) in _LAUNCHERS:
+        p.error('with --hosts/--hostfile/--min-nodes the command after -- '
+                'is each process\'s (python train.py ...): the launcher '
+                'starts %s itself' % args.mpiexec)
+    try:
+        hosts = elastic.hosts_from(args.hosts, args.hostfile)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    min_nodes = args.min_nodes or 1
+    if min_nodes > len(hosts):
+        p.error('--min-nodes %d is more than the %d hosts given (%s)'
+                % (min_nodes, len(hosts), ','.join(hosts)))
+    pool = elastic.HostPool(hosts, elastic.command_probe(args.probe),
+                            say=None)
+    return elastic.ElasticPlan(pool, min_nodes, args.procs_per_node or 1,
+                               command, mpiexec=args.mpiexec)
 
 
 if __name__ == '__main__':

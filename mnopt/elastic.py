@@ -1,0 +1,206 @@
+"""Which hosts an elastic relaunch runs on (``python -m mnopt.launch
+--hosts ... --min-nodes K --procs-per-node P -- python train.py ...``):
+the hosts given (a list, a host file or Slurm's node list), a short probe
+of each before every attempt, the ones that answer, and the mpiexec
+command that starts the job on them.
+
+A host that does not answer is dropped for that attempt and taken back
+at the first attempt where it answers again; each change is said with
+its reason.  The probe is a command run per host (``{host}`` replaced):
+by default ``ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true``,
+and nothing at all for this machine's own names; tests give one that
+fakes hosts going and coming.
+"""
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+
+#: The default probe: a host answers if ssh can run ``true`` on it.
+SSH_PROBE = 'ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true'
+#: Seconds a probe may take before its host counts as not answering.
+PROBE_TIMEOUT_S = 15.0
+
+
+def parse_host_list(text):
+    """``h1,h2,...`` as a list of names (empty items dropped);
+    ValueError for a host named twice."""
+    hosts = [h.strip() for h in text.split(',') if h.strip()]
+    twice = sorted({h for h in hosts if hosts.count(h) > 1})
+    if twice:
+        raise ValueError('host %s is named twice: name each host once (the '
+                         'processes per host are --procs-per-node)'
+                         % ', '.join(twice))
+    return hosts
+
+
+def read_hostfile(path):
+    """The hosts of an MPI host file: one a line, ``#`` comments; what
+    follows the name (``:4``, ``slots=4``) is ignored (the processes per
+    host are ``--procs-per-node``)."""
+    hosts = []
+    with open(path) as f:
+        for line in f:
+            line = line.split('#', 1)[0].strip()
+            if line:
+                hosts.append(re.split(r'[\s:]', line, maxsplit=1)[0])
+    return parse_host_list(','.join(hosts))
+
+
+def _expand_range(prefix, ranges, suffix):
+    names = []
+    for part in ranges.split(','):
+        if '-' in part:
+            first, last = part.split('-', 1)
+            width = len(first)
+            names += ['%s%0*d%s' % (prefix, width, n, suffix)
+                      for n in range(int(first), int(last) + 1)]
+        else:
+            names.append(prefix + part + suffix)
+    return names
+
+
+def expand_slurm_nodelist(text):
+    """Slurm's compressed node list (``node[01-03,07],gpu5``) as names,
+    as ``scontrol show hostnames`` prints them (one bracket a name)."""
+    hosts = []
+    for item in re.findall(r'[^,\[]+(?:\[[^\]]*\][^,\[]*)?', text):
+        found = re.match(r'^([^\[]*)\[([^\]]*)\](.*)$', item)
+        hosts += _expand_range(*found.groups()) if found else [item]
+    return [h for h in hosts if h]
+
+
+def hosts_from(hosts=None, hostfile=None, environ=None):
+    """The hosts given: ``--hosts``, ``--hostfile``, or Slurm's
+    ``SLURM_JOB_NODELIST``; ValueError saying what to give where none
+    is."""
+    environ = os.environ if environ is None else environ
+    if hosts:
+        return parse_host_list(hosts)
+    if hostfile:
+        return read_hostfile(hostfile)
+    if environ.get('SLURM_JOB_NODELIST'):
+        return parse_host_list(','.join(expand_slurm_nodelist(
+            environ['SLURM_JOB_NODELIST'])))
+    raise ValueError('no hosts: give --hosts h1,h2,..., --hostfile FILE, '
+                     'or run inside a Slurm allocation (SLURM_JOB_NODELIST)')
+
+
+def _own_names():
+    names = {'localhost', '127.0.0.1', socket.gethostname()}
+    try:
+        names.add(socket.getfqdn())
+    except OSError:
+        pass
+    return names
+
+
+def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
+    """A probe ``probe(host) -> None or why not``: the command
+    ``template`` (``{host}`` replaced) must exit 0 within ``timeout``
+    seconds.  The default ssh probe answers for this machine's own names
+    without running anything."""
+    own = _own_names() if template == SSH_PROBE else set()
+
+    def probe(host):
+        if host in own:
+            return None
+        argv = shlex.split(template.replace('{host}', host))
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return 'the probe took more than %g s' % timeout
+        except OSError as e:
+            return 'the probe could not run (%s)' % e
+        if done.returncode != 0:
+            said = done.stderr.decode(errors='replace').strip().splitlines()
+            return 'the probe exited with status %d%s' % (
+                done.returncode, ': ' + said[-1] if said else '')
+        return None
+    return probe
+
+
+class HostPool(object):
+    """The hosts of an elastic job and which of them answered at the last
+    probe.  ``select()`` probes every host and returns the ones that
+    answer, saying (through ``say``) which it dropped or took back, and
+    why."""
+
+    def __init__(self, hosts, probe, say):
+        self.hosts, self.probe, self.say = list(hosts), probe, say
+        self.down = {}   #: host -> why it did not answer
+
+    def select(self):
+        up = []
+        for host in self.hosts:
+            why = self.probe(host)
+            if why is None:
+                if host in self.down:
+                    self.say('mnopt.launch: took back %s: it answers again '
+                             '(it did not: %s)' % (host, self.down.pop(host)))
+                up.append(host)
+            else:
+                if host not in self.down:
+                    self.say('mnopt.launch: dropped %s: %s' % (host, why))
+                self.down[host] = why
+        return up
+
+    def why_down(self):
+        return '; '.join('%s: %s' % hw for hw in sorted(self.down.items()))
+
+
+def mpi_flavour(mpiexec):
+    """'openmpi' or 'hydra' (MPICH, Intel MPI, MVAPICH), by what
+    ``mpiexec --version`` says."""
+    try:
+        said = subprocess.run([mpiexec, '--version'], capture_output=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 'hydra'
+    return 'openmpi' if b'Open MPI' in said or b'OpenRTE' in said \
+        else 'hydra'
+
+
+def mpiexec_command(mpiexec, flavour, hosts, procs_per_node, command):
+    """The command that runs ``command`` on ``procs_per_node`` processes
+    of each host in ``hosts``, in host order."""
+    listed = ','.join('%s:%d' % (h, procs_per_node) for h in hosts)
+    option = '--host' if flavour == 'openmpi' else '-hosts'
+    return [mpiexec, option, listed, '-n', str(len(hosts) * procs_per_node)
+            ] + list(command)
+
+
+class ElasticPlan(object):
+    """Each attempt's command: the hosts that answer now, at least
+    ``min_nodes`` of them, or None (too few: the reasons are said)."""
+
+    def __init__(self, pool, min_nodes, procs_per_node, command,
+                 mpiexec='mpiexec', flavour=None):
+        self.pool, self.min_nodes = pool, min_nodes
+        self.procs_per_node, self.command = procs_per_node, command
+        self.mpiexec = mpiexec
+        self.flavour = flavour or mpi_flavour(mpiexec)
+        self.hosts = None   #: the hosts of the attempt last started
+
+    def command_for_attempt(self):
+        up = self.pool.select()
+        if len(up) < self.min_nodes:
+            self.pool.say(
+                'mnopt.launch: %d of %d hosts answer, fewer than --min-nodes '
+                '%d: not starting the job (%s)' % (
+                    len(up), len(self.pool.hosts), self.min_nodes,
+                    self.pool.why_down()))
+            return None
+        if up != self.hosts:
+            self.pool.say('mnopt.launch: starting on %d host%s (%s), %d '
+                          'process%s each' % (
+                              len(up), 's' * (len(up) > 1), ','.join(up),
+                              self.procs_per_node,
+                              'es' * (self.procs_per_node > 1)))
+        self.hosts = up
+        return mpiexec_command(self.mpiexec, self.flavour, up,
+                               self.procs_per_node, self.command)
