@@ -2,7 +2,7 @@
 """Does data-parallel training with mnopt reach the accuracy of one process?
 
     python examples/digits/convergence.py [--seeds 3] [--out docs]
-        [--study precision|sign|powersgd] [--replot]
+        [--study precision|sign|powersgd|local_sgd] [--replot]
 
 Runs train_digits.py with 1 rank in float32 (the baseline) and with 4 ranks
 in float32, float16, double buffering, and float16 + double buffering, all
@@ -10,7 +10,7 @@ with the same total batch and epochs, for several seeds; writes
 ``digits_convergence.json``, ``digits_convergence.md`` (a table) and
 ``digits_convergence.png`` (test accuracy per epoch) under ``--out``.
 ``--study`` runs another set of configurations (sign compression,
-PowerSGD) into files of its own; ``--replot`` rewrites the table and the
+PowerSGD, local steps) into files of its own; ``--replot`` rewrites the table and the
 figure from the study's JSON without training.
 """
 
@@ -52,9 +52,25 @@ POWERSGD_CONFIGS = [
 ] + [('4 ranks, PowerSGD rank %d, warmup %d' % (r, WARMUP), 4,
       ['--compression', 'powersgd', '--powersgd-rank', str(r),
        '--warmup-steps', str(WARMUP)]) for r in (1, 2, 4)]
+# Local steps (--study local_sgd, docs/local_sgd.md): DiLoCo's outer
+# Nesterov (lr 0.7, momentum 0.9) every H inner MomentumSGD updates; with
+# 4 fragments each averaging runs behind the next inner update (delay 1).
+LOCAL_CONFIGS = [CONFIGS[0], CONFIGS[1]] + [
+    ('4 ranks, local steps H=%d%s' % (
+        h, ', 4 fragments, delay 1' if f > 1 else ''), 4,
+     ['--local-steps', str(h)] + (
+         ['--fragments', str(f), '--fragment-sync-delay', '1']
+         if f > 1 else []))
+    for h, f in ((1, 1), (8, 1), (32, 1), (8, 4), (32, 4))] + [
+    # Plain model averaging every H (PyTorch's post-local SGD,
+    # PeriodicModelAverager): an outer SGD of lr 1, no momentum.
+    ('4 ranks, model averaging every H=%d' % h, 4,
+     ['--local-steps', str(h), '--outer-lr', '1', '--outer-momentum', '0'])
+    for h in (1, 8, 32)]
 STUDIES = {'precision': ('digits_convergence', CONFIGS),
            'sign': ('digits_sign', SIGN_CONFIGS),
-           'powersgd': ('digits_powersgd', POWERSGD_CONFIGS)}
+           'powersgd': ('digits_powersgd', POWERSGD_CONFIGS),
+           'local_sgd': ('digits_local_sgd', LOCAL_CONFIGS)}
 
 
 def run(n, extra, seed, epochs):

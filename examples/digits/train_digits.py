@@ -11,6 +11,7 @@ accuracy after every epoch.
 """
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -71,6 +72,18 @@ def parse_args(argv=None):
                    help='uncompressed steps before --compression starts')
     p.add_argument('--optimizer', default='momentum_sgd',
                    choices=['momentum_sgd', 'signum'])
+    p.add_argument('--local-steps', type=int, default=None,
+                   help='DiLoCo: average the parameters every this many '
+                   'local updates, with an outer Nesterov step '
+                   '(docs/local_sgd.md)')
+    p.add_argument('--fragments', type=int, default=1,
+                   help='with --local-steps: sync this many fragments in '
+                   'turn (Streaming DiLoCo)')
+    p.add_argument('--fragment-sync-delay', type=int, default=0,
+                   help='with --local-steps: apply each sync this many '
+                   'local updates later, averaging in the background')
+    p.add_argument('--outer-lr', type=float, default=0.7)
+    p.add_argument('--outer-momentum', type=float, default=0.9)
     p.add_argument('--total-batch', type=int, default=64)
     p.add_argument('--epoch', type=int, default=30)
     p.add_argument('--lr', type=float, default=0.05)
@@ -103,8 +116,17 @@ def main(argv=None):
     actual = mnopt.Signum(lr=args.lr, momentum=0.9) \
         if args.optimizer == 'signum' else \
         chainer.optimizers.MomentumSGD(lr=args.lr, momentum=0.9)
+    local = {} if args.local_steps is None else {
+        'local_steps': args.local_steps, 'fragments': args.fragments,
+        'fragment_sync_delay': args.fragment_sync_delay,
+        'outer_optimizer': mnopt.OuterNesterov(
+            lr=args.outer_lr, momentum=args.outer_momentum)}
     optimizer = mnopt.create_multi_node_optimizer(actual, comm,
-        double_buffering=args.double_buffering).setup(model)
+        double_buffering=args.double_buffering, **local).setup(model)
+    # With local steps the replicas differ between syncs: evaluate (and
+    # compare) the synced parameters, the same on every rank.
+    synced = optimizer.using_synced_parameters if local else \
+        contextlib.nullcontext
     it = chainer.iterators.SerialIterator(
         train, batch, order_sampler=chainer.iterators.ShuffleOrderSampler(
             numpy.random.RandomState(args.seed * 1000 + comm.rank)))
@@ -116,7 +138,7 @@ def main(argv=None):
             if hasattr(optimizer, 'wait'):
                 optimizer.wait()
             with chainer.using_config('train', False), \
-                    chainer.no_backprop_mode():
+                    chainer.no_backprop_mode(), synced():
                 acc = float(F.accuracy(model.predictor(x_test), t_test).array)
             curve.append(acc)
     result = {'n_ranks': comm.size, 'communicator': comm.name,
@@ -128,10 +150,15 @@ def main(argv=None):
               'warmup_steps': args.warmup_steps, 'lr': args.lr,
               'error_feedback': not args.no_error_feedback,
               'optimizer': args.optimizer,
+              'local_steps': args.local_steps, 'fragments': args.fragments,
+              'fragment_sync_delay': args.fragment_sync_delay,
+              'outer_lr': args.outer_lr if local else None,
+              'outer_momentum': args.outer_momentum if local else None,
               'total_batch': args.total_batch, 'epochs': args.epoch,
               'test_accuracy': curve[-1], 'curve': curve}
     # Every rank must hold the same parameters.
-    params = [p.array for _, p in sorted(model.namedparams())]
+    with synced():
+        params = [p.array.copy() for _, p in sorted(model.namedparams())]
     digest = float(sum(numpy.abs(p).sum() for p in params))
     digests = comm.allgather_obj(digest)
     assert all(d == digests[0] for d in digests), digests
