@@ -17,7 +17,11 @@ file.  Ranks whose share length differs (``force_equal_length=False``)
 may end an epoch an iteration apart: one already in the next epoch counts
 its whole share as read.
 
-At a resume the examples not read yet, in the order ``scatter_dataset``
+At a resume on the number of ranks that wrote the snapshot, where what
+the iterators' loaded states say they read is what the record says (each
+rank loaded its own state, or all drew the same orders), they are left as
+loaded: the resume is the uninterrupted run, bit for bit.  Otherwise
+the examples not read yet, in the order ``scatter_dataset``
 drew for the whole dataset, are cut into one share per rank exactly as
 ``scatter_dataset`` cuts a dataset (so with ``force_equal_length`` every
 rank reads the same number and the epoch ends at the same iteration
@@ -45,6 +49,7 @@ from mnopt.datasets.scatter import ScatteredDataset, share_bounds
 SEEN_KEY = 'mnopt_epoch_seen'
 EPOCH_KEY = 'mnopt_epoch'
 N_TOTAL_KEY = 'mnopt_epoch_n_total'
+SIZE_KEY = 'mnopt_epoch_ranks'
 
 #: iterator -> (epoch, seen): what a resume found read before it, for a
 #: snapshot taken later in the same (resumed) epoch.
@@ -95,13 +100,18 @@ def _order(iterator):
 
 def _read_this_epoch(iterator):
     """(epoch, bool array over the whole dataset) of what ``iterator`` has
-    read in its current epoch."""
+    read in its current epoch; IndexError where its order names positions
+    its dataset does not have (a detour of another process)."""
     dataset = iterator.dataset
     position = iterator.current_position
     order = _order(iterator)
     positions = numpy.arange(position) if order is None else \
         numpy.asarray(order[:position])
     positions = positions[positions >= 0]   # the resumed epoch's fillers
+    if len(positions) and positions.max() >= len(dataset) + len(
+            dataset.detour):
+        raise IndexError('position %d of %d' % (positions.max(),
+                                                 len(dataset)))
     seen = numpy.zeros(dataset.n_total, dtype=bool)
     seen[dataset.global_index(positions)] = True
     before = _read_before_resume.get(iterator)
@@ -149,6 +159,7 @@ def epoch_record(target, comm):
             record[group + EPOCH_KEY] = numpy.asarray(union[0])
             record[group + SEEN_KEY] = numpy.packbits(union[1])
             record[group + N_TOTAL_KEY] = numpy.asarray(mine[group][3])
+            record[group + SIZE_KEY] = numpy.asarray(comm.size)
     else:
         record = None
     return comm.bcast_obj(record, root=0)
@@ -215,6 +226,29 @@ def _rest_of_epoch(record, group, dataset, comm):
     return rest[begin:end]
 
 
+def _loaded_as_read(npz, group, iterator, comm):
+    """Whether the iterators as loaded already read the rest of the
+    recorded epoch exactly: the same number of ranks, and what their
+    states say they read is what the record says (each rank loaded its
+    own state, or every rank drew the same orders); then they are left as
+    loaded, and a resume is bit for bit the uninterrupted run.
+    Collective."""
+    try:
+        epoch, claimed = _read_this_epoch(iterator)
+        mine = (epoch, numpy.packbits(claimed))
+    except IndexError:
+        mine = None
+    said = comm.allgather_obj(mine)
+    size = int(npz[group + SIZE_KEY]) if group + SIZE_KEY in npz else None
+    if size != comm.size:
+        return False
+    epoch = int(npz[group + EPOCH_KEY])
+    if any(s is None or s[0] != epoch for s in said):
+        return False
+    union = numpy.bitwise_or.reduce([s[1] for s in said])
+    return numpy.array_equal(union, npz[group + SEEN_KEY])
+
+
 def resume_epochs(npz, target, comm, what):
     """Place every scattered iterator of ``target`` (just loaded from
     ``npz``, a mapping of the snapshot's arrays) at the rest of its
@@ -226,6 +260,8 @@ def resume_epochs(npz, target, comm, what):
     for group, it in scattered_iterators(target).items():
         if group + SEEN_KEY not in npz or \
                 int(npz[group + N_TOTAL_KEY]) != it.dataset.n_total:
+            continue
+        if _loaded_as_read(npz, group, it, comm):
             continue
         epoch = int(npz[group + EPOCH_KEY])
         rest = _rest_of_epoch(npz, group, it.dataset, comm)
