@@ -121,14 +121,22 @@ class Recorder(object):
 
     def __call__(self, batch, device=None):
         it = self.iterator
-        # next() has run: a batch that ended an epoch belongs to it.
-        epoch = it.epoch - 1 if it.is_new_epoch else it.epoch
-        return self.add(epoch, batch, device)
+        # next() has run: a batch that ended an epoch belongs to it, but
+        # for its last current_position samples, the next epoch's first
+        # (a resumed epoch's rest need not be whole batches).
+        if not it.is_new_epoch:
+            return self.add(it.epoch, batch, device)
+        ended = len(batch) - it.current_position
+        self.seen.setdefault(it.epoch, []).extend(
+            int(b[2]) for b in batch[ended:])
+        return self.add(it.epoch - 1, batch[:ended], device, whole=batch)
 
-    def add(self, epoch, batch, device=None):
-        """``batch`` recorded as one of ``epoch``, as arrays."""
+    def add(self, epoch, batch, device=None, whole=None):
+        """``batch`` recorded as one of ``epoch``; ``whole`` (or
+        ``batch``) as arrays."""
         self.seen.setdefault(epoch, []).extend(int(b[2]) for b in batch)
-        return chainer.dataset.concat_examples([b[:2] for b in batch], device)
+        return chainer.dataset.concat_examples(
+            [b[:2] for b in (batch if whole is None else whole)], device)
 
     def twice(self):
         """{epoch: indices seen more than once in it}, for epochs with any."""
@@ -237,11 +245,12 @@ def train(case, out, stop, snapshots):
             # ChainerMN's default, one replica set, writes rank 0's file
             # only (its iterator stands for every rank's); a set per rank
             # keeps every rank's own iterator.
+            # 'one+async': written in the background.
             sets = [[r] for r in range(comm.size)] \
                 if case['sets'] == 'per_rank' else []
             snap = mnopt.extensions.multi_node_snapshot(
                 comm, chainer.training.extensions.snapshot(autoload=True),
-                sets)
+                sets, asynchronous=case['sets'] == 'one+async')
             trainer.extend(snap, trigger=chainer.training.triggers.
                            ManualScheduleTrigger(snapshots, 'iteration'))
             snap.initialize(trainer)   # the autoload (run() does it again)
