@@ -56,22 +56,6 @@ SIZE_KEY = 'mnopt_epoch_ranks'
 _read_before_resume = weakref.WeakKeyDictionary()
 
 
-class _Names(chainer_serializer.Serializer):
-    """A serializer that only notes the names of the updater's iterators
-    (Chainer's updaters name them only when they serialize)."""
-
-    def __init__(self, names=None):
-        self.names = [] if names is None else names
-
-    def __getitem__(self, key):
-        if key.startswith('iterator:'):
-            self.names.append(key[len('iterator:'):])
-        return _Names(self.names)
-
-    def __call__(self, key, value):
-        return value
-
-
 def scattered_iterators(target):
     """``{key prefix: iterator}`` of ``target``'s iterators (a trainer's
     ``updater/iterator:NAME/``, an updater's ``iterator:NAME/``) that read
@@ -80,19 +64,25 @@ def scattered_iterators(target):
         target, 'updater') else ('', target)
     if not hasattr(updater, 'get_iterator'):
         return {}
-    names = _Names()
-    updater.serialize(names)
+    # Chainer's updaters name their iterators only in their private
+    # dict (and when they serialize everything, the model included).
+    iterators = getattr(updater, '_iterators', None) or \
+        {'main': updater.get_iterator('main')}
     found = {}
-    for name in sorted(set(names.names)):
-        it = updater.get_iterator(name)
+    for name, it in sorted(iterators.items()):
         if isinstance(getattr(it, 'dataset', None), ScatteredDataset):
             found['%siterator:%s/' % (prefix, name)] = it
     return found
 
 
 def _order(iterator):
-    """The iterator's order of its examples this epoch (None: in place),
-    as its own serialize() states it."""
+    """The iterator's order of its examples this epoch (None: in place):
+    Chainer's iterators keep it in their state (read, not serialized: a
+    MultiprocessIterator that serializes drops what it prefetched), any
+    other iterator as its serialize() states it."""
+    state = getattr(iterator, '_state', None)
+    if hasattr(state, 'order'):
+        return state.order
     state = DictionarySerializer()
     iterator.serialize(state)
     return state.target.get('order')
