@@ -84,13 +84,13 @@ def _allowed(row):
     values = dict(zip(FACTORS, row))
     if values.get('tune') == 'auto' and (
             values.get('comm') == 'naive' or values.get('mode') in (
-                'overlap', 'shard_state', 'stage2', 'local_steps') or
+                'overlap', 'shard_state', 'stage2') or
             values.get('compression') is not None):
         # Refused (refused() says why; tests/test_tune.py checks each
         # refusal on every rank): a case spent on it would test no pair.
         return False
     if values.get('mode') == 'local_steps' and \
-            values.get('compression') is not None:
+            values.get('compression') == 'hook':
         # Refused likewise (tests/test_local_steps.py checks it on every
         # rank): the pairs of local_steps go to cases that train.
         return False
@@ -114,7 +114,7 @@ def refused(case):
     sharded = case['mode'] in ('shard_state', 'stage2')
     if case['tune'] == 'auto' and (
             case['comm'] == 'naive' or sharded or
-            case['mode'] in ('overlap', 'local_steps') or
+            case['mode'] == 'overlap' or
             case['compression'] is not None):
         # naive has nothing to tune; compression, overlap and ZeRO
         # average in ways a tuning cannot time (docs/tuning.md).
@@ -132,9 +132,6 @@ def refused(case):
     if case['mode'] == 'local_steps' and case['compression'] == 'hook':
         # Made for every step's gradients (docs/local_sgd.md).
         return 'registered comm hook'
-    if case['mode'] == 'local_steps' and case['compression'] is not None:
-        # Not made to follow syncs and fragments yet (docs/local_sgd.md).
-        return 'compression=%r' % (case['compression'],)
     if case['data'] == 'uneven+join':
         return join_refuses(case)
     return None

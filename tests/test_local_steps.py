@@ -510,16 +510,168 @@ def test_a_refused_setting_is_an_error_on_every_rank(kwargs, match):
         comm.finalize()
 
 
-@pytest.mark.parametrize('setting, match', [
-    ({'compression': 'sign'}, "compression='sign'"),
-    ({'compression': 'powersgd'}, "compression='powersgd'"),
-    ({'bucket_bytes': 'auto'}, "settings ='auto'"),
-])
-def test_a_refused_communicator_is_an_error_on_every_rank(setting, match):
-    comm = mnopt.create_communicator('flat', **setting)
+def test_a_tuning_with_more_fragments_than_it_waits_is_refused():
+    """The tuning times one gradient set and gives it up after
+    REKEY_AFTER averagings of others: with more fragments it would never
+    end."""
+    from mnopt.communicators.tuning import REKEY_AFTER
+    comm = mnopt.create_communicator('flat', bucket_bytes='auto')
     try:
-        with pytest.raises(ValueError, match=match):
-            make(comm, local_steps=2)
+        fragments = REKEY_AFTER + 1
+        with pytest.raises(ValueError, match="fragments=%d.*'auto'"
+                           % fragments):
+            make(comm, local_steps=fragments, fragments=fragments)
+        make(comm, local_steps=REKEY_AFTER, fragments=REKEY_AFTER)
+    finally:
+        comm.finalize()
+
+
+# --------------------------------------------- compression and the tuner
+def compressed(kind):
+    """A communicator compressing with ``kind``, error feedback on."""
+    if kind == 'sign':
+        return mnopt.create_communicator('flat', compression='sign',
+                                         error_feedback=True)
+    return mnopt.create_communicator('flat', compression=kind)
+
+
+def compression_keys(comm):
+    """The names of each gradient set whose compression state the
+    communicator holds: PowerSGD's states, or the sign codecs'
+    residuals (both groups)."""
+    averaging = comm.averaging
+    if averaging.low_rank is not None:
+        return sorted(names for _, names in averaging.low_rank.states)
+    return sorted(names for group in averaging.groups()
+                  for names in group.sign_residuals())
+
+
+@pytest.mark.parametrize('kind', ['sign', 'powersgd', 'auto'])
+@pytest.mark.parametrize('delay', [0, 1])
+def test_compression_averages_each_fragments_pseudo_gradients(kind, delay):
+    """Each fragment's pseudo-gradients are compressed, with state of
+    their own; every rank holds the same synced parameters, and they
+    differ from an uncompressed run's (where a compression moves
+    anything: one rank's PowerSGD mean is exact)."""
+    settings = {'local_steps': 4, 'fragments': 2,
+                'fragment_sync_delay': delay}
+    results = []
+    for comm in (mnopt.create_communicator('flat'), compressed(kind)):
+        try:
+            model, opt = make(comm, **settings)
+            for step in range(13):
+                opt.update(model, *batch(step, comm.rank))
+            opt.wait()
+            with opt.using_synced_parameters():
+                synced = params_of(model)
+            assert same_on_every_rank(comm, synced)
+            results.append(synced)
+            if comm.compression is not None:
+                fragments = sorted(tuple(opt._synced.names(f))
+                                   for f in (0, 1))
+                assert compression_keys(comm) == fragments
+        finally:
+            comm.finalize()
+    if kind == 'sign' or WORLD.size > 1:
+        assert any((results[0][n] != results[1][n]).any()
+                   for n in results[0])
+
+
+@pytest.mark.parametrize('kind', ['sign', 'powersgd'])
+@pytest.mark.parametrize('at, settings', [
+    (6, {'local_steps': 4}),
+    (6, {'local_steps': 4, 'fragments': 2, 'fragment_sync_delay': 1}),
+    (4, {'local_steps': 4, 'fragments': 2, 'fragment_sync_delay': 2}),
+])
+def test_a_snapshot_keeps_the_compression_state_bit_for_bit(
+        kind, at, settings):
+    """Each rank's snapshot holds its error feedback (and PowerSGD's warm
+    factors): a run resumed on a new communicator ends bit for bit as
+    the uninterrupted one."""
+    finals = []
+    comm = compressed(kind)
+    try:
+        model, opt = make(comm, chainer.optimizers.MomentumSGD(lr=0.1),
+                          **settings)
+        for step in range(14):
+            opt.update(model, *batch(step, comm.rank))
+            if step == at:
+                snapshot = snapshot_of(model, opt)
+        finals.append(params_of(model))
+    finally:
+        comm.finalize()
+    assert any(k.endswith('residual0') or '/residuals/' in k or
+               'residual' in k for k in snapshot)
+    comm = compressed(kind)
+    try:
+        model, opt = make(comm, chainer.optimizers.MomentumSGD(lr=0.1),
+                          **settings)
+        load(snapshot, model, opt)
+        for step in range(at + 1, 14):
+            opt.update(model, *batch(step, comm.rank))
+        finals.append(params_of(model))
+    finally:
+        comm.finalize()
+    assert all(finals[0][n].tobytes() == finals[1][n].tobytes()
+               for n in finals[0])
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_a_compression_counter_loaded_on_rank_0_alone_is_given_to_all():
+    """The averaging counter (which decides the compression's warm-up)
+    is part of the state the replicas agree on after a load."""
+    comm = mnopt.create_communicator('flat', compression='powersgd',
+                                     warmup_steps=3)
+    try:
+        model, opt = make(comm, local_steps=2)
+        for step in range(7):
+            opt.update(model, *batch(step, comm.rank))
+        snapshot = snapshot_of(model, opt)
+        for step in range(7, 9):   # one more sync: the counter moves on
+            opt.update(model, *batch(step, comm.rank))
+        if comm.rank == 0:
+            load(snapshot, model, opt)
+        opt.update(model, *batch(9, comm.rank))   # agrees
+        counts = comm.everyone(comm.averaging.steps, 'test')
+        assert counts == [counts[0]] * comm.size
+        for step in range(10, 14):
+            opt.update(model, *batch(step, comm.rank))
+        with opt.using_synced_parameters():
+            assert same_on_every_rank(comm, params_of(model))
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('settings', [
+    {'local_steps': 2},
+    {'local_steps': 4, 'fragments': 4},
+    {'local_steps': 4, 'fragments': 2, 'fragment_sync_delay': 1},
+    {'local_steps': 4, 'fragments': 4, 'sync_warmup_steps': 3},
+])
+def test_the_tuner_tunes_across_the_syncs(settings):
+    """bucket_bytes='auto' and segment_bytes='auto' are tuned on the
+    syncs' averagings (one every H/F updates, a fragment each): the
+    tuning ends with the same choice on every rank, and the synced
+    parameters agree throughout."""
+    from mnopt.communicators.tuning import max_steps
+    comm = mnopt.create_communicator('flat', bucket_bytes='auto',
+                                     segment_bytes='auto')
+    try:
+        model, opt = make(comm, **settings)
+        per_sync = settings['local_steps'] // settings.get('fragments', 1)
+        limit = settings.get('sync_warmup_steps', 0) + 1 + per_sync * (
+            settings.get('fragments', 1) * (max_steps() + 1) + 2)
+        step = 0
+        while comm.tuned_settings is None and step < limit:
+            opt.update(model, *batch(step, comm.rank))
+            step += 1
+        opt.wait()
+        chosen = comm.tuned_settings
+        assert chosen is not None and set(chosen) == {'bucket_bytes',
+                                                      'segment_bytes'}
+        assert comm.everyone(chosen, 'test') == [chosen] * comm.size
+        with opt.using_synced_parameters():
+            assert same_on_every_rank(comm, params_of(model))
     finally:
         comm.finalize()
 

@@ -6,7 +6,9 @@ Each rank updates its own replica with the wrapped (inner) optimizer on
 its own gradients; nothing is averaged between syncs.  Every H updates a
 fragment's pseudo-gradients (its synced parameters minus the local ones)
 are averaged through the communicator's ``mean_grads`` (so every
-communicator, wire and the timeline apply), and the fragment's outer
+communicator, wire, compression (sign, PowerSGD: each fragment a
+gradient set with its own error feedback), the in-job tuner and the
+timeline apply), and the fragment's outer
 optimizer steps the synced parameters with their mean; the model then
 holds the new synced values, bit for bit the same on every rank.  With
 ``fragment_sync_delay=tau`` the averaging runs in the background
@@ -210,14 +212,15 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         object.__setattr__(self, '_in_flight', flight)
 
     def _make_replicas_agree(self):
-        """After a load: the synced copy, outer state, step count and
-        fragment in flight must be the same on every rank (the local
+        """After a load: the synced copy, outer state, step count,
+        fragment in flight and compression counter must be the same on
+        every rank (the local
         parameters and inner state are each rank's own).  Where they
         differ (a snapshot loaded on some ranks only), every rank takes
         rank 0's whole state and replica, and this update applies
         nothing, as after a broadcast.  True where nothing moved."""
         comm = self.communicator
-        shared = state_of(lambda s: self._serialize_local(s[SNAPSHOT_KEY]))
+        shared = state_of(self._serialize_shared)
         votes = comm.everyone((digest(sorted(shared.items())), self._updates),
                               'the synced parameters of local_steps')
         object.__setattr__(self, '_updates', votes[0][1])
@@ -230,6 +233,14 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
             self._serialize_state(chainer.serializers.NpzDeserializer(
                 state, strict=False))
         return False
+
+    def _serialize_shared(self, serializer):
+        """What every rank holds alike: this mode's state and the
+        communicator's shared compression state (its averaging counter,
+        which decides the compression's warm-up, and 'auto''s choices)."""
+        self._serialize_local(serializer[SNAPSHOT_KEY])
+        self.communicator.serialize_compression(
+            serializer['mnopt_compression'], local=False)
 
 
 def _read(serializer, key):

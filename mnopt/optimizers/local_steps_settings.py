@@ -13,6 +13,7 @@ Names: ``local_steps`` is DiLoCo's H (torchft's ``sync_every``, PyTorch's
 import chainer
 import numpy
 
+from mnopt.communicators.tuning import REKEY_AFTER
 from mnopt.optimizers.outer_nesterov import OuterNesterov
 
 
@@ -111,14 +112,11 @@ class LocalSteps(object):
                 'fragment on the synced parameters')
 
     def _check_communicator(self, comm):
-        compression = getattr(comm, 'compression', None)
-        if compression is not None:
-            raise ValueError(
-                'local_steps does not combine with compression=%r yet: the '
-                'pseudo-gradients are averaged once every H steps, and '
-                'their error feedback has not been made to follow '
-                'fragments and snapshots.  Use allreduce_grad_dtype='
-                "'bfloat16' (or 'float16') for fewer bytes" % (compression,))
+        """A compression (sign, PowerSGD, 'auto') compresses each sync's
+        pseudo-gradients, its state kept per fragment (a gradient set of
+        its own); 'auto' settings are tuned on the syncs' averagings, as
+        long as the fragment being timed comes back before the tuning
+        gives it up (tuning.REKEY_AFTER averagings of other sets)."""
         if getattr(comm, 'comm_hook_registered', False):
             raise ValueError(
                 'local_steps does not combine with a registered comm hook '
@@ -127,13 +125,17 @@ class LocalSteps(object):
                 'comm.register_comm_hook(None, None) first')
         tuning_problem = getattr(comm, 'tuning_problem', None)
         if tuning_problem is not None and \
-                tuning_problem('local_steps') is not None:
+                tuning_problem('local_steps') is not None and \
+                self.fragments > REKEY_AFTER:
             raise ValueError(
-                "local_steps does not combine with a communicator's "
-                "settings ='auto' (bucket_bytes='auto', ...): they tune by "
-                "timing every step's averaging, and local_steps averages "
-                'once every H steps, a fragment at a time.  Pass numbers '
-                '(docs/tuning.md)')
+                "fragments=%d does not combine with a communicator's "
+                "settings ='auto' (bucket_bytes='auto', ...): the tuning "
+                'times the averagings of one fragment, and gives it up '
+                'when %d averagings of others pass before it comes back.  '
+                'Pass fragments=%d or fewer while tuning, or pass the '
+                'settings as numbers (comm.tuned_settings of a tuned run; '
+                'docs/tuning.md)' % (self.fragments, REKEY_AFTER,
+                                     REKEY_AFTER))
 
     def shared(self):
         """What every rank must pass alike, as comparable values (the
