@@ -47,6 +47,7 @@ import threading
 import time
 
 from mnopt import elastic
+from mnopt.elastic import SSH_PROBE
 from mnopt import failure_summary
 from mnopt import log as _log
 
@@ -217,7 +218,7 @@ def main(argv=None):
                    '(default 1)')
     p.add_argument('--procs-per-node', type=cli.positive_int, metavar='P',
                    help='elastic: processes per host (default 1)')
-    p.add_argument('--probe', default=elastic.SSH_PROBE, metavar='CMD',
+    p.add_argument('--probe', default=SSH_PROBE, metavar='CMD',
                    help='elastic: the command that tells whether {host} '
                    'answers (default: %(default)s)')
     p.add_argument('--mpiexec', default='mpiexec', metavar='PATH',
