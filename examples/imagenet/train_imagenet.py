@@ -33,6 +33,7 @@ from mnopt.extensions.loadable import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import embedded_data  # NOQA
+import local_steps_flags  # NOQA
 import models  # NOQA
 import plots  # NOQA
 import run_summary  # NOQA
@@ -147,6 +148,7 @@ def parse_args(argv=None):
     p.add_argument('--warmup-steps', type=int, default=0,
                    help='with --compression, iterations averaged plain '
                    'first')
+    local_steps_flags.add_arguments(p)
     p.add_argument('--mnbn', action='store_true',
                    help='batch normalization over every rank\'s batch '
                         '(MultiNodeBatchNormalization; for the models with '
@@ -911,8 +913,9 @@ def main(argv=None):
             chainer.optimizers.MomentumSGD(momentum=0.9), comm,
             double_buffering=args.double_buffering, overlap=args.overlap,
             shard_state=args.shard_state,
-            accumulation_steps=args.accumulation_steps)
-    except ValueError as e:
+            accumulation_steps=args.accumulation_steps,
+            **local_steps_flags.optimizer_kwargs(args))
+    except (ValueError, TypeError) as e:
         sys.exit('train_imagenet.py: %s' % e)
     device = choose_device(comm, args.cpu)
     check_writable(args.out, comm)
