@@ -14,6 +14,7 @@ from mnopt import timeline as timelines
 from mnopt.optimizers import uneven
 from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.accumulation import Accumulation
+from mnopt.optimizers.shares import not_a_share
 
 LOADED = object()  # _param_set after a snapshot was loaded
 
@@ -248,13 +249,12 @@ class MultiNodeOptimizer(object):
         object.__setattr__(self, '_param_set', LOADED)
 
     def _serialize_state(self, serializer):
-        """What a snapshot of this optimizer holds, the same on every
-        rank: the wrapped optimizer's state and the communicator's shared
-        compression state (with a ``compression``, its averaging
-        counter, which drives warm-up and the votes' coin, and 'auto''s
-        choices)."""
-        self.actual_optimizer.serialize(
-            StatesMayBeAbsent(serializer) if isinstance(
+        """What a snapshot holds, the same on every rank: the wrapped
+        optimizer's state (a sharded one's share refused: shares.py), the
+        communicator's shared compression state (with a compression, its
+        averaging counter, warm-up's and the votes' coin, 'auto''s)."""
+        self.actual_optimizer.serialize(StatesMayBeAbsent(not_a_share(
+            serializer)) if isinstance(
                 serializer, chainer.serializer.Deserializer) else serializer)
         self.communicator.serialize_compression(
             serializer['mnopt_compression'], local=False)

@@ -140,8 +140,20 @@ def update_pieces(actual, communicator, target, pieces):
         if rule is not None:
             rule.update(p.stand_in)
             p.write_back()
+    _count_uninitialised(target)
     _reallocate_cleared_grads(pieces)
     _call_hooks(actual, 'post', communicator, target, pieces)
+
+
+def _count_uninitialised(target):
+    """Chainer updates every parameter, also one without data yet (a
+    link made with ``in_size=None`` not used so far): its rule counts the
+    update (``t``), which Adam's bias correction then starts from once
+    it has data.  Every rank does the same, as none holds a piece of it."""
+    for param in target.params():
+        rule = getattr(param, 'update_rule', None)
+        if param.array is None and rule is not None and rule.enabled:
+            rule.t += 1
 
 
 def _reallocate_cleared_grads(pieces):

@@ -5,7 +5,9 @@ share on any number of ranks.
 A share holds the update rules of this rank's pieces (partition.py),
 under their parameters' names: ``t`` and the state arrays, flat, of the
 piece's length.  ``mnopt_shard/size``, ``/rank`` say whose share it is and
-``/names``, ``/lo``, ``/hi``, ``/ranks`` the whole partition.  A share
+``/names``, ``/lo``, ``/hi``, ``/ranks`` the whole partition, ``/write``
+which write it belongs to (``write_id``: shares of two writes are never
+mixed at load).  A share
 written before parameters were split (whole-parameter ownership) has
 ``/owners`` instead of ``/lo`` ``/hi`` ``/ranks`` and its state arrays in
 the parameters' shapes: it is read as pieces that cover whole parameters.
@@ -15,18 +17,33 @@ so the state is the saved state bit for bit, on any number of ranks.
 
 import numpy
 
+from mnopt.optimizers.protocol import StatesMayBeAbsent, digest
+from mnopt.optimizers.shares import SHARD_KEY
 from mnopt.optimizers.zero.partition import Piece, partition
 
-#: Serializer group holding a shard's metadata in snapshots.
-SHARD_KEY = 'mnopt_shard'
 
 
-def write_share(serializer, communicator, pieces, params):
+def write_id(t, pieces, params):
+    """The id of a write of a snapshot: the same on every rank of one
+    write without a message, since it is made of what every rank holds
+    alike (the optimizer's ``t``, the partition and the parameters, the
+    same bytes on every rank after each update), and different for two
+    writes of different state (a write at another update, or of another
+    run)."""
+    named = [(n, p.array) for n, p in sorted(params.items())
+             if p.array is not None]
+    return digest([('t', numpy.int64(t)),
+                   ('pieces', numpy.array(repr(list(pieces))))] + named)
+
+
+def write_share(serializer, communicator, pieces, params, t):
     """This rank's share of the state (``pieces``: the partition,
-    ``params``: {name: parameter}) and whose share it is."""
+    ``params``: {name: parameter}, ``t``: the optimizer's) and whose share
+    it is."""
     meta = serializer[SHARD_KEY]
     meta('size', communicator.size)
     meta('rank', communicator.rank)
+    meta('write', numpy.array(write_id(t, pieces, params)))
     meta('names', numpy.array([p.name for p in pieces], dtype=str))
     for key in ('lo', 'hi', 'rank'):
         meta(key + 's' if key == 'rank' else key,
@@ -39,22 +56,26 @@ def write_share(serializer, communicator, pieces, params):
 
 
 def _meta_of(read, sizes):
-    """(size, rank, pieces, whether written by whole-parameter ownership)
-    from ``read(key)`` of the metadata (KeyError where absent);
-    ``sizes``: {name: elements} of the model, for the old format's
-    pieces."""
+    """(size, rank, pieces, whether written by whole-parameter ownership,
+    the write's id or None) from ``read(key)`` of the metadata (KeyError
+    where absent); ``sizes``: {name: elements} of the model, for the old
+    format's pieces."""
     size, rank = int(read('size')), int(read('rank'))
     names = [str(n) for n in read('names')]
+    try:
+        write = str(read('write'))
+    except KeyError:   # written before writes had ids: loads as before
+        write = None
     try:
         los = [int(x) for x in read('lo')]
     except KeyError:   # whole-parameter ownership
         owners = [int(o) for o in read('owners')]
         return size, rank, [Piece(n, 0, sizes.get(n, 0), o)
-                            for n, o in zip(names, owners)], True
+                            for n, o in zip(names, owners)], True, write
     his = [int(x) for x in read('hi')]
     ranks = [int(x) for x in read('ranks')]
     return size, rank, [Piece(*p) for p in zip(names, los, his, ranks)], \
-        False
+        False, write
 
 
 def read_meta(serializer, sizes):
@@ -74,6 +95,25 @@ def read_meta(serializer, sizes):
             raise KeyError(key)
         return value
     return _meta_of(read, sizes)
+
+
+def mixed_writes(writes, where):
+    """What is wrong with shares whose write ids are ``writes`` (None: a
+    share written before writes had ids) found at ``where`` (a file name
+    or a rank, one per share), or None where they are all of one write
+    (shares without ids are of one write with each other only)."""
+    if all(w == writes[0] for w in writes):
+        return None
+    groups = {}
+    for w, at in zip(writes, where):
+        groups.setdefault(w or 'none (an earlier mnopt)', []).append(
+            str(at))
+    return ('the shares are of %d different writes of the snapshot (%s): '
+            'load every rank\'s share of one write, the files one '
+            'multi_node_snapshot (or one save_npz on every rank) wrote '
+            'at the same iteration' % (len(groups), '; '.join(
+                'write %s: %s' % (w[:8], ', '.join(ats))
+                for w, ats in groups.items())))
 
 
 def coverage_problem(pieces, params):
@@ -110,7 +150,7 @@ def load_share(serializer, meta, communicator, params):
     """Load this rank's share (``meta`` from ``read_meta``): (the pieces
     it was written with, None), or (them, why this rank cannot resume
     from it) having loaded nothing."""
-    size, rank, pieces, whole = meta
+    size, rank, pieces, whole, _ = meta
     comm = communicator
     problem = None
     if whole and size == comm.size:
@@ -135,7 +175,8 @@ def load_share(serializer, meta, communicator, params):
             rule = getattr(params[piece.name], 'update_rule', None)
             if piece.rank == rank and rule is not None:
                 rule._state = None   # loaded as saved, the piece's shape
-                rule.serialize(serializer[piece.name])
+                # Written before the first applied update: t alone.
+                rule.serialize(StatesMayBeAbsent(serializer[piece.name]))
     return pieces, problem
 
 
@@ -163,7 +204,8 @@ def load_unsharded(serializer, communicator, params, previous):
         if piece.rank != rank or rule is None:
             continue
         rule._state = None
-        rule.serialize(serializer[piece.name])   # the whole parameter's
+        # The whole parameter's (t alone before the first update).
+        rule.serialize(StatesMayBeAbsent(serializer[piece.name]))
         if rule.state is not None:
             rule._state = {k: _cut(v, piece.lo, piece.hi)
                            for k, v in rule.state.items()}
@@ -191,6 +233,13 @@ class _Shares(object):
             self.opened[r] = numpy.load(f) if isinstance(f, (str, bytes)) \
                 or hasattr(f, '__fspath__') else f
         return self.opened[r]
+
+    def name(self, r):
+        """Share r's file name, or 'share r' for a mapping."""
+        f = self.shares[r]
+        return str(f.__fspath__() if hasattr(f, '__fspath__') else f) \
+            if isinstance(f, (str, bytes)) or hasattr(f, '__fspath__') \
+            else 'share %d' % r
 
     def meta(self, r):
         if r not in self.metas:
@@ -250,8 +299,8 @@ def reshard(shares, path, communicator, params, actual):
     ``path``: the key prefix of the optimizer in them; ``actual``: the
     wrapped optimizer, whose ``t`` and ``epoch`` are loaded).  On as many
     ranks as wrote it (by elements), the saved partition; otherwise a
-    fresh one for this number of ranks.  Returns (pieces, None), or
-    (None, what is wrong); raises if a file is missing or damaged."""
+    fresh one for this number of ranks.  Returns (pieces, None, the
+    write's id), or (None, what is wrong, None); raises if a file is missing or damaged."""
     from chainer.serializers import NpzDeserializer
     if path is None:
         raise ValueError('load_shards needs path= (the key prefix of the '
@@ -264,17 +313,25 @@ def reshard(shares, path, communicator, params, actual):
     try:
         size = len(files)
         for r in range(size):
-            s, rank, pieces, _ = files.meta(r)
+            s, rank, pieces, _, _ = files.meta(r)
             if (s, rank) != (size, r):
                 return None, ('share %d holds rank %d\'s share of %d ranks, '
-                              'not rank %d\'s of %d' % (r, rank, s, r, size))
-            if pieces != files.meta(0)[2]:
+                              'not rank %d\'s of %d' % (r, rank, s, r,
+                                                         size)), None
+        write = files.meta(0)[4]
+        problem = mixed_writes([files.meta(r)[4] for r in range(size)],
+                               [files.name(r) for r in range(size)])
+        if problem is not None:
+            return None, problem, None
+        for r in range(size):
+            if files.meta(r)[2] != files.meta(0)[2]:
                 return None, ('shares 0 and %d were written by different '
-                              'shardings (their partitions differ)' % r)
-        saved, whole = files.meta(0)[2:]
+                              'shardings (their partitions differ)' % r), \
+                    None
+        saved, whole = files.meta(0)[2:4]
         problem = coverage_problem(saved, params)
         if problem is not None:
-            return None, problem
+            return None, problem, None
         pieces = saved if size == comm.size and not whole else \
             partition(_specs(params), comm.size)
         first = NpzDeserializer(files.file(0), path=path)
@@ -291,4 +348,4 @@ def reshard(shares, path, communicator, params, actual):
             rule._state = state
     finally:
         files.close()
-    return pieces, None
+    return pieces, None, write

@@ -64,6 +64,9 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         # key prefix the optimizer was loaded under (load_shards' default).
         object.__setattr__(self, '_loaded_shape', None)
         object.__setattr__(self, '_loaded_path', None)
+        # The id of the write the loaded share(s) came from (None: an
+        # unsharded snapshot, or a share written before writes had ids).
+        object.__setattr__(self, '_loaded_write', None)
 
     def setup(self, link):
         super(ShardedStateOptimizer, self).setup(link)
@@ -155,8 +158,14 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         where they differ.  True if they were the same everywhere."""
         comm = self.communicator
         pieces = self._loaded_share[0] if self._loaded_share else []
-        mine = (digest(self._named_params()), repr(pieces))
+        mine = (digest(self._named_params()), repr(pieces),
+                self._loaded_write)
         digests = comm.everyone(mine, 'the digests of the replicas')
+        mixed = snapshots.mixed_writes(
+            [d[2] for d in digests], ['rank %d' % r for r in
+                                      range(len(digests))])
+        if mixed is not None:
+            raise RuntimeError('sharded optimizer: %s' % mixed)
         if any(d[1] != digests[0][1] for d in digests):
             raise RuntimeError(
                 'the loaded snapshots were written by different shardings '
@@ -247,11 +256,14 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         actual.epoch = serializer('epoch', actual.epoch)
         params = dict(self.target.namedparams())
         if not loading:
-            snapshots.write_share(serializer, comm, self._pieces, params)
+            snapshots.write_share(serializer, comm, self._pieces, params,
+                                  actual.t)
             return
         meta = snapshots.read_meta(serializer, {
             n: p.array.size for n, p in params.items()
             if p.array is not None})
+        object.__setattr__(self, '_loaded_write',
+                           None if meta is None else meta[4])
         if meta is None:   # an unsharded optimizer's snapshot
             object.__setattr__(self, '_loaded_shape', None)
             object.__setattr__(self, '_loaded_share',
@@ -296,7 +308,7 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         comm = self.communicator
         problem = None
         try:
-            pieces, problem = snapshots.reshard(
+            pieces, problem, write = snapshots.reshard(
                 shares, self._loaded_path if path is None else path, comm,
                 dict(self.target.namedparams()), self.actual_optimizer)
         except Exception as e:   # a file missing or damaged
@@ -304,6 +316,7 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         if problem is None:
             object.__setattr__(self, '_loaded_share', (pieces, None))
             object.__setattr__(self, '_loaded_shape', (comm.size, comm.rank))
+            object.__setattr__(self, '_loaded_write', write)
         else:
             object.__setattr__(self, '_loaded_share',
                                ([], 'cannot re-shard: %s' % problem))
