@@ -161,6 +161,9 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
             argv = command if plan is None else plan.command_for_attempt()
             if argv is None:
                 return status
+            if stopping.is_set():   # a signal while the hosts were probed
+                say('mnopt.launch: interrupted; not starting the job')
+                return status
             start = time.monotonic()
             child, folder, ended, readers = _attempt(argv, env)
             status = child.wait()

@@ -154,3 +154,18 @@ def test_too_few_hosts_after_a_failure_end_the_launcher(tmp_path):
     assert '1 of 2 hosts answer, fewer than --min-nodes 2: not starting ' \
         'the job (127.0.0.1: the probe exited with status 1)' in done.stderr
     assert 'ATTEMPT 1' not in done.stdout
+
+
+@pytest.mark.spawn
+def test_a_signal_while_the_hosts_are_probed_starts_nothing(tmp_path):
+    script = tmp_path / 'job.py'
+    script.write_text('print("STARTED")\n')
+    # The probe itself sends the launcher SIGTERM (the user's Ctrl-C, or
+    # the scheduler ending the allocation), then answers.
+    done = launch('--hosts', 'localhost,127.0.0.1', '--delay', '0',
+                  '--probe', "sh -c 'kill -TERM $PPID'",
+                  '--mpiexec', mpiexec()[0], '--', sys.executable,
+                  str(script), timeout=120)
+    assert 'STARTED' not in done.stdout
+    assert done.returncode != 0
+    assert 'interrupted; not starting the job' in done.stderr, done.stderr
