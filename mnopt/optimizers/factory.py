@@ -112,11 +112,11 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
             the rest of backward with no staleness: the parameters are those
             of the synchronous optimizer, bit for bit.
         shard_state: ZeRO stage 1 (mnopt/optimizers/zero/, docs/zero.md):
-            each rank owns a share of the parameters (whole arrays, balanced
-            by bytes), keeps the optimizer state (Adam's m and v, momentum...)
-            of its share only and updates only it; the mean gradients reach
-            their owners through one reduce-scatter and the updated
-            parameters come back through one all-gather.  Optimizers whose
+            each rank holds an equal share of the parameters' elements (a
+            parameter may span ranks), keeps the optimizer state (Adam's m
+            and v, momentum...) of its share only and updates only it; the
+            mean gradients reach their ranks through one reduce-scatter and
+            the updated parameters come back through one all-gather.  Optimizers whose
             update is per parameter, per-parameter hooks and
             GradientClipping; a snapshot holds each rank's own share.
             With ``overlap=True``, ZeRO stage 2: the gradients are
