@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from mnopt import functions as functions
     from mnopt import iterators as iterators
     from mnopt import links as links
+    from mnopt import zero as zero
     from mnopt.transport.layouts import LayoutMismatchError as LayoutMismatchError
     from mnopt.communicators import create_communicator as create_communicator
     from mnopt.communicators.base import CommunicatorBase as CommunicatorBase
@@ -109,6 +110,7 @@ _CHAINER_LAYER = {
     'DataSizeError': 'mnopt.datasets',
     'create_multi_node_checkpointer': 'mnopt.extensions',
     'MultiNodeChainList': 'mnopt.links',
+    'zero': 'mnopt.zero',
 }
 
 
