@@ -101,7 +101,10 @@ def test_a_snapshot_written_before_the_first_update_loads(comm, written_by):
     assert all(p.update_rule.state is None for p in model.params())
     saved_model, saved_opt = _saved(model), _saved(opt)
     want, _ = _trained(comm, False, 4)
-    got, _ = _resumed(comm, saved_model, saved_opt, 1, 4)
+    got, opt = _resumed(comm, saved_model, saved_opt, 1, 1)
+    # The partition is the loaded one before the next update.
+    assert opt.pieces and opt.owners['/l/W'] == tuple(range(comm.size))
+    _train(comm, got, opt, 1, 4)
     want, got = _params(want), _params(got)
     for name in want:
         numpy.testing.assert_array_equal(got[name], want[name], name)

@@ -77,13 +77,18 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
     @property
     def pieces(self):
         """The partition: ``[Piece(name, lo, hi, rank), ...]``, rank
-        ``rank`` holding elements lo:hi of parameter ``name`` (flat)."""
+        ``rank`` holding elements lo:hi of parameter ``name`` (flat).
+        After a load, the loaded one ([] where this rank cannot resume
+        from what it loaded: ``needs_shards``)."""
+        loaded = self._loaded_share
+        if loaded is not None:
+            return list(loaded[0]) if loaded[1] is None else []
         return list(self._pieces)
 
     @property
     def owners(self):
-        """{name: the ranks holding a piece of it}."""
-        return holders(self._pieces)
+        """{name: the ranks holding a piece of it} (of ``pieces``)."""
+        return holders(self.pieces)
 
     def _plan(self):
         """(pieces laid out by rank, pieces per rank) for the parameters
