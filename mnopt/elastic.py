@@ -179,12 +179,18 @@ class ElasticPlan(object):
     ``min_nodes`` of them, or None (too few: the reasons are said)."""
 
     def __init__(self, pool, min_nodes, procs_per_node, command,
-                 mpiexec='mpiexec', flavour=None):
+                 mpiexec='mpiexec', flavour=None, rejoin_dir=None,
+                 probe_interval=30.0):
         self.pool, self.min_nodes = pool, min_nodes
         self.procs_per_node, self.command = procs_per_node, command
         self.mpiexec = mpiexec
         self.flavour = flavour or mpi_flavour(mpiexec)
         self.hosts = None   #: the hosts of the attempt last started
+        #: Where snapshots appear (--take-back-after-snapshot), or None.
+        self.rejoin_dir = rejoin_dir
+        self.probe_interval = probe_interval
+        self._back = None   #: (hosts answering again, the listing then)
+        self._listing = None   #: the listing at the last look, once new
 
     def command_for_attempt(self):
         up = self.pool.select()
@@ -202,5 +208,45 @@ class ElasticPlan(object):
                               self.procs_per_node,
                               'es' * (self.procs_per_node > 1)))
         self.hosts = up
+        self._back = self._listing = None
         return mpiexec_command(self.mpiexec, self.flavour, up,
                                self.procs_per_node, self.command)
+
+    def takes_back(self):
+        """Whether the attempt running now watches for a host to take
+        back: one is left out, and snapshots are watched."""
+        return self.rejoin_dir is not None and self.hosts is not None and \
+            len(self.hosts) < len(self.pool.hosts)
+
+    def _snapshot_names(self):
+        try:
+            return {n for n in os.listdir(self.rejoin_dir)
+                    if not n.startswith('.')}   # '.': written, not yet done
+        except OSError:
+            return set()
+
+    def time_to_take_back(self):
+        """Called every ``probe_interval`` while an attempt runs: probes
+        the hosts left out; once one answers, True after the next
+        snapshot (a new file in ``rejoin_dir``, the listing then still
+        for one interval, so that every rank's file of it is written)."""
+        if self._back is None:
+            left_out = [h for h in self.pool.hosts if h not in self.hosts]
+            back = [h for h in left_out if self.pool.probe(h) is None]
+            if back:
+                self._back = (back, self._snapshot_names())
+                self.pool.say(
+                    'mnopt.launch: %s answer%s again: the job restarts to '
+                    'take %s back after the next snapshot in %s' % (
+                        ','.join(back), 's' * (len(back) == 1),
+                        'it' if len(back) == 1 else 'them', self.rejoin_dir))
+            return False
+        names = self._snapshot_names()
+        if names - self._back[1] and names == self._listing:
+            self.pool.say('mnopt.launch: a snapshot was written (%s): ending '
+                          'the job to relaunch it with %s' % (
+                              ', '.join(sorted(names - self._back[1])),
+                              ','.join(self._back[0])))
+            return True
+        self._listing = names if names - self._back[1] else None
+        return False

@@ -19,8 +19,10 @@ allocation, with ``--min-nodes K --procs-per-node P``): the command after
 launcher starts mpiexec itself, on the hosts that answer a short probe
 (mnopt/elastic.py), before every attempt: a failure is relaunched on the
 hosts still answering, as long as at least K do, and a host that answers
-again is taken back at the next attempt.  It says which hosts it dropped
-or took back, and why.
+again is taken back at the next attempt (with
+``--take-back-after-snapshot DIR``, a running job is ended on purpose
+after the next snapshot in DIR to take it back, which is no failure).
+It says which hosts it dropped or took back, and why.
 
 It stops at the first success, at ``--max-restarts`` failures in a row, or
 when interrupted (SIGINT/SIGTERM are passed to the job, which is then not
@@ -125,6 +127,20 @@ def _attempt(command, env):
     return child, folder, ended, readers
 
 
+def _wait(child, plan, stopping):
+    """(the job's exit status, whether the launcher ended it on purpose to
+    take a host back: elastic.ElasticPlan.time_to_take_back)."""
+    if plan is None or not plan.takes_back():
+        return child.wait(), False
+    while True:
+        try:
+            return child.wait(timeout=plan.probe_interval), False
+        except subprocess.TimeoutExpired:
+            if not stopping.is_set() and plan.time_to_take_back():
+                child.terminate()
+                return child.wait(), True
+
+
 def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
     """Run ``command`` (an argv list) until it succeeds or has failed
     ``max_restarts + 1`` times; returns the last exit status.  With
@@ -156,8 +172,10 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
     if plan is not None:
         plan.pool.say = say
     try:
-        for attempt in range(max_restarts + 1):
+        attempt = failures = 0
+        while failures <= max_restarts:
             env = dict(os.environ, MNOPT_RESTART=str(attempt))
+            attempt += 1
             argv = command if plan is None else plan.command_for_attempt()
             if argv is None:
                 return status
@@ -166,7 +184,7 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
                 return status
             start = time.monotonic()
             child, folder, ended, readers = _attempt(argv, env)
-            status = child.wait()
+            status, on_purpose = _wait(child, plan, stopping)
             for reader in readers:   # its output out before the summary
                 reader.join(READ_S)
             found = failure_summary.read_folder(folder) if folder else None
@@ -174,14 +192,17 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
                 shutil.rmtree(folder, ignore_errors=True)
             if status == 0 or stopping.is_set():
                 return status
-            left = max_restarts - attempt
+            if on_purpose:   # to take a host back: no failure
+                continue
+            failures += 1
+            left = max_restarts + 1 - failures
             if found is not None:
                 say('\n'.join(failure_summary.launcher_block(
-                    found, status, attempt + 1, max_restarts + 1,
+                    found, status, failures, max_restarts + 1,
                     ended or None)))
             say('mnopt.launch: the job exited with status %d after '
                 '%.1f s (attempt %d of %d)%s' % (
-                    status, time.monotonic() - start, attempt + 1,
+                    status, time.monotonic() - start, failures,
                     max_restarts + 1,
                     '; restarting in %g s' % delay if left else
                     '; no restarts left'))
@@ -227,6 +248,14 @@ def main(argv=None):
     p.add_argument('--mpiexec', default='mpiexec', metavar='PATH',
                    help='elastic: the MPI launcher to start (default '
                    'mpiexec)')
+    p.add_argument('--take-back-after-snapshot', metavar='DIR',
+                   help='elastic: while a host is left out, probe it every '
+                   '--probe-interval; once it answers, end the job after '
+                   'the next snapshot written in DIR and relaunch with it')
+    p.add_argument('--probe-interval', type=cli.nonnegative_float,
+                   default=30.0, metavar='S',
+                   help='elastic: seconds between probes of the hosts left '
+                   'out, with --take-back-after-snapshot (default 30)')
     p.add_argument('command', nargs=argparse.REMAINDER,
                    help='the job: mpiexec ..., srun ...')
     args = p.parse_args(argv)
@@ -235,7 +264,8 @@ def main(argv=None):
     if not command:
         p.error('no command given (put it after --)')
     plan = None
-    if args.hosts or args.hostfile or args.min_nodes or args.procs_per_node:
+    if args.hosts or args.hostfile or args.min_nodes or \
+            args.procs_per_node or args.take_back_after_snapshot:
         plan = _elastic_plan(p, args, command)
     return run(command, args.max_restarts, args.delay, plan=plan)
 
@@ -261,7 +291,9 @@ def _elastic_plan(p, args, command):
     pool = elastic.HostPool(hosts, elastic.command_probe(args.probe),
                             say=None)
     return elastic.ElasticPlan(pool, min_nodes, args.procs_per_node or 1,
-                               command, mpiexec=args.mpiexec)
+                               command, mpiexec=args.mpiexec,
+                               rejoin_dir=args.take_back_after_snapshot,
+                               probe_interval=args.probe_interval)
 
 
 if __name__ == '__main__':

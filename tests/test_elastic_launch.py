@@ -169,3 +169,55 @@ def test_a_signal_while_the_hosts_are_probed_starts_nothing(tmp_path):
     assert 'STARTED' not in done.stdout
     assert done.returncode != 0
     assert 'interrupted; not starting the job' in done.stderr, done.stderr
+
+
+#: Attempt 0 on 2 hosts: rank 1's node is lost.  Attempt 1 on 1 host: the
+#: node comes back, a snapshot is written a moment later, and the job
+#: would train on for a minute: the launcher ends it to take the host
+#: back.  Attempt 2 on both, success.
+TAKE_BACK = r'''
+import os, sys, time
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+attempt, flag, snapshots = os.environ['MNOPT_RESTART'], sys.argv[1], \
+    sys.argv[2]
+print('ATTEMPT %s SIZE %d' % (attempt, comm.size), flush=True)
+if attempt == '0':
+    if comm.rank == 1:
+        open(flag, 'w').close()
+    comm.Barrier()
+    sys.exit(3)
+if attempt == '1':
+    os.remove(flag)
+    time.sleep(1)
+    open(os.path.join(snapshots, 'snapshot_iter_10'), 'w').close()
+    time.sleep(60)
+    print('NOT TAKEN BACK', flush=True)
+'''
+
+
+@pytest.mark.spawn
+def test_a_host_back_is_taken_back_after_the_next_snapshot(tmp_path):
+    script = tmp_path / 'job.py'
+    script.write_text(TAKE_BACK)
+    snapshots = tmp_path / 'out'
+    snapshots.mkdir()
+    done = launch('--hosts', 'localhost,127.0.0.1', '--delay', '0',
+                  '--max-restarts', '1',
+                  '--take-back-after-snapshot', str(snapshots),
+                  '--probe-interval', '0.2',
+                  '--probe', 'test ! -e %s/down-{host}' % tmp_path,
+                  '--mpiexec', mpiexec()[0], '--', sys.executable,
+                  str(script), str(tmp_path / 'down-127.0.0.1'),
+                  str(snapshots), timeout=180)
+    # One failure (attempt 0) of the one restart allowed: the restart to
+    # take the host back counted none.
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'NOT TAKEN BACK' not in done.stdout
+    assert done.stdout.count('ATTEMPT 2 SIZE 2') == 2, done.stdout
+    err = done.stderr
+    assert '127.0.0.1 answers again: the job restarts to take it back ' \
+        'after the next snapshot' in err, err
+    assert 'a snapshot was written (snapshot_iter_10): ending the job to ' \
+        'relaunch it with 127.0.0.1' in err, err
+    assert 'took back 127.0.0.1' in err
