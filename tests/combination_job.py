@@ -289,6 +289,9 @@ def train(case, out, stop, snapshots):
         missed = []
         if case['observe'] == 'report' and resumed < stop:
             missed = sorted(set(OBSERVED) - set(log.log[-1]))
+        if case['mode'] in ('shard_state', 'stage2') and not any(
+                len(ranks) > 1 for ranks in optimizer.owners.values()):
+            missed += ['ZeRO: no parameter spans ranks']
         if case['observe'] == 'debug' and comm.check_calls is None:
             missed = ['MNOPT_DEBUG=detail: no check']
         if joined:

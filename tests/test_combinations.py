@@ -160,12 +160,32 @@ def cases():
     rows = [list(row) for row in allpairspy.AllPairs(
         list(FACTORS.values()), filter_func=_allowed)]
     rows += rows_for_missed_pairs(rows)
+    rows += sharded_resizes()
     out = []
     for i, row in enumerate(rows):
         case = dict(zip(FACTORS, row))
         case['id'], case['seed'] = 'case%02d' % i, 100 + i
         out.append(case)
     return out
+
+
+def sharded_resizes():
+    """ZeRO's rows that train and resume on another number of ranks
+    (re-sharding the state element by element): the pairs rarely give
+    one, as most sharded rows meet a refused value.  The model's first
+    weight spans the ranks (combination_job checks it)."""
+    base = dict(compression=None, wire=None, data='shuffled+serial',
+                split=False, sets='one', observe='none', tune='fixed')
+    rows = []
+    for mode, resume, comm, acc in (
+            ('shard_state', 'grow', 'flat', 1),
+            ('stage2', 'shrink', 'hierarchical', 2),
+            ('shard_state', 'shrink', 'naive', 1),
+            ('stage2', 'grow', 'flat', 1)):
+        values = dict(base, mode=mode, resume=resume, comm=comm,
+                      accumulation=acc, ranks=2 if resume == 'grow' else 3)
+        rows.append([values[k] for k in FACTORS])
+    return rows
 
 
 def pairs_of(row):
