@@ -3,6 +3,13 @@ no snapshots (one at the end only), snapshots written in line, and in the
 background (--async-snapshots).  A benchmark, not a test.
 
     python benchmarks/snapshot_cost.py --runs 3 --every 5
+    python benchmarks/snapshot_cost.py --blocking --megabytes 5.6
+
+``--blocking`` measures instead, in this one process, how long a
+``multi_node_snapshot`` call holds the training thread for a model of
+``--megabytes`` of parameters (the example's smallest is 5.6 MB), in line
+and in the background (the write in flight waited for outside the
+timing): what a busy machine's noise hides in the step times.
 
 Each run trains ``--iteration`` steps on ``--ranks`` ranks (CPU, the
 embedded set) and measures the mean step between the log's entries at
@@ -55,6 +62,43 @@ def mean_step(args, flags, cache):
         shutil.rmtree(out, ignore_errors=True)
 
 
+def blocking(megabytes, repeats):
+    """{variant: median seconds a snapshot call holds the caller}."""
+    import time
+    import numpy
+    import chainer
+    import mnopt
+    comm = mnopt.create_communicator('naive')
+    n = int(megabytes * 1e6 / 4)
+    model = chainer.links.Linear(1000, n // 1000)
+    opt = mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(), comm)
+    opt.setup(model)
+    it = chainer.iterators.SerialIterator(numpy.zeros((8, 1000), 'f'), 4)
+    held = {}
+    for name, asynchronous in (('in line', False), ('async', True)):
+        out = tempfile.mkdtemp(prefix='mnopt-snap-block-')
+        trainer = chainer.training.Trainer(
+            chainer.training.StandardUpdater(it, opt), (1, 'iteration'),
+            out=out)
+        ext = mnopt.extensions.multi_node_snapshot(
+            comm, chainer.training.extensions.snapshot_object(
+                model, 'snapshot_iter_{.updater.iteration}', n_retains=2),
+            asynchronous=asynchronous)
+        ext.initialize(trainer)
+        times = []
+        for k in range(repeats):
+            trainer.updater.iteration = k + 1
+            start = time.perf_counter()
+            ext(trainer)
+            times.append(time.perf_counter() - start)
+            if asynchronous:
+                ext.snapshot.writer.wait()   # outside the timing
+        ext.finalize()
+        shutil.rmtree(out, ignore_errors=True)
+        held[name] = statistics.median(times)
+    return held
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--runs', type=int, default=3)
@@ -62,7 +106,18 @@ def main(argv=None):
                    help='iterations between snapshots')
     p.add_argument('--iteration', type=int, default=60)
     p.add_argument('--ranks', type=int, default=2)
+    p.add_argument('--blocking', action='store_true',
+                   help='time how long a snapshot call holds the training '
+                   'thread, in this process')
+    p.add_argument('--megabytes', type=float, default=5.6)
     args = p.parse_args(argv)
+    if args.blocking:
+        held = blocking(args.megabytes, max(args.runs, 10))
+        print('a snapshot of %.1f MB holds the training thread (median of '
+              '%d calls):' % (args.megabytes, max(args.runs, 10)))
+        for name, seconds in held.items():
+            print('%-8s %.1f ms' % (name, 1000 * seconds))
+        return
     cache = tempfile.mkdtemp(prefix='mnopt-snap-cost-data-')
     steps = {v: [] for v in VARIANTS}
     try:
