@@ -3,10 +3,11 @@ mpiexec, for each configuration (iterator, its shuffle, scatter_dataset's
 shuffle and force_equal_length), a trainer over a scattered dataset of
 example indices whose updater only logs which example each batch read, in
 which epoch.  ``first``: two iterations, a multi_node_snapshot at the
-second (rank 0 alone writes it: one replica set).  ``resume``: autoload,
-then on to the end of epoch 0.  Each rank writes what it read as JSON.
+second (rank 0 alone writes it: one replica set).  ``middle``: autoload,
+one iteration, a snapshot inside the rest of epoch 0.  ``resume``:
+autoload, then on to the end of epoch 0.  Each rank writes what it read as JSON.
 
-    python -m mpi4py epoch_resume_job.py first|resume OUTDIR N BATCH
+    python -m mpi4py epoch_resume_job.py first|middle|resume OUTDIR N BATCH
 """
 
 import json
@@ -59,15 +60,19 @@ def run(comm, phase, out, n, batch, config):
     opt = chainer.optimizers.SGD()
     opt.setup(link)
     log = {}
-    stop = (2, 'iteration') if phase == 'first' else (1, 'epoch')
+    stop = {'first': (2, 'iteration'), 'middle': (3, 'iteration')}.get(
+        phase, (1, 'epoch'))
     trainer = chainer.training.Trainer(LoggingUpdater(it, opt, log), stop,
                                        out=out)
     trainer.extend(mnopt.extensions.multi_node_snapshot(
         comm, chainer.training.extensions.snapshot(
-            autoload=phase == 'resume')),
-        # Resumed: no more snapshots (without force_equal_length the
-        # ranks end the epoch, and stop, at different iterations).
-        trigger=(2 if phase == 'first' else 10 ** 6, 'iteration'))
+            autoload=phase != 'first')),
+        # 'middle': resumed at 2, a snapshot at 3, inside the rest of the
+        # epoch.  Resumed to the end: no more snapshots (without
+        # force_equal_length the ranks end the epoch, and stop, at
+        # different iterations).
+        trigger=({'first': 2, 'middle': 3}.get(phase, 10 ** 6),
+                 'iteration'))
     trainer.run()
     if kind == 'multiprocess':
         it.finalize()

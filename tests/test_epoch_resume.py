@@ -90,6 +90,30 @@ def test_an_epoch_interrupted_and_finished_on_another_rank_count(
             assert len(per_rank) == 1, (what, per_rank)
 
 
+@pytest.mark.spawn
+def test_an_epoch_interrupted_twice_on_three_rank_counts(tmp_path):
+    # 4 ranks to iteration 2, 3 ranks to 3 (a snapshot inside the rest of
+    # the epoch it was given), 5 ranks to the end of the epoch.
+    import epoch_resume_job
+    job(4, 'first', tmp_path)
+    job(3, 'middle', tmp_path)
+    job(5, 'resume', tmp_path)
+    for k, (kind, it_shuffle, scatter_shuffle, equal) in enumerate(
+            epoch_resume_job.CONFIGS):
+        out = tmp_path / str(k)
+        read = read_in_epoch_0(out, 'first', 4) + \
+            read_in_epoch_0(out, 'middle', 3) + \
+            read_in_epoch_0(out, 'resume', 5)
+        what = (kind, it_shuffle, scatter_shuffle, equal)
+        counts = collections.Counter(read)
+        assert sorted(counts) == list(range(N)), what
+        if not equal:
+            assert set(counts.values()) == {1}, what
+        else:
+            assert sum(counts.values()) - N <= padding(4, True) + 2 + 4, \
+                what
+
+
 @pytest.mark.many_ranks
 def test_the_record_is_what_every_rank_read(tmp_path):
     # The record marks exactly the examples the ranks read this epoch, on
