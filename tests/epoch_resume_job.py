@@ -5,7 +5,8 @@ example indices whose updater only logs which example each batch read, in
 which epoch.  ``first``: two iterations, a multi_node_snapshot at the
 second (rank 0 alone writes it: one replica set).  ``middle``: autoload,
 one iteration, a snapshot inside the rest of epoch 0.  ``resume``:
-autoload, then on to the end of epoch 0.  Each rank writes what it read as JSON.
+autoload, then on to the end of epoch 0.  Each rank writes what it read
+as JSON.
 
     python -m mpi4py epoch_resume_job.py first|middle|resume OUTDIR N BATCH
 """

@@ -1,7 +1,8 @@
 """What each multi_node_snapshot file records beside the trainer's state:
 how many replica sets wrote the snapshot, which write it belongs to and
-the epoch's position across ranks (added by the recording writer), and how to read that back, with the
-number of ranks a sharded optimizer's file was written by."""
+the epoch's position across ranks (added by the recording writer), and
+how to read that back, with the number of ranks a sharded optimizer's
+file was written by."""
 
 import numpy
 
