@@ -20,7 +20,7 @@ import chainer.links as L   # noqa: E402
 import mnopt   # noqa: E402
 import mnopt.timeline as timelines   # noqa: E402
 from mnopt.optimizers.fragments import split_by_bytes, starting   # noqa
-from conftest import WORLD   # noqa: E402
+from conftest import WORLD, imagenet_example_module   # noqa: E402
 
 pytestmark = pytest.mark.many_ranks
 
@@ -705,3 +705,96 @@ def test_settings_that_differ_across_ranks_fail_together(differ):
             make(comm, **differ(comm.rank))
     finally:
         comm.finalize()
+
+
+# ------------------------------------------------- the ImageNet example
+class BatchNormMLP(chainer.Chain):
+    """A batch-normalized hidden layer (its gamma and beta are synced,
+    its running statistics each rank's own), as the example's CNN."""
+
+    def __init__(self):
+        super(BatchNormMLP, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=_weights(8, 6, 1))
+            self.bn = L.BatchNormalization(8)
+            self.l2 = L.Linear(8, 8, initialW=_weights(8, 8, 2))
+
+    def __call__(self, x, t):
+        return F.softmax_cross_entropy(
+            self.l2(F.relu(self.bn(self.l1(x)))), t)
+
+
+def _train_with_the_examples_evaluator(comm, evaluate, steps=9):
+    """The example's path: a Trainer, the StandardUpdater calling update
+    with the loss, and (``evaluate``) its multi-node evaluator every
+    iteration reporting the sum of the weights it sees.  The parameters
+    after, and each evaluation's sum."""
+    flags = imagenet_example_module('local_steps_flags')
+    model, opt = make(comm, chainer.optimizers.MomentumSGD(lr=0.1),
+                      model=BatchNormMLP(), local_steps=4)
+    data = [(x, t) for step in range(steps)
+            for x, t in zip(*batch(step, comm.rank))]
+    updater = chainer.training.StandardUpdater(
+        chainer.iterators.SerialIterator(data, BATCH, shuffle=False), opt)
+    trainer = chainer.training.Trainer(updater, (steps, 'iteration'))
+    seen = []
+
+    def weights(*_):
+        chainer.report({'w': sum(float(p.array.astype(numpy.float64).sum())
+                                 for p in model.params())})
+
+    if evaluate:
+        evaluator = flags.evaluating_synced(
+            chainer.training.extensions.Evaluator(
+                chainer.iterators.SerialIterator([0], 1, repeat=False),
+                model, eval_func=weights), opt)
+        evaluator = mnopt.create_multi_node_evaluator(evaluator, comm)
+
+        def record(trainer):
+            seen.append(evaluator.evaluate()['w'])
+            with opt.using_synced_parameters():
+                seen.append(sum(float(p.array.astype(numpy.float64).sum())
+                                for p in model.params()))
+        trainer.extend(record, trigger=(1, 'iteration'))
+    trainer.run()
+    return params_of(model), seen
+
+
+def test_the_examples_evaluator_sees_the_synced_parameters_and_restores():
+    """What the example's evaluator reports is the synced parameters
+    (not the mean of the ranks' local ones), and training goes on from
+    the local parameters bit for bit as without an evaluator."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        trained, seen = _train_with_the_examples_evaluator(comm, True)
+        for reported, synced in zip(seen[::2], seen[1::2]):
+            assert reported == pytest.approx(synced, abs=1e-9)
+        unevaluated, _ = _train_with_the_examples_evaluator(comm, False)
+        assert all(trained[n].tobytes() == unevaluated[n].tobytes()
+                   for n in trained)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize('local_steps, given, expected', [
+    (8, False, 0.05 / WORLD.size),   # the inner lr for one rank's batch
+    (8, True, 0.05),                 # --lr given: as given
+    (None, False, 0.05),             # synchronous: the example's lr
+])
+def test_the_examples_inner_lr_is_for_one_ranks_batch(
+        local_steps, given, expected):
+    """The example's default lr (0.05 on its CNN) is for the synchronous
+    batch of ranks x batchsize; the inner optimizer of local steps sees
+    one rank's batch (at 0.05 and 16 images the CNN does not train)."""
+    import argparse
+    flags = imagenet_example_module('local_steps_flags')
+    args = argparse.Namespace(local_steps=local_steps,
+                              lr=0.05 if given else None)
+    flags.note_lr_given(args)
+    args.lr = args.lr or 0.05   # as the example's load_datasets
+    comm = mnopt.create_communicator('naive')
+    try:
+        flags.set_inner_lr(args, comm)
+    finally:
+        comm.finalize()
+    assert args.lr == expected

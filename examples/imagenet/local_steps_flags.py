@@ -4,9 +4,12 @@
 ``--outer-momentum`` and ``--sync-warmup-steps``, turned into the keywords
 of ``create_multi_node_optimizer``.
 
-The multi-node evaluator the example uses evaluates the synced
-parameters (the same on every rank), so the validation accuracy is that
-of the model a user would keep."""
+With ``--local-steps`` the example evaluates the synced parameters (the
+same on every rank: ``evaluating_synced``), so the validation accuracy is
+that of the model a user would keep, and its default ``--lr`` is the inner
+optimizer's for one rank's batch (``set_inner_lr``)."""
+
+import types
 
 import mnopt
 
@@ -59,3 +62,43 @@ def optimizer_kwargs(args):
             'sync_warmup_steps': args.sync_warmup_steps,
             'outer_optimizer': mnopt.OuterNesterov(**outer) if outer
             else None}
+
+
+def note_lr_given(args):
+    """Before the example fills in its defaults: whether --lr was given."""
+    args.lr_given = args.lr is not None
+
+
+def set_inner_lr(args, comm):
+    """With --local-steps and no --lr: ``args.lr`` (the example's
+    synchronous default, tuned for the batch of ``batchsize`` x ranks one
+    synchronous update averages) divided by the ranks, the linear scaling
+    rule for the inner optimizer, which steps on one rank's batch alone.
+    (The synchronous 0.05 as the inner lr of 16 images per rank does not
+    train the example's CNN, even on one rank: docs/local_sgd.md.)"""
+    if args.local_steps is None or args.lr_given:
+        return
+    synchronous = args.lr
+    args.lr = synchronous / comm.size
+    if comm.rank == 0:
+        print('local steps: inner lr %g, the synchronous %g over %d ranks '
+              '(each inner update sees one rank\'s batch; --lr sets it)'
+              % (args.lr, synchronous, comm.size))
+
+
+def evaluating_synced(evaluator, optimizer):
+    """``evaluator`` evaluating the synced parameters, the same on every
+    rank (``optimizer.using_synced_parameters()``; the local ones again
+    after), where the optimizer has local steps; as it is otherwise.
+    Wrap it before ``mnopt.create_multi_node_evaluator``."""
+    synced = getattr(optimizer, 'using_synced_parameters', None)
+    if synced is None:
+        return evaluator
+    evaluate = evaluator.evaluate
+
+    def evaluate_synced(self):
+        with synced():
+            return evaluate()
+
+    evaluator.evaluate = types.MethodType(evaluate_synced, evaluator)
+    return evaluator

@@ -893,6 +893,7 @@ def check_identical_parameters(model, comm):
 
 def main(argv=None):
     args = parse_args(argv)
+    local_steps_flags.note_lr_given(args)
     # The pipeline's settings only where given: not every communicator
     # takes them (each says so, on every rank).
     pipeline = {k: getattr(args, k) for k in (
@@ -921,6 +922,7 @@ def main(argv=None):
     check_writable(args.out, comm)
     numpy.random.seed(args.seed + comm.rank)
     train, val = load_datasets(args, comm)
+    local_steps_flags.set_inner_lr(args, comm)
     optimizer.lr = args.lr   # its default depends on the data set
     model = models.ARCHS[args.arch](args.n_classes)
     if args.mnbn:
@@ -965,7 +967,8 @@ def main(argv=None):
         if not args.iteration else stop
     snapshot_interval = ((args.snapshot_interval, 'iteration')
                          if args.snapshot_interval else (1, 'epoch'))
-    evaluator = extensions.Evaluator(val_iter, model, device=device)
+    evaluator = local_steps_flags.evaluating_synced(
+        extensions.Evaluator(val_iter, model, device=device), optimizer)
     trainer.extend(mnopt.create_multi_node_evaluator(evaluator, comm),
                    trigger=val_interval, name='validation')
     throughput = run_summary.Throughput(optimizer,
