@@ -7,8 +7,9 @@ final validation accuracy beside synchronous training and PowerSGD.
 
 Runs train_imagenet.py as convergence.py does (``smallcnn`` on the
 embedded ImageNet-format set, 4 ranks, CPU, communicator ``flat``, 16
-images per rank, momentum SGD with lr 0.05 decayed linearly to 0): the
-same samples seen in every configuration.  Synchronous float32,
+images per rank, momentum SGD with lr 0.05 decayed linearly to 0; with
+local steps the inner lr is 0.05 over the 4 ranks, for one rank's batch):
+the same samples seen in every configuration.  Synchronous float32,
 PowerSGD rank 2 (8 plain iterations first), then ``--local-steps H`` for
 H in 1, 8, 32, 128, and with 4 fragments (H 8, 32, 128), with DiLoCo's
 outer Nesterov (``--outer-lr``, ``--outer-momentum``).  Writes
