@@ -71,11 +71,14 @@ def host_params(model):
             for n, p in model.namedparams()}
 
 
-def train(xp, name, updates=STEPS, settings=None, **options):
-    """The parameters (host copies) after ``updates`` calls of update."""
+def train(xp, name, updates=STEPS, settings=None, hook=None, **options):
+    """The parameters (host copies) after ``updates`` calls of update;
+    ``hook``: a comm hook registered first."""
     comm = mnopt.create_communicator(name, bucket_bytes=4096,
                                      **(settings or {}))
     comm.skip_single_rank = False
+    if hook is not None:
+        comm.register_comm_hook(None, hook)
     try:
         model = linear_model(xp)
         opt = mnopt.create_multi_node_optimizer(
@@ -237,26 +240,9 @@ def test_a_comm_hook_takes_cupy_gradients(cupy, kind, hook):
 @needs_chainer
 @pytest.mark.parametrize('mode', ['sync', 'double_buffering', 'overlap'])
 def test_a_comm_hook_through_the_optimizer_on_the_gpu(cupy, mode):
-    options = MODES[mode]
-
-    def hooked(xp):
-        comm = mnopt.create_communicator('flat', bucket_bytes=4096)
-        comm.skip_single_rank = False
-        comm.register_comm_hook(None, comm_hooks.float16_compress_hook)
-        try:
-            model = linear_model(xp)
-            opt = mnopt.create_multi_node_optimizer(
-                chainer.optimizers.SGD(lr=LR), comm, **options).setup(model)
-            for step in range(STEPS):
-                cs = constants(step, comm.rank, xp)
-                opt.update(lambda: loss_of(model, cs))
-            if hasattr(opt, 'wait'):
-                opt.wait()
-            return host_params(model)
-        finally:
-            comm.finalize()
-
-    assert_same(hooked(numpy), hooked(cupy))
+    hook = comm_hooks.float16_compress_hook
+    assert_same(train(numpy, 'flat', hook=hook, **MODES[mode]),
+                train(cupy, 'flat', hook=hook, **MODES[mode]))
 
 
 @needs_ranks
