@@ -631,7 +631,12 @@ def test_a_compression_counter_loaded_on_rank_0_alone_is_given_to_all():
             opt.update(model, *batch(step, comm.rank))
         if comm.rank == 0:
             load(snapshot, model, opt)
-        opt.update(model, *batch(9, comm.rank))   # agrees
+            # Its first update meets the others at their next sync (an
+            # update between syncs exchanges nothing), where they agree.
+            opt.update(model, *batch(9, comm.rank))
+        else:
+            for step in (9, 10):   # local steps 9 and 10 (a sync)
+                opt.update(model, *batch(step, comm.rank))
         counts = comm.everyone(comm.averaging.steps, 'test')
         assert counts == [counts[0]] * comm.size
         for step in range(10, 14):
@@ -703,6 +708,161 @@ def test_settings_that_differ_across_ranks_fail_together(differ):
     try:
         with pytest.raises(ValueError, match='every rank must pass the same'):
             make(comm, **differ(comm.rank))
+    finally:
+        comm.finalize()
+
+
+# ------------------------------------------- no waiting between syncs
+#: The communicator's exchanges (those it has are counted).
+EXCHANGES = ('everyone', 'raise_together', 'same', 'common', 'bcast_data',
+             'bcast_obj', 'mean_grads', 'mean_grads_async',
+             'multi_node_mean_grad', 'allreduce_obj', 'allreduce',
+             'allreduce_grad', 'gather_obj', 'scatter', 'alltoall', 'send',
+             'recv', 'send_obj', 'recv_obj', 'split')
+
+
+def counting_exchanges(comm):
+    """Every exchange ``comm`` runs from now on, by name, in a list."""
+    calls = []
+    for name in EXCHANGES:
+        run = getattr(comm, name, None)
+        if callable(run):
+            def counted(*args, _run=run, _name=name, **kwargs):
+                calls.append(_name)
+                return _run(*args, **kwargs)
+            setattr(comm, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize('settings', [
+    dict(local_steps=4),
+    dict(local_steps=4, fragments=2, fragment_sync_delay=1,
+         sync_warmup_steps=2),
+])
+def test_no_exchange_between_syncs(settings):
+    """An update that starts no sync exchanges nothing with the other
+    ranks (docs/local_sgd.md: between syncs no rank waits for another);
+    the warm-up's and the syncs' updates do."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, **settings)
+        opt.update(model, *batch(0, comm.rank))   # the broadcast
+        calls = counting_exchanges(comm)
+        warmup = settings.get('sync_warmup_steps', 0)
+        for step in range(1, 13):
+            before = len(calls)
+            opt.update(model, *batch(step, comm.rank))
+            local_step = step - warmup
+            syncs = local_step >= 1 and starting(
+                local_step, settings['local_steps'],
+                settings.get('fragments', 1))
+            exchanged = calls[before:]
+            if local_step < 1 or syncs:
+                assert exchanged, step
+            else:
+                assert exchanged == [], (step, exchanged)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_a_rank_held_up_between_syncs_holds_up_no_other(tmp_path):
+    """Rank 1 starts its local updates only once rank 0 has done all of
+    its own (a file says so: no exchange, no clock): were an update to
+    exchange anything, rank 0 would wait for rank 1 and the file would
+    not come before rank 1 gives up waiting."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=1000)
+        opt.update(model, *batch(0, comm.rank))   # the broadcast
+        done = comm.bcast_obj(str(tmp_path / 'rank0_done')
+                              if comm.rank == 0 else None)
+        seen = True
+        if comm.rank == 0:
+            for step in range(1, 11):
+                opt.update(model, *batch(step, comm.rank))
+            open(done, 'w').close()
+        else:
+            import os
+            import time
+            give_up = time.monotonic() + 60
+            while not os.path.exists(done) and time.monotonic() < give_up:
+                time.sleep(0.05)
+            seen = os.path.exists(done)
+            for step in range(1, 11):
+                opt.update(model, *batch(step, comm.rank))
+        assert all(comm.everyone(seen, 'test')), \
+            'rank 0 waited for rank 1 between syncs'
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_a_hook_added_on_one_rank_between_syncs_fails_every_rank_at_sync():
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=4)
+        opt.update(model, *batch(0, comm.rank))   # the broadcast
+        if comm.rank == 1:
+            opt.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+        with pytest.raises(ValueError, match='hooks differ across ranks'):
+            for step in range(1, 5):   # local step 4 syncs
+                opt.update(model, *batch(step, comm.rank))
+    finally:
+        comm.finalize()
+
+
+class LateBranch(chainer.Chain):
+    """A branch with a lazy link, first used mid-run."""
+
+    def __init__(self):
+        super(LateBranch, self).__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=_weights(8, 6, 1))
+            self.extra = L.Linear(None, 8)
+
+    def __call__(self, x, t, use_extra=False):
+        h = self.l1(x)
+        if use_extra:
+            h = h + self.extra(x)
+        return F.softmax_cross_entropy(h, t)
+
+
+def test_a_parameter_that_appears_later_joins_and_keeps_the_state():
+    """The lazy link's parameters get their data at update 9 (between
+    syncs): at the next sync they take rank 0's values and join the
+    synced copy; the outer momentum, the step within H and the warm-up
+    count go on (no broadcast of the whole model, no restart)."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model = LateBranch()
+        model, opt = make(comm, model=model, local_steps=4,
+                          sync_warmup_steps=3)
+        averaged = counting_exchanges(comm)
+        for step in range(9):
+            opt.update(model, *batch(step, comm.rank))
+        fragment = opt._synced.fragments[0]
+        momentum = fragment.params()[fragment.names.index('/l1/W')] \
+            .update_rule.state['buf'].copy()
+        assert abs(momentum).sum() > 0
+        for step in range(9, 14):
+            averaged_before = averaged.count('multi_node_mean_grad')
+            opt.update(model, *batch(step, comm.rank), use_extra=True)
+            assert averaged.count('multi_node_mean_grad') == \
+                averaged_before, 'a synchronous step after the warm-up'
+            assert opt._done == step   # the first update applied nothing
+            if step == 9:   # no sync since the momentum was copied
+                kept = fragment.params()[fragment.names.index('/l1/W')] \
+                    .update_rule.state['buf']
+                assert kept.tobytes() == momentum.tobytes()
+        # Update 9 is local step 6 (its data), 11 local step 8 (a sync:
+        # it joins).
+        names = opt._synced.names(0)
+        assert '/extra/W' in names and '/extra/b' in names
+        with opt.using_synced_parameters():
+            synced = params_of(model)
+        assert same_on_every_rank(comm, synced)
+        assert set(synced) == {'/l1/W', '/l1/b', '/extra/W', '/extra/b'}
     finally:
         comm.finalize()
 

@@ -22,8 +22,9 @@ import chainer
 import numpy
 
 from mnopt.optimizers import fragments as schedule
-from mnopt.optimizers.protocol import BROADCAST, RESUME, MultiNodeOptimizer
-from mnopt.optimizers.protocol import digest, state_of, stepped
+from mnopt.optimizers.protocol import BROADCAST, LOADED, RESUME
+from mnopt.optimizers.protocol import MultiNodeOptimizer
+from mnopt.optimizers.protocol import digest, host, state_of, stepped
 from mnopt.optimizers.synced_copy import KEY, SyncedCopy
 
 #: Where a snapshot keeps this mode's state (under the optimizer's key).
@@ -83,14 +84,18 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
-        step = self._next_step()
-        if step is BROADCAST:
-            self.wait()
-            self.communicator.bcast_data(self.target)
-            self._restart()
-            return
-        if step is RESUME and not self._make_replicas_agree():
-            return
+        if self._meets():
+            known = self._param_set
+            step = self._next_step()
+            if step is BROADCAST and known is None:   # a new target
+                self.wait()
+                self.communicator.bcast_data(self.target)
+                self._restart()
+                return
+            if step is BROADCAST:
+                self._adopt_appeared(known)
+            if step is RESUME and not self._make_replicas_agree():
+                return
         warmup = self._local.sync_warmup_steps
         if self._done < warmup:
             self._blocked(self.communicator.multi_node_mean_grad,
@@ -107,6 +112,53 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         local_step = self._done - warmup
         self._land(local_step)
         self._start(local_step)
+
+    def _meets(self):
+        """Whether this update exchanges with the other ranks: the first
+        after ``setup`` or a snapshot's load, a synchronous warm-up step,
+        or a step after which a sync starts.  Between syncs an update is
+        the inner optimizer's alone: what every rank must agree on (the
+        parameter set, the hooks, a load on some ranks only) is agreed at
+        the next of these, and a difference is an error there on every
+        rank.  A rank that meets where the others do not (it alone
+        loaded a snapshot) waits for their next meeting, which pairs
+        with its own: every meeting's first exchange is the agreement."""
+        if self._param_set is None or self._param_set is LOADED:
+            return True
+        warmup = self._local.sync_warmup_steps
+        if self._done < warmup:
+            return True
+        return bool(schedule.starting(self._done + 1 - warmup,
+                                      self._local.local_steps,
+                                      self._local.fragments))
+
+    def _adopt_appeared(self, known):
+        """Parameters that got their data since the last meeting (a lazy
+        link, a branch first used) on every rank: rank 0's values, joined
+        to the synced copy (``SyncedCopy.add``); the rest of the state
+        (synced copy, outer state, the step within H) is kept.  One that
+        lost its data or went is an error on every rank."""
+        comm = self.communicator
+        before, now = dict(known), dict(self._param_set)
+        appeared = sorted(n for n, has in now.items()
+                          if has and not before.get(n))
+        lost = sorted(n for n, has in before.items()
+                      if has and not now.get(n))
+        comm.same({'appeared': appeared, 'lost': lost},
+                  'the parameters that appeared since the last sync')
+        if lost:
+            raise RuntimeError(
+                'parameters %s lost their data or left the model during '
+                'local_steps: the synced copy and the outer optimizer hold '
+                'them.  Keep every parameter of the model; to change the '
+                'model, set up a new multi-node optimizer on it' % lost)
+        params = dict(self.target.namedparams())
+        values = comm.bcast_obj({n: host(params[n].array) for n in appeared}
+                                if comm.rank == 0 else None)
+        for name in appeared:
+            params[name].array[...] = params[name].device.send(values[name])
+        if appeared and self._synced is not None:
+            self._synced.add(appeared, self.target)
 
     def _restart(self):
         object.__setattr__(self, '_synced', None)

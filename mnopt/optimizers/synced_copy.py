@@ -46,6 +46,16 @@ class Fragment(object):
     def params(self):
         return [getattr(self.link, 'p%d' % i) for i in range(len(self.names))]
 
+    def add(self, name, array):
+        """``name``'s synced copy ``array`` joins, last, with a fresh
+        state in the outer optimizer (the others' kept)."""
+        with self.link.init_scope():
+            setattr(self.link, 'p%d' % len(self.names),
+                    chainer.Parameter(array))
+        param = getattr(self.link, 'p%d' % len(self.names))
+        param.update_rule = self.outer.create_update_rule()
+        self.names.append(name)
+
 
 class SyncedCopy(object):
     """Every fragment's synced parameters and outer optimizer."""
@@ -64,6 +74,19 @@ class SyncedCopy(object):
         return cls([Fragment(names, [_copy_of(params[n].array)
                                      for n in names], template)
                     for names in cuts])
+
+    def add(self, names, target):
+        """Parameters of ``target`` that appeared after the copy was made
+        (``names``; their values the same on every rank): each joins the
+        fragment that holds the name before it in order (the first
+        fragment if none), whose next sync is its first."""
+        params = dict(target.namedparams())
+        for name in sorted(names):
+            index = 0
+            for i, fragment in enumerate(self.fragments):
+                if any(n < name for n in fragment.names):
+                    index = i
+            self.fragments[index].add(name, _copy_of(params[name].array))
 
     def names(self, index):
         return self.fragments[index].names
@@ -89,9 +112,15 @@ class SyncedCopy(object):
         fragment = self.fragments[index]
         for param, (_, mean) in zip(fragment.params(), means):
             param.grad = mean
+        # Parameters that joined after these means were taken: not moved.
+        joined = fragment.params()[len(means):]
+        for param in joined:
+            param.update_rule.enabled = False
         fragment.outer.update()
+        for param in joined:
+            param.update_rule.enabled = True
         params = dict(target.namedparams())
-        for name, synced in zip(fragment.names, fragment.params()):
+        for name, synced, _ in zip(fragment.names, fragment.params(), means):
             synced.grad = None
             local = params[name]
             local.array[...] = synced.array.astype(local.array.dtype,
