@@ -870,7 +870,8 @@ def test_a_parameter_that_appears_later_joins_and_keeps_the_state():
 # ------------------------------------------------- the ImageNet example
 class BatchNormMLP(chainer.Chain):
     """A batch-normalized hidden layer (its gamma and beta are synced,
-    its running statistics each rank's own), as the example's CNN."""
+    its running statistics each rank's own between syncs and averaged at
+    them), as the example's CNN."""
 
     def __init__(self):
         super(BatchNormMLP, self).__init__()
@@ -882,6 +883,48 @@ class BatchNormMLP(chainer.Chain):
     def __call__(self, x, t):
         return F.softmax_cross_entropy(
             self.l2(F.relu(self.bn(self.l1(x)))), t)
+
+
+def persistents_of(model):
+    return {'%s/%s' % (path, name): numpy.array(link.__dict__[name])
+            for path, link in sorted(model.namedlinks())
+            for name in sorted(link._persistent)
+            if getattr(link.__dict__[name], 'ndim', 0) > 0}
+
+
+@pytest.mark.parametrize('settings', [
+    dict(local_steps=4), dict(local_steps=4, fragments=2,
+                              fragment_sync_delay=1)])
+def test_the_running_statistics_are_averaged_at_syncs_and_swapped_in(
+        settings):
+    """Batch normalization's running statistics: each rank's own between
+    syncs, their mean over the ranks at each sync of the first fragment,
+    and what ``using_synced_parameters`` evaluates with (the same on
+    every rank), kept by a snapshot."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, model=BatchNormMLP(), **settings)
+        for step in range(7):   # local step 4 syncs fragment 0
+            opt.update(model, *batch(step, comm.rank))
+        local = persistents_of(model)
+        with opt.using_synced_parameters():
+            synced = persistents_of(model)
+        assert same_on_every_rank(comm, synced)
+        assert persistents_of(model).keys() == local.keys()
+        assert all(persistents_of(model)[k].tobytes() == local[k].tobytes()
+                   for k in local)   # the local ones again after
+        if comm.size > 1:
+            assert not same_on_every_rank(comm, local)
+        snapshot = snapshot_of(model, opt)
+        resumed_model, resumed = make(comm, model=BatchNormMLP(),
+                                      **settings)
+        load(snapshot, resumed_model, resumed)
+        with resumed.using_synced_parameters():
+            again = persistents_of(resumed_model)
+        assert all(again[k].tobytes() == synced[k].tobytes()
+                   for k in synced)
+    finally:
+        comm.finalize()
 
 
 def _train_with_the_examples_evaluator(comm, evaluate, steps=9):

@@ -180,6 +180,9 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         delay = self._local.fragment_sync_delay
         for index in schedule.starting(local_step, self._local.local_steps,
                                        self._local.fragments):
+            if index == 0:   # before any averaging runs in the background
+                self._blocked(self._synced.average_persistents,
+                              self.communicator, self.target)
             named = self._synced.pseudo_gradients(self.target, index)
             if not named:
                 continue   # a fragment without arrays: on every rank

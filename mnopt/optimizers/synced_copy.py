@@ -2,7 +2,10 @@
 the parameters as of each fragment's last sync, the same on every rank,
 each fragment with its own copy of the outer optimizer set up on them;
 the pseudo-gradients (synced minus local), the outer update of a
-fragment from their mean, and its snapshot.
+fragment from their mean, and its snapshot.  Also the model's
+floating-point persistents (batch normalization's running statistics),
+averaged over the ranks at each sync of the first fragment: what
+``using_synced_parameters`` swaps in with the parameters.
 
 The copy is kept in float32 at least (float16 parameters get a float32
 copy, as DiLoCo's outer state), so pseudo-gradients are computed and the
@@ -18,6 +21,7 @@ import copy
 import chainer
 import numpy
 
+from mnopt.arrays import as_array_like, to_host
 from mnopt.optimizers.fragments import split_by_bytes
 from mnopt.optimizers.protocol import StatesMayBeAbsent
 
@@ -57,11 +61,53 @@ class Fragment(object):
         self.names.append(name)
 
 
-class SyncedCopy(object):
-    """Every fragment's synced parameters and outer optimizer."""
+def float_persistents(target):
+    """``[(path, link, name), ...]`` of ``target``'s floating-point
+    persistent arrays (batch normalization's ``avg_mean``, ``avg_var``),
+    in the order of their paths."""
+    found = []
+    for link_path, link in sorted(target.namedlinks()):
+        # Chainer lists a link's persistent names only in _persistent.
+        for name in sorted(link._persistent):
+            value = link.__dict__.get(name)
+            if hasattr(value, 'dtype') and value.dtype.kind == 'f' and \
+                    getattr(value, 'ndim', 0) > 0:
+                found.append(('%s/%s' % (link_path.rstrip('/'), name),
+                              link, name))
+    return found
 
-    def __init__(self, fragments):
+
+class SyncedCopy(object):
+    """Every fragment's synced parameters and outer optimizer, and the
+    persistents' last mean (``persistents``: {path: numpy array})."""
+
+    def __init__(self, fragments, persistents=None):
         self.fragments = fragments
+        self.persistents = dict(persistents or {})
+
+    def average_persistents(self, comm, target):
+        """At a sync: every float persistent of ``target`` becomes its
+        mean over the ranks (summed in float64), kept as the synced one.
+        Ranks whose persistents differ get a ValueError on every rank."""
+        found = float_persistents(target)
+        values = [link.__dict__[name] for _, link, name in found]
+        comm.same({'persistents': [(path, tuple(v.shape), v.dtype.name)
+                                   for (path, _, _), v in zip(found, values)]},
+                  'the persistent values (batch normalization statistics) '
+                  'that local_steps averages at its syncs')
+        if not found:
+            return
+        total = to_host(comm.allreduce(numpy.concatenate(
+            [to_host(v).astype(numpy.float64).ravel() for v in values])))
+        total /= comm.size
+        start = 0
+        for (path, link, name), value in zip(found, values):
+            mean = total[start:start + value.size].reshape(
+                value.shape).astype(value.dtype)
+            start += value.size
+            # A copy of its own: the model's is updated in place.
+            link.__dict__[name] = as_array_like(mean.copy(), value)
+            self.persistents[path] = mean
 
     @classmethod
     def of(cls, target, template, count):
@@ -131,17 +177,25 @@ class SyncedCopy(object):
         """The model's parameters are the synced ones inside (cast to
         their dtype), its local ones again after."""
         params = dict(target.namedparams())
-        saved = {}
+        saved, saved_persistents = {}, []
         try:
             for fragment in self.fragments:
                 for name, synced in zip(fragment.names, fragment.params()):
                     param = params[name]
                     saved[name] = param.array
                     param.array = synced.array.astype(param.array.dtype)
+            for path, link, name in float_persistents(target):
+                if path in self.persistents:
+                    value = link.__dict__[name]
+                    saved_persistents.append((link, name, value))
+                    link.__dict__[name] = as_array_like(
+                        self.persistents[path].copy(), value)
             yield
         finally:
             for name, array in saved.items():
                 params[name].array = array
+            for link, name, value in saved_persistents:
+                link.__dict__[name] = value
 
     # ------------------------------------------------------------ snapshots
     def save(self, serializer):
@@ -152,6 +206,11 @@ class SyncedCopy(object):
             sub('names', numpy.array(fragment.names, dtype=str))
             fragment.link.serialize(sub['params'])
             fragment.outer.serialize(sub['outer'])
+        paths = sorted(self.persistents)
+        sub = serializer['persistents']
+        sub('paths', numpy.array(paths, dtype=str))
+        for i, path in enumerate(paths):
+            sub('v%d' % i, self.persistents[path])
 
     @classmethod
     def load(cls, serializer, target, template):
@@ -173,7 +232,16 @@ class SyncedCopy(object):
             # Before the first outer update of a fragment: no state yet.
             fragment.outer.serialize(StatesMayBeAbsent(sub['outer']))
             fragments.append(fragment)
-        return cls(fragments)
+        persistents = {}
+        sub = serializer['persistents']
+        try:
+            paths = sub('paths', None)
+        except KeyError:   # a snapshot from before they were kept
+            paths = None
+        paths = [] if paths is None else [str(p) for p in paths]
+        for i, path in enumerate(paths):
+            persistents[path] = numpy.array(sub('v%d' % i, None))
+        return cls(fragments, persistents)
 
 
 def _copy_of(array):
