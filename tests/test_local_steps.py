@@ -333,6 +333,28 @@ def test_a_snapshot_of_other_settings_is_refused_clearly():
         comm.finalize()
 
 
+@pytest.mark.parametrize('saved, current, match', [
+    (dict(), dict(outer_optimizer=chainer.optimizers.Adam()),
+     r'outer_optimizer=mnopt\.optimizers\.outer_nesterov\.OuterNesterov'
+     r'.*this optimizer has .*Adam'),
+    (dict(fragments=2, fragment_sync_delay=1), dict(fragments=2),
+     'fragment_sync_delay=1.*this optimizer has 0'),
+])
+def test_a_snapshot_of_another_outer_optimizer_or_delay_is_refused(
+        saved, current, match):
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=4, **saved)
+        for step in range(6):
+            opt.update(model, *batch(step, comm.rank))
+        snapshot = snapshot_of(model, opt)
+        other_model, other = make(comm, local_steps=4, **current)
+        with pytest.raises(ValueError, match=match):
+            load(snapshot, other_model, other)
+    finally:
+        comm.finalize()
+
+
 @pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
 def test_a_snapshot_loaded_on_rank_0_alone_gives_every_rank_its_state():
     comm = mnopt.create_communicator('naive')

@@ -221,6 +221,9 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         if not loading:
             serializer('done', numpy.int64(self._done))
             serializer('settings', settings)
+            serializer('outer_optimizer', numpy.array(self._outer_name()))
+            serializer('fragment_sync_delay',
+                       numpy.int64(self._local.fragment_sync_delay))
             serializer('has_synced', numpy.bool_(self._synced is not None))
             if self._synced is not None:
                 self._synced.save(serializer[KEY])
@@ -246,6 +249,7 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                 'sync_warmup_steps=%d; this optimizer has %d, %d, %d: pass '
                 "the snapshot's settings to create_multi_node_optimizer to "
                 'resume it' % (tuple(written) + tuple(settings)))
+        self._check_loaded_outer(serializer)
         synced = SyncedCopy.load(serializer[KEY], self.target,
                                  self._template) \
             if bool(_read(serializer, 'has_synced')) else None
@@ -265,6 +269,30 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         object.__setattr__(self, '_done', int(done))
         object.__setattr__(self, '_synced', synced)
         object.__setattr__(self, '_in_flight', flight)
+
+    def _outer_name(self):
+        cls = type(self._template)
+        return '%s.%s' % (cls.__module__, cls.__qualname__)
+
+    def _check_loaded_outer(self, serializer):
+        """The snapshot's outer optimizer class and fragment_sync_delay
+        are this optimizer's (another class's state would be dropped, a
+        fragment in flight land at another step); a snapshot from before
+        they were recorded is not checked.  The outer hyperparameters
+        (lr, momentum) may change at a resume."""
+        outer = _read(serializer, 'outer_optimizer')
+        delay = _read(serializer, 'fragment_sync_delay')
+        saved = (None if outer is None else str(numpy.asarray(outer).item()),
+                 None if delay is None else int(delay))
+        current = (self._outer_name(), self._local.fragment_sync_delay)
+        for name, was, now in zip(('outer_optimizer', 'fragment_sync_delay'),
+                                  saved, current):
+            if was is not None and was != now:
+                raise ValueError(
+                    'the snapshot was written with %s=%s; this optimizer has '
+                    '%s: pass the snapshot\'s %s to '
+                    'create_multi_node_optimizer to resume it (or start '
+                    'afresh without loading it)' % (name, was, now, name))
 
     def _make_replicas_agree(self):
         """After a load: the synced copy, outer state, step count,
