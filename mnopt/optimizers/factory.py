@@ -143,8 +143,10 @@ def create_multi_node_optimizer(actual_optimizer: chainer.Optimizer,
             turn, H/F updates apart; ``fragment_sync_delay`` = tau: each
             fragment's averaging runs in the background during the next
             tau updates.  ``sync_warmup_steps``: synchronous updates
-            first.  Not with double_buffering, overlap, shard_state,
-            compression or a comm hook.
+            first.  The communicator's compression (sign, PowerSGD,
+            'auto') compresses each sync's pseudo-gradients.  Not with
+            double_buffering, overlap, shard_state or a comm hook.
+            Between syncs an update exchanges nothing (docs/local_sgd.md).
 
     A communicator with 'auto' settings (``bucket_bytes='auto'``, ...:
     docs/tuning.md) tunes them in its first averagings, with the plain
