@@ -189,11 +189,37 @@ class ElasticPlan(object):
         #: Where snapshots appear (--take-back-after-snapshot), or None.
         self.rejoin_dir = rejoin_dir
         self.probe_interval = probe_interval
-        self._back = None   #: (hosts answering again, the listing then)
-        self._listing = None   #: the listing at the last look, once new
+        self._back = None   #: (hosts answering again, the snapshots then)
+        self._answers = {}   #: host left out -> probes answered in a row
+        self._flaps = {}   #: host -> relaunches to take it back it missed
+        #: The hosts the last relaunch meant to take back but that did
+        #: not answer at its own probe (the launcher counts that restart
+        #: as a failure).
+        self.missed_take_back = []
+
+    def answers_needed(self, host):
+        """Probes in a row ``host``, left out, must answer before the
+        job is restarted on purpose to take it back: 1, doubled each
+        time it then did not answer at the relaunch (a host that flaps
+        would otherwise restart the job forever)."""
+        return 2 ** self._flaps.get(host, 0)
+
+    def _note_missed_take_back(self, up):
+        self.missed_take_back = [h for h in (self._back or ((), ))[0]
+                                 if h not in up]
+        for host in self.missed_take_back:
+            self._flaps[host] = self._flaps.get(host, 0) + 1
+            self.pool.say(
+                'mnopt.launch: %s did not answer at the relaunch: not taken '
+                'back (%s); it is taken back on purpose again only once it '
+                'answers %d probes in a row' % (
+                    host, self.pool.down.get(host, 'it did not answer'),
+                    self.answers_needed(host)))
 
     def command_for_attempt(self):
         up = self.pool.select()
+        self._note_missed_take_back(up)
+        self._back, self._answers = None, {}
         if len(up) < self.min_nodes:
             self.pool.say(
                 'mnopt.launch: %d of %d hosts answer, fewer than --min-nodes '
@@ -208,7 +234,6 @@ class ElasticPlan(object):
                               self.procs_per_node,
                               'es' * (self.procs_per_node > 1)))
         self.hosts = up
-        self._back = self._listing = None
         return mpiexec_command(self.mpiexec, self.flavour, up,
                                self.procs_per_node, self.command)
 
@@ -218,35 +243,52 @@ class ElasticPlan(object):
         return self.rejoin_dir is not None and self.hosts is not None and \
             len(self.hosts) < len(self.pool.hosts)
 
-    def _snapshot_names(self):
+    def _snapshot_files(self):
+        """{name: modification time} of the complete snapshot files in
+        ``rejoin_dir``: files only (Chainer writes into a temporary
+        folder), none whose name starts with '.' (mnopt's partial
+        files, written but not yet complete)."""
         try:
-            return {n for n in os.listdir(self.rejoin_dir)
-                    if not n.startswith('.')}   # '.': written, not yet done
+            with os.scandir(self.rejoin_dir) as entries:
+                return {e.name: e.stat().st_mtime_ns for e in entries
+                        if not e.name.startswith('.') and e.is_file()}
         except OSError:
-            return set()
+            return {}
+
+    def _answering_again(self):
+        back = []
+        for host in self.pool.hosts:
+            if host in self.hosts:
+                continue
+            answered = self.pool.probe(host) is None
+            self._answers[host] = self._answers.get(host, 0) + 1 \
+                if answered else 0
+            if self._answers[host] >= self.answers_needed(host):
+                back.append(host)
+        return back
 
     def time_to_take_back(self):
         """Called every ``probe_interval`` while an attempt runs: probes
-        the hosts left out; once one answers, True after the next
-        snapshot (a new file in ``rejoin_dir``, the listing then still
-        for one interval, so that every rank's file of it is written)."""
+        the hosts left out; once one has answered enough probes in a row
+        (``answers_needed``), True as soon as a snapshot file is complete
+        that was not before (a new name, or a name written again), however
+        often snapshots come."""
         if self._back is None:
-            left_out = [h for h in self.pool.hosts if h not in self.hosts]
-            back = [h for h in left_out if self.pool.probe(h) is None]
+            back = self._answering_again()
             if back:
-                self._back = (back, self._snapshot_names())
+                self._back = (back, self._snapshot_files())
                 self.pool.say(
                     'mnopt.launch: %s answer%s again: the job restarts to '
                     'take %s back after the next snapshot in %s' % (
                         ','.join(back), 's' * (len(back) == 1),
                         'it' if len(back) == 1 else 'them', self.rejoin_dir))
             return False
-        names = self._snapshot_names()
-        if names - self._back[1] and names == self._listing:
+        before = self._back[1]
+        new = sorted(n for n, t in self._snapshot_files().items()
+                     if before.get(n) != t)
+        if new:
             self.pool.say('mnopt.launch: a snapshot was written (%s): ending '
                           'the job to relaunch it with %s' % (
-                              ', '.join(sorted(names - self._back[1])),
-                              ','.join(self._back[0])))
+                              ', '.join(new), ','.join(self._back[0])))
             return True
-        self._listing = names if names - self._back[1] else None
         return False

@@ -173,12 +173,24 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
         plan.pool.say = say
     try:
         attempt = failures = 0
+        on_purpose = False
         while failures <= max_restarts:
             env = dict(os.environ, MNOPT_RESTART=str(attempt))
             attempt += 1
             argv = command if plan is None else plan.command_for_attempt()
             if argv is None:
                 return status
+            if on_purpose and plan.missed_take_back:
+                # A restart that gained no host is a failure: a host that
+                # flaps must not restart the job forever.
+                failures += 1
+                say('mnopt.launch: the restart to take %s back gained no '
+                    'host: it counts as a failure (%d of %d)' % (
+                        ','.join(plan.missed_take_back), failures,
+                        max_restarts + 1))
+                if failures > max_restarts:
+                    say('mnopt.launch: no restarts left')
+                    return status
             if stopping.is_set():   # a signal while the hosts were probed
                 say('mnopt.launch: interrupted; not starting the job')
                 return status

@@ -221,3 +221,92 @@ def test_a_host_back_is_taken_back_after_the_next_snapshot(tmp_path):
     assert 'a snapshot was written (snapshot_iter_10): ending the job to ' \
         'relaunch it with 127.0.0.1' in err, err
     assert 'took back 127.0.0.1' in err
+
+
+def _take_back_plan(tmp_path, answers):
+    """A plan on hosts a (always up) and b, whose probe answers as the
+    list ``answers`` says, in turn (True: answers); with the messages."""
+    said, turns = [], iter(answers)
+    pool = elastic.HostPool(
+        ['a', 'b'], lambda h: None if h == 'a' or next(turns) else 'down',
+        said.append)
+    plan = elastic.ElasticPlan(pool, 1, 1, ['python', 't.py'],
+                               flavour='hydra', rejoin_dir=str(tmp_path),
+                               probe_interval=0)
+    return plan, said
+
+
+def test_a_snapshot_taken_back_at_once_however_often_snapshots_come(
+        tmp_path):
+    plan, said = _take_back_plan(tmp_path, [False, True])
+    assert plan.command_for_attempt()[2] == 'a:1'
+    (tmp_path / 'snapshot_iter_1.0').write_text('')
+    assert not plan.time_to_take_back()   # b answers
+    (tmp_path / '.mnopt-partial.snapshot_iter_2.0').write_text('')
+    assert not plan.time_to_take_back()   # a partial file is no snapshot
+    # A new complete file: at once, though the listing changes at every
+    # look (snapshots more often than --probe-interval).
+    (tmp_path / 'snapshot_iter_2.0').write_text('')
+    assert plan.time_to_take_back()
+    assert 'a snapshot was written (snapshot_iter_2.0)' in said[-1]
+
+
+def test_a_host_that_flaps_must_answer_longer_before_a_take_back(tmp_path):
+    plan, said = _take_back_plan(
+        tmp_path, [False, True, False, True, False, True, True])
+    plan.command_for_attempt()
+    assert not plan.time_to_take_back()
+    (tmp_path / 'snapshot_iter_1.0').write_text('')
+    assert plan.time_to_take_back()
+    assert plan.command_for_attempt()[2] == 'a:1'   # b does not answer
+    assert plan.missed_take_back == ['b']
+    assert said[-1].startswith('mnopt.launch: b did not answer at the '
+                               'relaunch: not taken back')
+    assert plan.answers_needed('b') == 2
+    assert not plan.time_to_take_back()   # answers once,
+    assert not plan.time_to_take_back()   # not twice in a row
+    assert not plan.time_to_take_back()
+    assert not plan._back
+    assert not plan.time_to_take_back()   # twice in a row: watched again
+    assert plan._back[0] == ['b']
+
+
+FLAPPING_JOB = '''#!/bin/sh
+# Attempt 0 trains until it is ended; later ones for 2 s; a snapshot
+# every 0.1 s.  Attempt 4 and later end at once (bounds a launcher that
+# would restart forever).
+echo "$MNOPT_RESTART" >> "$1/attempts"
+[ "$MNOPT_RESTART" -ge 4 ] && exit 0
+i=0; n=20; [ "$MNOPT_RESTART" = 0 ] && n=600
+while [ $i -lt $n ]; do
+    i=$((i+1)); touch "$1/snaps/snap_${MNOPT_RESTART}_$i"; sleep 0.1
+done
+'''
+
+
+def test_a_host_that_flaps_does_not_restart_the_job_forever(tmp_path):
+    import io
+    from mnopt import launch as launcher
+    job, fake_mpiexec = tmp_path / 'job.sh', tmp_path / 'mpiexec'
+    job.write_text(FLAPPING_JOB)
+    fake_mpiexec.write_text('#!/bin/sh\nshift 4\nexec "$@"\n')
+    for f in (job, fake_mpiexec):
+        f.chmod(0o755)
+    (tmp_path / 'snaps').mkdir()
+    flaps = iter(i % 2 == 1 for i in range(10000))   # down, up, down, ...
+    said = []
+    pool = elastic.HostPool(
+        ['a', 'b'], lambda h: None if h == 'a' or next(flaps) else 'down',
+        said.append)
+    plan = elastic.ElasticPlan(pool, 1, 1, [str(job), str(tmp_path)],
+                               mpiexec=str(fake_mpiexec), flavour='hydra',
+                               rejoin_dir=str(tmp_path / 'snaps'),
+                               probe_interval=0.05)
+    log = io.StringIO()
+    status = launcher.run(None, max_restarts=1, delay=0, log=log, plan=plan)
+    said = log.getvalue()
+    attempts = (tmp_path / 'attempts').read_text().split()
+    assert status == 0 and attempts == ['0', '1'], (attempts, said)
+    assert 'b did not answer at the relaunch: not taken back' in said
+    assert 'the restart to take b back gained no host: it counts as a ' \
+        'failure (1 of 2)' in said, said
