@@ -1023,3 +1023,25 @@ def test_the_examples_inner_lr_is_for_one_ranks_batch(
     finally:
         comm.finalize()
     assert args.lr == expected
+
+
+@pytest.mark.parametrize('same_ranks, local_steps, given, warned', [
+    (False, 8, False, True),    # the default inner lr changed: said
+    (True, 8, False, False),
+    (False, 8, True, False),    # --lr given: kept
+    (False, None, False, False),
+])
+def test_the_example_says_when_a_resume_changes_the_inner_lr(
+        capsys, same_ranks, local_steps, given, warned):
+    import argparse
+    flags = imagenet_example_module('local_steps_flags')
+    args = argparse.Namespace(local_steps=local_steps, lr=0.05 / 3,
+                              lr_given=given)
+    comm = mnopt.create_communicator('naive')
+    try:
+        assert flags.warn_of_resumed_lr(args, comm, same_ranks) == warned
+        said = capsys.readouterr().out
+        assert ('not the one the snapshot trained with' in said) == (
+            warned and comm.rank == 0)
+    finally:
+        comm.finalize()

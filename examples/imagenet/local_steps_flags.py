@@ -7,7 +7,8 @@ of ``create_multi_node_optimizer``.
 With ``--local-steps`` the example evaluates the synced parameters (the
 same on every rank: ``evaluating_synced``), so the validation accuracy is
 that of the model a user would keep, and its default ``--lr`` is the inner
-optimizer's for one rank's batch (``set_inner_lr``)."""
+optimizer's for one rank's batch (``set_inner_lr``): a resume on another
+number of ranks changes it, and says so (``warn_of_resumed_lr``)."""
 
 import types
 
@@ -84,6 +85,24 @@ def set_inner_lr(args, comm):
         print('local steps: inner lr %g, the synchronous %g over %d ranks '
               '(each inner update sees one rank\'s batch; --lr sets it)'
               % (args.lr, synchronous, comm.size))
+
+
+def warn_of_resumed_lr(args, comm, same_ranks):
+    """After ``--resume`` on another number of ranks than the snapshot's,
+    with --local-steps and no --lr: rank 0 says that the inner lr is now
+    the synchronous one over the new number of ranks, not the one the
+    snapshot trained with (Chainer's snapshots do not hold an
+    optimizer's lr).  True where it said so."""
+    if same_ranks or args.local_steps is None or args.lr_given:
+        return False
+    if comm.rank == 0:
+        print('train_imagenet.py: warning: resumed on %d ranks from a '
+              'snapshot of another number of ranks: the default inner lr is '
+              'now %g (the synchronous lr over %d ranks), not the one the '
+              'snapshot trained with; pass --lr to keep that one '
+              '(docs/local_sgd.md)' % (comm.size, args.lr, comm.size),
+              flush=True)
+    return True
 
 
 def evaluating_synced(evaluator, optimizer):

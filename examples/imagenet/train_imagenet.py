@@ -1027,6 +1027,7 @@ def main(argv=None):
         except CannotResume as e:
             refuse(comm, str(e))
         check_identical_parameters(model, comm)
+        local_steps_flags.warn_of_resumed_lr(args, comm, same)
         if comm.rank == 0:
             print('resumed from %s at iteration %d%s%s' % (
                 args.resume, updater.iteration,
