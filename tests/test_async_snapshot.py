@@ -146,3 +146,43 @@ def test_a_kill_at_any_phase_leaves_the_newest_complete_snapshot(
                                 % (newest, newest)) == 2, resumed.stdout
     if phase == 'written-alone':   # skipped, naming the missing file
         assert 'snapshot_iter_4.1 is missing' in resumed.stderr
+
+
+def test_a_write_in_flight_never_costs_the_complete_snapshot(
+        comm, outdir, hook):
+    # A filename that starts with a format field: the partial file of the
+    # write in flight (.mnopt-partial.4.snap.R) is no snapshot, so the
+    # prune keeps 2.snap until 4.snap is complete; with n_retains=1 one
+    # file is left at the end, once the last write is complete.
+    release = threading.Event()
+    hook.phase_hook = lambda phase, name: \
+        phase == 'writing' and name.startswith('4.') and release.wait(60)
+    numpy.random.seed(0)
+    model = chainer.links.Classifier(chainer.links.Linear(3, 2))
+    x = numpy.ones((8, 3), numpy.float32)
+    it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(
+        x, numpy.zeros(8, numpy.int32)), 2)
+    opt = mnopt.create_multi_node_optimizer(chainer.optimizers.SGD(), comm)
+    opt.setup(model)
+    trainer = chainer.training.Trainer(
+        chainer.training.StandardUpdater(it, opt), (4, 'iteration'),
+        out=outdir)
+    trainer.extend(mnopt.extensions.multi_node_snapshot(
+        comm, chainer.training.extensions.snapshot(
+            filename='{.updater.iteration}.snap', n_retains=1),
+        list(range(comm.size)), asynchronous=True), trigger=(2, 'iteration'))
+    during = []
+
+    @chainer.training.make_extension(trigger=(1, 'iteration'),
+                                     priority=-1000)   # after the snapshot
+    def look(trainer):
+        if trainer.updater.iteration == 4:
+            during.append(sorted(os.listdir(outdir)))
+            release.set()
+    trainer.extend(look)
+    trainer.run()
+    mine = '2.snap.%d' % comm.rank
+    assert mine in during[0], during
+    comm.allgather_obj(None)
+    assert sorted(n for n in os.listdir(outdir) if n.endswith('.snap.%d'
+                  % comm.rank)) == ['4.snap.%d' % comm.rank]

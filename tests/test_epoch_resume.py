@@ -134,3 +134,43 @@ def test_the_record_is_what_every_rank_read(tmp_path):
     seen = numpy.unpackbits(record['updater/iterator:main/' + SEEN_KEY],
                             count=N).astype(bool)
     assert set(numpy.nonzero(seen)[0]) == read
+
+
+class _Failing(chainer.training.StandardUpdater):
+    """Reads a batch, then fails at iteration ``fail_at``."""
+
+    fail_at = 4
+
+    def update_core(self):
+        self.get_iterator('main').next()
+        if self.iteration + 1 == self.fail_at:
+            raise RuntimeError('the failure')
+
+
+@pytest.mark.many_ranks
+def test_the_snapshot_on_error_records_no_stale_position(tmp_path):
+    # snapshot_on_error writes the iterator as it is at the failure: an
+    # epoch record beside it must be of that moment too (or absent), never
+    # the last regular snapshot's, which a resume would read examples
+    # twice by.
+    from mnopt.iterators.epoch_position import SEEN_KEY
+    comm = mnopt.create_communicator('naive')
+    data = mnopt.scatter_dataset(numpy.arange(N), comm, shuffle=True, seed=1,
+                                 force_equal_length=False)
+    it = chainer.iterators.SerialIterator(data, 2)
+    opt = chainer.optimizers.SGD()
+    opt.setup(chainer.links.Linear(1, 1))
+    trainer = chainer.training.Trainer(_Failing(it, opt), (1, 'epoch'),
+                                       out=str(tmp_path))
+    trainer.extend(mnopt.extensions.multi_node_snapshot(
+        comm, chainer.training.extensions.snapshot(snapshot_on_error=True),
+        list(range(comm.size))), trigger=(2, 'iteration'))
+    with pytest.raises(RuntimeError, match='the failure'):
+        trainer.run()
+    with numpy.load(str(tmp_path / ('snapshot_iter_2.%d' % comm.rank))) as f:
+        key = [k for k in f.files if k.endswith(SEEN_KEY)][0]
+        assert numpy.unpackbits(f[key]).sum() == 2 * 2 * comm.size
+    with numpy.load(str(tmp_path / ('snapshot_iter_3.%d' % comm.rank))) as f:
+        for key in [k for k in f.files if k.endswith(SEEN_KEY)]:
+            assert numpy.unpackbits(f[key]).sum() == 4 * 2 * comm.size, \
+                'the record of iteration 2 beside the iterator of 4 batches'

@@ -116,6 +116,16 @@ def remove_partial_files(outdir, suffix):
                 pass
 
 
+def complete_names(outdir):
+    """The names in ``outdir`` but partial files' (of writes in flight or
+    cut short), which are never snapshots whatever the filename."""
+    try:
+        return {n for n in os.listdir(outdir)
+                if not n.startswith(PARTIAL_PREFIX)}
+    except OSError:
+        return set()
+
+
 class BackgroundWriter(object):
     """A Chainer snapshot writer (``writer(filename, outdir, target)``)
     that copies ``target`` to host memory and writes it on a thread of

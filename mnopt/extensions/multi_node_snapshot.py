@@ -46,16 +46,17 @@ Other iterators whose shard changed length are rebuilt
 order of the new shard, a warning).
 
 ``n_retains`` (of ``extensions.snapshot``) is applied by every rank alike:
-after each snapshot the ranks keep the ``n_retains`` newest (by the
+after each write completes the ranks keep the ``n_retains`` newest (by the
 numbers in their names) that every writing rank holds, and remove older
-ones; a write still in flight (an asynchronous writer) is never removed.
-A rank whose write fails raises its error, every other rank one naming
-it.
+ones; a partial file (an asynchronous write in flight) is no snapshot,
+for any filename.  A rank whose write fails raises its error, every other
+rank one naming it.  ``snapshot_on_error`` records no epoch position (the
+ranks cannot agree on one then): its resume on another rank count says so.
 
 With ``asynchronous=True`` the state is copied to host memory at the step
 and written by a thread (mnopt/extensions/background_writer.py: a
-temporary name, fsync, read back, renamed); the next snapshot first
-confirms on every rank that the previous write is complete.
+temporary name, fsync, read back, renamed); the next snapshot, and the
+trainer's end, first confirm on every rank that the write is complete.
 
 Beside this extension: which snapshot every rank can load
 (mnopt/extensions/loadable.py) and what each file records besides the
@@ -65,7 +66,6 @@ trainer (mnopt/extensions/snapshot_records.py).
 import os
 import re
 import secrets
-import string
 
 import chainer
 import numpy
@@ -73,11 +73,12 @@ from chainer.training import extension
 
 from mnopt import log
 from mnopt.extensions.background_writer import (
-    background_writer_for, remove_partial_files)
+    background_writer_for, complete_names, remove_partial_files)
 from mnopt.extensions.loadable import newest_loadable, npz_problem
 # npz_is_whole: imported from here by code written before it moved.
 from mnopt.extensions.loadable import npz_is_whole  # NOQA
-from mnopt.extensions.retention import agreed_retention
+from mnopt.extensions.retention import (
+    agreed_retention, filename_pattern, natural_key)
 from mnopt.extensions.snapshot_records import (
     RecordingSets, recorded_sets, shard_size, write_id)
 from mnopt.iterators.epoch_position import epoch_record
@@ -112,21 +113,6 @@ def parse_replica_sets(replica_sets, size):
     if rest:
         sets.append(rest)
     return [s for s in sets if s]
-
-
-def _pattern(fmt):
-    """A regex for the names ``fmt`` formats into ('{...}' fields match
-    anything)."""
-    parts = []
-    for literal, field, _, _ in string.Formatter().parse(fmt):
-        parts.append(re.escape(literal))
-        if field is not None:
-            parts.append('.+?')
-    return ''.join(parts)
-
-
-def _natural_key(name):
-    return tuple(int(n) for n in re.findall(r'\d+', name)), name
 
 
 class _MultiNodeSnapshot(extension.Extension):
@@ -182,6 +168,7 @@ class _MultiNodeSnapshot(extension.Extension):
         self.priority = snapshot.priority
         self.loaded = None  #: the snapshot autoload loaded, if any
         self.sharded = False  #: set at initialize: a sharded optimizer
+        self.failed = False   #: training ended with an error
 
     @property
     def is_master(self):
@@ -227,6 +214,7 @@ class _MultiNodeSnapshot(extension.Extension):
         return sharded
 
     def initialize(self, trainer):
+        self.out = trainer.out
         self.sharded = self._sharded(trainer)
         if self.autoload:
             self._autoload(trainer)
@@ -244,6 +232,7 @@ class _MultiNodeSnapshot(extension.Extension):
             self.comm.raise_together(
                 self._wait_for_write(), 'multi_node_snapshot: the '
                 'background write before iteration %d' % iteration)
+            self._prune(trainer.out)   # the write just confirmed
         self.snapshot.writer.extra = epoch_record(self._target(trainer),
                                                   self.comm)
         if self.is_master:
@@ -258,7 +247,7 @@ class _MultiNodeSnapshot(extension.Extension):
             _logger.info('mnopt: rank %d wrote the snapshot of iteration '
                          '%d: %s', self.comm.rank, iteration,
                          self._written_file(trainer))
-        if self.n_retains > 0 and not callable(self.base):
+        if not self.asynchronous:
             self._prune(trainer.out)
 
     def _written_file(self, trainer):
@@ -271,9 +260,12 @@ class _MultiNodeSnapshot(extension.Extension):
         return os.path.join(trainer.out, str(name))
 
     def on_error(self, trainer, exc, tb):
+        self.failed = True
         if self.is_master:
             # Written by this rank alone: its own write id, so it is never
-            # taken for one write with the other sets' files.
+            # taken for one write with the other sets' files; no epoch
+            # record (the last snapshot's would be stale).
+            self.snapshot.writer.extra = {}
             self.snapshot.writer.write_id = '%s.%d.error-rank%d' % (
                 self.job, trainer.updater.iteration, self.comm.rank)
             self.snapshot.on_error(trainer, exc, tb)
@@ -282,14 +274,16 @@ class _MultiNodeSnapshot(extension.Extension):
         """Keep the ``n_retains`` newest snapshots every writing rank
         holds; every writer removes its file of each older one, and rank 0
         the files of ranks that write none now (an earlier run's)."""
-        names = os.listdir(outdir) if os.path.isdir(outdir) else []
-        regex = re.compile('(%s)\\.(\\d+)$' % _pattern(self.base))
+        if self.n_retains <= 0 or callable(self.base):
+            return
+        names = complete_names(outdir)
+        regex = re.compile('(%s)\\.(\\d+)$' % filename_pattern(self.base))
         found = [(m.group(1), int(m.group(2)))
                  for m in map(regex.match, names) if m]
         held = [n for n, r in found if r == self.comm.rank] \
             if self.is_master else None
         _, stale = agreed_retention(
-            self.comm, held, self.n_retains, key=_natural_key,
+            self.comm, held, self.n_retains, key=natural_key,
             what='multi_node_snapshot clean-up', keep_newer=True)
         stale = set(stale)
         writers = {s[0] for s in self.sets}
@@ -310,10 +304,15 @@ class _MultiNodeSnapshot(extension.Extension):
         return None
 
     def finalize(self):
-        # The last background write's error: on its writer alone (after a
-        # failure a collective could wait forever).
-        if self.is_master:
-            self.snapshot.finalize()
+        # After a failure a collective could wait forever: the last
+        # write's error is then raised on its writer alone.
+        if self.failed or not self.asynchronous:
+            if self.is_master:
+                self.snapshot.finalize()
+            return
+        self.comm.raise_together(self._wait_for_write(), 'multi_node_'
+                                 'snapshot: the last background write')
+        self._prune(self.out)
 
     def _my_file(self, outdir, name, names):
         """The file this rank loads for snapshot ``name`` and None, or None
@@ -363,13 +362,13 @@ class _MultiNodeSnapshot(extension.Extension):
 
     def _autoload(self, trainer):
         outdir = trainer.out
-        names = set(os.listdir(outdir)) if os.path.isdir(outdir) else set()
-        regex = re.compile('(%s)\\.\\d+$' % _pattern(self.base))
+        names = complete_names(outdir)
+        regex = re.compile('(%s)\\.\\d+$' % filename_pattern(self.base))
         candidates = {m.group(1) for m in map(regex.match, names) if m}
         found = {c: self._problem(outdir, c, names) for c in candidates}
         newest = newest_loadable(
             self.comm, {c: p for c, (p, _) in found.items()},
-            key=_natural_key, writes={c: w for c, (_, w) in found.items()})
+            key=natural_key, writes={c: w for c, (_, w) in found.items()})
         if newest is None:
             return
         target = self._target(trainer)

@@ -7,6 +7,10 @@ every rank says what it holds, and all of them keep the newest that
 *every* writing rank holds (ChainerMN's checkpointer keeps the newest
 iterations all ranks have)."""
 
+import re
+import string
+
+
 
 def agreed_retention(comm, held, n_keep, key, what, keep_newer):
     """``(kept, stale)``, the same on every rank.
@@ -30,3 +34,19 @@ def agreed_retention(comm, held, n_keep, key, what, keep_newer):
     stale = [s for s in sorted(set().union(*writers), key=key)
              if s not in kept and not (keep_newer and key(s) > newest)]
     return kept, stale
+
+
+def filename_pattern(fmt):
+    """A regex for the names ``fmt`` formats into ('{...}' fields match
+    anything)."""
+    parts = []
+    for literal, field, _, _ in string.Formatter().parse(fmt):
+        parts.append(re.escape(literal))
+        if field is not None:
+            parts.append('.+?')
+    return ''.join(parts)
+
+
+def natural_key(name):
+    """Sorts snapshot names by the numbers in them (iterations)."""
+    return tuple(int(n) for n in re.findall(r'\d+', name)), name
