@@ -1045,3 +1045,34 @@ def test_the_example_says_when_a_resume_changes_the_inner_lr(
             warned and comm.rank == 0)
     finally:
         comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_ranks_resumed_from_rank_0s_file_start_from_its_replica():
+    """Resuming on more ranks, a rank without a file of its own loads
+    rank 0's (docs/local_sgd.md): it starts from rank 0's local
+    parameters, not the synced ones, so rank 0's progress since the last
+    sync counts once per such rank at the next sync; the ranks hold the
+    same synced parameters there."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=4)
+        for step in range(7):   # local step 6: mid-H
+            opt.update(model, *batch(step, comm.rank))
+        with opt.using_synced_parameters():
+            synced = params_of(model)
+        snapshot = comm.bcast_obj(snapshot_of(model, opt)
+                                  if comm.rank == 0 else None)
+        rank0_local = comm.bcast_obj(params_of(model))
+        resumed_model, resumed = make(comm, local_steps=4)
+        load(snapshot, resumed_model, resumed)
+        local = params_of(resumed_model)
+        assert all(local[n].tobytes() == rank0_local[n].tobytes()
+                   for n in local)
+        assert any(local[n].tobytes() != synced[n].tobytes() for n in local)
+        for step in range(7, 9):   # local step 8 syncs
+            resumed.update(resumed_model, *batch(step, comm.rank))
+        with resumed.using_synced_parameters():
+            assert same_on_every_rank(comm, params_of(resumed_model))
+    finally:
+        comm.finalize()
