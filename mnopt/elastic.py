@@ -17,6 +17,7 @@ import re
 import shlex
 import socket
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 #: The default probe: a host answers if ssh can run ``true`` on it.
 SSH_PROBE = 'ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true'
@@ -45,31 +46,57 @@ def read_hostfile(path):
         for line in f:
             line = line.split('#', 1)[0].strip()
             if line:
-                hosts.append(re.split(r'[\s:]', line, maxsplit=1)[0])
+                name = re.split(r'[\s:]', line, maxsplit=1)[0]
+                if re.search(r'[\[\],]', name):
+                    raise ValueError(
+                        '%s: %r is no host name: write one host a line, '
+                        'each by its full name (no [ranges]; for Slurm\'s '
+                        'node lists use --hosts "$(scontrol show hostnames '
+                        '| paste -sd,)")' % (path, line))
+                hosts.append(name)
     return parse_host_list(','.join(hosts))
 
 
-def _expand_range(prefix, ranges, suffix):
+def _expand_range(ranges):
     names = []
     for part in ranges.split(','):
         if '-' in part:
             first, last = part.split('-', 1)
-            width = len(first)
-            names += ['%s%0*d%s' % (prefix, width, n, suffix)
+            names += ['%0*d' % (len(first), n)
                       for n in range(int(first), int(last) + 1)]
         else:
-            names.append(prefix + part + suffix)
+            names.append(part)
     return names
 
 
+def _expand_name(item, text):
+    """One name of a node list, each bracket expanded (``rack[1-2]-n[01-02]``
+    is four names, the last bracket varying fastest, as Slurm's)."""
+    found = re.match(r'^([^\[\]]*)\[([0-9,-]+)\](.*)$', item)
+    if found is None:
+        if '[' in item or ']' in item:
+            raise ValueError('%r is not a Slurm node list (at %r): give the '
+                             'hosts as --hosts h1,h2,...' % (text, item))
+        return [item]
+    prefix, ranges, rest = found.groups()
+    try:
+        middles = _expand_range(ranges)
+    except ValueError:
+        raise ValueError('%r is not a Slurm node list (at %r): give the '
+                         'hosts as --hosts h1,h2,...' % (text, item))
+    return [prefix + m + tail for m in middles
+            for tail in _expand_name(rest, text)]
+
+
 def expand_slurm_nodelist(text):
-    """Slurm's compressed node list (``node[01-03,07],gpu5``) as names,
-    as ``scontrol show hostnames`` prints them (one bracket a name)."""
-    hosts = []
-    for item in re.findall(r'[^,\[]+(?:\[[^\]]*\][^,\[]*)?', text):
-        found = re.match(r'^([^\[]*)\[([^\]]*)\](.*)$', item)
-        hosts += _expand_range(*found.groups()) if found else [item]
-    return [h for h in hosts if h]
+    """Slurm's compressed node list (``node[01-03,07],gpu5``,
+    ``rack[1-2]-node[01-02]``) as names, as ``scontrol show hostnames``
+    prints them; ValueError for a list it cannot read."""
+    items = re.findall(r'(?:[^,\[]|\[[^\]]*\])+', text)
+    if ','.join(items) != text.strip(','):
+        raise ValueError('%r is not a Slurm node list: give the hosts as '
+                         '--hosts h1,h2,...' % text)
+    return [h for item in items for h in _expand_name(item, text) if h]
 
 
 def hosts_from(hosts=None, hostfile=None, environ=None):
@@ -124,6 +151,15 @@ def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
     return probe
 
 
+def probe_all(probe, hosts):
+    """{host: None or why not}, every host probed at once (a host whose
+    probe hangs costs one probe timeout, not one per host)."""
+    if not hosts:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(hosts), 64)) as pool:
+        return dict(zip(hosts, pool.map(probe, hosts)))
+
+
 class HostPool(object):
     """The hosts of an elastic job and which of them answered at the last
     probe.  ``select()`` probes every host and returns the ones that
@@ -136,8 +172,9 @@ class HostPool(object):
 
     def select(self):
         up = []
+        said = probe_all(self.probe, self.hosts)
         for host in self.hosts:
-            why = self.probe(host)
+            why = said[host]
             if why is None:
                 if host in self.down:
                     self.say('mnopt.launch: took back %s: it answers again '
@@ -257,10 +294,10 @@ class ElasticPlan(object):
 
     def _answering_again(self):
         back = []
-        for host in self.pool.hosts:
-            if host in self.hosts:
-                continue
-            answered = self.pool.probe(host) is None
+        said = probe_all(self.pool.probe, [
+            h for h in self.pool.hosts if h not in self.hosts])
+        for host, why in said.items():
+            answered = why is None
             self._answers[host] = self._answers.get(host, 0) + 1 \
                 if answered else 0
             if self._answers[host] >= self.answers_needed(host):

@@ -257,6 +257,11 @@ def main(argv=None):
     p.add_argument('--probe', default=SSH_PROBE, metavar='CMD',
                    help='elastic: the command that tells whether {host} '
                    'answers (default: %(default)s)')
+    p.add_argument('--probe-timeout', type=cli.positive_float,
+                   default=elastic.PROBE_TIMEOUT_S, metavar='S',
+                   help='elastic: seconds a probe may take before its host '
+                   'counts as not answering; hosts are probed at once '
+                   '(default %(default)g)')
     p.add_argument('--mpiexec', default='mpiexec', metavar='PATH',
                    help='elastic: the MPI launcher to start (default '
                    'mpiexec)')
@@ -300,7 +305,8 @@ def _elastic_plan(p, args, command):
     if min_nodes > len(hosts):
         p.error('--min-nodes %d is more than the %d hosts given (%s)'
                 % (min_nodes, len(hosts), ','.join(hosts)))
-    pool = elastic.HostPool(hosts, elastic.command_probe(args.probe),
+    pool = elastic.HostPool(hosts, elastic.command_probe(
+        args.probe, args.probe_timeout),
                             say=None)
     return elastic.ElasticPlan(pool, min_nodes, args.procs_per_node or 1,
                                command, mpiexec=args.mpiexec,

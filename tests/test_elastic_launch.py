@@ -25,6 +25,29 @@ def test_slurm_node_lists_expand_as_scontrol_does():
         == ['n8', 'n9', 'n10']
 
 
+def test_node_lists_with_several_brackets_expand_and_bad_ones_are_errors(
+        tmp_path):
+    assert elastic.expand_slurm_nodelist('rack[1-2]-node[01-02],x') == [
+        'rack1-node01', 'rack1-node02', 'rack2-node01', 'rack2-node02', 'x']
+    for bad in ('node[01-02', 'node[a-b]', 'n]'):
+        with pytest.raises(ValueError, match='not a Slurm node list'):
+            elastic.expand_slurm_nodelist(bad)
+    f = tmp_path / 'hosts'
+    f.write_text('h1\n[node4]\n')
+    with pytest.raises(ValueError, match="'\\[node4\\]' is no host name"):
+        elastic.read_hostfile(str(f))
+
+
+def test_hosts_are_probed_at_once_within_the_probe_timeout():
+    import threading
+    everyone = threading.Barrier(3, timeout=60)   # all three at once
+    pool = elastic.HostPool(['a', 'b', 'c'],
+                            lambda h: (everyone.wait(), None)[1], None)
+    assert pool.select() == ['a', 'b', 'c']
+    probe = elastic.command_probe('sleep 60', timeout=0.1)
+    assert probe('a') == 'the probe took more than 0.1 s'
+
+
 def test_a_hostfile_names_hosts_one_a_line(tmp_path):
     f = tmp_path / 'hosts'
     f.write_text('# the rack\nh1:4\nh2 slots=4\n\nh3\n')
