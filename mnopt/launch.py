@@ -258,7 +258,7 @@ def main(argv=None):
                    help='elastic: the command that tells whether {host} '
                    'answers (default: %(default)s)')
     p.add_argument('--probe-timeout', type=cli.positive_float,
-                   default=elastic.PROBE_TIMEOUT_S, metavar='S',
+                   default=15.0, metavar='S',
                    help='elastic: seconds a probe may take before its host '
                    'counts as not answering; hosts are probed at once '
                    '(default %(default)g)')
