@@ -494,8 +494,8 @@ def run_all(args):
                str(args.job_timeout), '--', py, '-m', 'mpi4py',
                os.path.abspath(__file__), '--rate-mbit', str(mbit),
                '--cases', ','.join(cases), '--json', name,
-               '--rounds', str(args.rounds)] + (['--tiny'] if args.tiny
-                                                 else [])
+               '--rounds', str(args.rounds), '--compute-s',
+               str(args.compute_s)] + (['--tiny'] if args.tiny else [])
         print('$ ' + ' '.join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=os.path.dirname(HERE))
         with open(name) as f:
