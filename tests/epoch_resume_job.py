@@ -6,9 +6,11 @@ which epoch.  ``first``: two iterations, a multi_node_snapshot at the
 second (rank 0 alone writes it: one replica set).  ``middle``: autoload,
 one iteration, a snapshot inside the rest of epoch 0.  ``resume``:
 autoload, then on to the end of epoch 0.  Each rank writes what it read
-as JSON.
+as JSON.  ``checkpointer``: ChainerMN's create_multi_node_checkpointer
+(each rank's own file, ``maybe_load``) instead of multi_node_snapshot.
 
     python -m mpi4py epoch_resume_job.py first|middle|resume OUTDIR N BATCH
+        [snapshot|checkpointer]
 """
 
 import json
@@ -46,7 +48,7 @@ class LoggingUpdater(chainer.training.StandardUpdater):
             self.log.setdefault(it.epoch, []).extend(batch)
 
 
-def run(comm, phase, out, n, batch, config):
+def run(comm, phase, out, n, batch, config, saver='snapshot'):
     kind, it_shuffle, scatter_shuffle, equal = config
     data = mnopt.scatter_dataset(numpy.arange(n), comm,
                                  shuffle=scatter_shuffle, seed=5,
@@ -65,15 +67,20 @@ def run(comm, phase, out, n, batch, config):
         phase, (1, 'epoch'))
     trainer = chainer.training.Trainer(LoggingUpdater(it, opt, log), stop,
                                        out=out)
-    trainer.extend(mnopt.extensions.multi_node_snapshot(
-        comm, chainer.training.extensions.snapshot(
-            autoload=phase != 'first')),
-        # 'middle': resumed at 2, a snapshot at 3, inside the rest of the
-        # epoch.  Resumed to the end: no more snapshots (without
-        # force_equal_length the ranks end the epoch, and stop, at
-        # different iterations).
-        trigger=({'first': 2, 'middle': 3}.get(phase, 10 ** 6),
-                 'iteration'))
+    if saver == 'checkpointer':
+        extension = mnopt.create_multi_node_checkpointer('job', comm)
+        if phase != 'first':
+            extension.maybe_load(trainer, opt)
+    else:
+        extension = mnopt.extensions.multi_node_snapshot(
+            comm, chainer.training.extensions.snapshot(
+                autoload=phase != 'first'))
+    # 'middle': resumed at 2, a snapshot at 3, inside the rest of the
+    # epoch.  Resumed to the end: no more snapshots (without
+    # force_equal_length the ranks end the epoch, and stop, at different
+    # iterations).
+    trainer.extend(extension, trigger=(
+        {'first': 2, 'middle': 3}.get(phase, 10 ** 6), 'iteration'))
     trainer.run()
     if kind == 'multiprocess':
         it.finalize()
@@ -84,13 +91,14 @@ def run(comm, phase, out, n, batch, config):
 def main():
     phase, base, n, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), \
         int(sys.argv[4])
+    saver = sys.argv[5] if len(sys.argv) > 5 else 'snapshot'
     comm = mnopt.create_communicator('naive')
     for k, config in enumerate(CONFIGS):
         out = os.path.join(base, str(k))
         if comm.rank == 0:
             os.makedirs(out, exist_ok=True)
         comm.allgather_obj(None)
-        run(comm, phase, out, n, batch, config)
+        run(comm, phase, out, n, batch, config, saver)
     comm.allgather_obj(None)
 
 

@@ -1,7 +1,7 @@
 """A resume mid-epoch on another number of ranks: the examples of an epoch
 interrupted at 4 ranks and finished at 3 (at 3, finished at 5; at 3,
-finished at 3 from rank 0's file alone) are
-the examples of one uninterrupted epoch, none read twice (but the padding
+finished at 3 from rank 0's file alone; at 4 through ChainerMN's
+checkpointer, finished at 3) are the examples of one uninterrupted epoch, none read twice (but the padding
 ``force_equal_length`` asks for) and none skipped, with ``scatter_dataset``
 shuffled and not, ``SerialIterator`` (shuffled and not) and
 ``MultiprocessIterator``.  Spawns its own jobs (tests/epoch_resume_job.py);
@@ -28,12 +28,12 @@ JOB = os.path.join(REPO, 'tests', 'epoch_resume_job.py')
 N, BATCH = 26, 2
 
 
-def job(n, phase, out):
+def job(n, phase, out, saver='snapshot'):
     import sys
     env = dict(os.environ, PYTHONPATH=python_path())
     done = run_job(mpiexec() + ['-n', str(n), sys.executable, '-m', 'mpi4py',
-                                JOB, phase, str(out), str(N), str(BATCH)],
-                   300, env)
+                                JOB, phase, str(out), str(N), str(BATCH),
+                                saver], 300, env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -60,12 +60,32 @@ def padding(n_ranks, equal):
     (3, 3)])
 def test_an_epoch_interrupted_and_finished_on_another_rank_count(
         tmp_path, before, after):
-    import epoch_resume_job
     job(before, 'first', tmp_path)
     done = job(after, 'resume', tmp_path)
     # The old rebuild (the same fraction of the epoch, a new order) is
     # not what happened.
     assert 'same fraction' not in done.stderr
+    assert_one_epoch_read(tmp_path, before, after)
+
+
+@pytest.mark.spawn
+def test_an_epoch_interrupted_and_finished_through_the_checkpointer(
+        tmp_path):
+    # ChainerMN's checkpointer (each rank's own file, maybe_load) records
+    # the epoch's position as multi_node_snapshot does (it did not: 4 -> 3
+    # ranks skipped and repeated examples).
+    job(4, 'first', tmp_path, 'checkpointer')
+    done = job(3, 'resume', tmp_path, 'checkpointer')
+    assert 'same fraction' not in done.stderr
+    assert 'skipping checkpoint' not in done.stderr   # it did resume
+    assert_one_epoch_read(tmp_path, 4, 3)
+
+
+def assert_one_epoch_read(tmp_path, before, after):
+    """Epoch 0's examples read before the interruption (at ``before``
+    ranks) and after it (at ``after``) are one uninterrupted epoch's, in
+    every configuration of tests/epoch_resume_job.py."""
+    import epoch_resume_job
     for k, (kind, it_shuffle, scatter_shuffle, equal) in enumerate(
             epoch_resume_job.CONFIGS):
         out = tmp_path / str(k)

@@ -5,17 +5,24 @@ hold whole (ChainerMN's API, as its ImageNet example uses it).
 A save is one step of every rank: a rank whose write fails raises its
 error and the others one naming it, and the clean-up keeps the newest
 checkpoints *every* rank holds (as ChainerMN's), so a rank behind never
-loses the last checkpoint the others can resume with."""
+loses the last checkpoint the others can resume with.
+
+Each checkpoint records the epoch's position across ranks, as
+multi_node_snapshot's files do (mnopt/iterators/epoch_position.py): a
+resume on another number of ranks reads the rest of the interrupted
+epoch, no example twice and none skipped."""
 
 import numbers
 import os
 import re
 
 import chainer
+from chainer.serializers import DictionarySerializer
 from chainer.training import extension
 
 from mnopt.extensions.loadable import newest_loadable, npz_problem
 from mnopt.extensions.retention import agreed_retention
+from mnopt.iterators.epoch_position import epoch_record
 from mnopt.iterators.resize import load_resizing_iterators
 
 
@@ -76,9 +83,14 @@ class _MultiNodeCheckpointer(extension.Extension):
         os.makedirs(outdir, exist_ok=True)
         path = self._file(outdir, iteration)
         tmp = path + '.tmp%d' % os.getpid()
+        # Collective, so before any rank can fail alone.
+        record = epoch_record(target, self.comm)
         problem = None
         try:
-            chainer.serializers.save_npz(tmp, target)
+            state = DictionarySerializer()
+            state.save(target)
+            state.target.update(record)
+            chainer.serializers.save_npz(tmp, state.target)
             os.replace(tmp, path)   # never a half file under the final name
         except Exception as e:
             problem = e
