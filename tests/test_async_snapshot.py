@@ -105,6 +105,29 @@ def test_a_failed_background_write_fails_the_next_snapshot_on_every_rank(
         trainer.run()
 
 
+def test_a_failed_last_background_write_fails_the_end_on_every_rank(
+        comm, outdir, hook):
+    # The snapshot of the last iteration has no next snapshot to confirm
+    # it: the trainer's end does, on every rank (it was raised on the
+    # writer alone, and the other ranks ended as if it were saved).
+    failing = comm.size - 1
+
+    def fail(phase, name):
+        if phase == 'writing' and name.startswith('snapshot_iter_4.'):
+            raise OSError('no space left on the device')
+    if comm.rank == failing:
+        hook.phase_hook = fail
+    trainer, _ = make_trainer(comm, outdir, 4, True)
+    with pytest.raises(Exception, match='no space left' if comm.rank ==
+                       failing else 'rank %d: OSError: no space left'
+                       % failing):
+        trainer.run()
+    assert trainer.updater.iteration == 4   # raised at the end, not before
+    names = os.listdir(outdir)
+    assert 'snapshot_iter_4.%d' % failing not in names
+    assert 'snapshot_iter_2.%d' % comm.rank in names   # the one to resume
+
+
 def test_another_writer_with_asynchronous_is_an_error(comm):
     from chainer.training.extensions import snapshot_writers
     with pytest.raises(ValueError, match='leave the snapshot.s writer out'):
