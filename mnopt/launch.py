@@ -25,8 +25,14 @@ after the next snapshot in DIR to take it back, which is no failure).
 It says which hosts it dropped or took back, and why.
 
 It stops at the first success, at ``--max-restarts`` failures in a row, or
-when interrupted (SIGINT/SIGTERM are passed to the job, which is then not
-restarted).  Its exit status is the last attempt's.
+when interrupted: SIGINT/SIGTERM are passed to every process of the
+attempt's process group (its own: mnopt/launch_attempt.py), which is
+killed if it has not ended ``--stop-timeout`` seconds later, and the
+launcher exits with 128 + the signal's number.  Otherwise its exit status
+is the last attempt's.  An elastic attempt whose ranks do not all start
+(import mnopt) within ``--start-timeout`` seconds is ended the same way
+and counts as a failure: an MPI launcher waits for ever for a host that
+died after its probe.
 
 After each failed attempt it prints one failure summary
 (mnopt/failure_summary.py): which rank failed first, how, its traceback,
@@ -39,114 +45,103 @@ what MPI's launcher says on stderr (which passes through this one).
 
 import argparse
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 from mnopt import elastic
 from mnopt.elastic import SSH_PROBE
 from mnopt import failure_summary
+from mnopt import launch_attempt
 from mnopt import log as _log
 
 logger = _log.get('mnopt.launch')   # also when run as __main__
 
 
-#: What MPI's launchers say of a rank that a signal ended: MPICH's Hydra
-#: (its pid and host, then the signal), Open MPI's (all on one line).
-HYDRA_PID = re.compile(rb'PID (\d+) RUNNING AT (\S+)')
-HYDRA_SIGNAL = re.compile(rb'EXIT STRING: .*\(signal (\d+)\)')
-OPEN_MPI = re.compile(rb'process rank (\d+) with PID (\d+) on node (\S+) '
-                      rb'exited on signal (\d+)')
+#: Seconds an attempt's processes have, after the launcher passed them a
+#: signal, before it kills them (SIGKILL): under Slurm's default KillWait
+#: of 30 s the launcher ends its job before Slurm ends the launcher.
+STOP_TIMEOUT_S = 20.0
+#: Seconds every rank of an elastic attempt has to note its start.
+START_TIMEOUT_S = 300.0
+#: Seconds between looks at the attempt while its start is watched.
+LOOK_S = 0.25
 
 
-#: How long the job's stderr may stay open after the job ended (a rank
-#: its launcher left behind holds it) before the summary is printed.
-READ_S = 5.0
+def _start_watch(attempt, plan, start_timeout):
+    """The ranks whose start is awaited, or None where the start is not
+    watched (no elastic plan, no deadline, no folder, or one process:
+    a job of one writes no start record)."""
+    if plan is None or not start_timeout or attempt.folder is None:
+        return None
+    expected = len(plan.hosts) * plan.procs_per_node
+    return expected if expected > 1 else None
 
 
-def _forward(source, into, ended):
-    """Copy the job's stderr ``source`` to ``into`` line by line, noting
-    in ``ended`` the rank a signal ended, as the MPI launcher says it."""
-    where = {}
-    for line in iter(source.readline, b''):
-        try:
-            into.write(line)
-            into.flush()
-        except (OSError, ValueError):
-            pass
-        found = HYDRA_PID.search(line)
-        if found:
-            where = {'pid': int(found.group(1)),
-                     'host': found.group(2).decode(errors='replace')}
-        found = HYDRA_SIGNAL.search(line)
-        if found and where and not ended:
-            ended.update(where, signal=int(found.group(1)))
-        found = OPEN_MPI.search(line)
-        if found and not ended:
-            ended.update(rank=int(found.group(1)), pid=int(found.group(2)),
-                         host=found.group(3).decode(errors='replace'),
-                         signal=int(found.group(4)))
-
-
-def _failure_folder():
-    """A fresh folder for the ranks' records: in the current directory
-    (shared by the nodes, usually), else the temporary one."""
-    for where in (os.getcwd(), None):
-        try:
-            return tempfile.mkdtemp(prefix='.mnopt-failure-', dir=where)
-        except OSError:
-            pass
-    return None
-
-
-def _attempt(command, env):
-    """Start one attempt; returns (the child, the folder for the ranks'
-    records, {what the MPI launcher said of a rank a signal ended}, the
-    threads forwarding the job's output)."""
-    folder = _failure_folder()
-    if folder is not None:
-        env = dict(env, **{failure_summary.FOLDER_VARIABLE: folder})
-    # MPICH's Hydra reports a rank's end on stdout, Open MPI on stderr.
-    into = [getattr(stream, 'buffer', None)
-            for stream in (sys.stdout, sys.stderr)]
-    if None in into:   # a stream swapped for a text one: not followed
-        return subprocess.Popen(command, env=env), folder, {}, []
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
-    ended = {}
-    readers = [threading.Thread(target=_forward, daemon=True,
-                                args=(source, out, ended))
-               for source, out in zip((child.stdout, child.stderr), into)]
-    for reader in readers:
-        reader.start()
-    return child, folder, ended, readers
-
-
-def _wait(child, plan, stopping):
-    """(the job's exit status, whether the launcher ended it on purpose to
-    take a host back: elastic.ElasticPlan.time_to_take_back)."""
-    if plan is None or not plan.takes_back():
-        return child.wait(), False
+def _wait(attempt, plan, stopping, start_timeout, stop_timeout, say):
+    """Wait for the attempt's end; returns (its exit status, why the
+    launcher ended it: None, 'take back' (elastic.ElasticPlan.
+    time_to_take_back), 'never started' or 'signal')."""
+    begun = time.monotonic()
+    expected = _start_watch(attempt, plan, start_timeout)
+    takes_back = plan is not None and plan.takes_back()
+    next_probe = begun + (plan.probe_interval if takes_back else 0)
+    child = attempt.child
     while True:
+        # Looked at in turns: a signal's handler does not end a wait.
+        ticks = [LOOK_S]
+        if takes_back:
+            ticks.append(max(0.0, next_probe - time.monotonic()))
         try:
-            return child.wait(timeout=plan.probe_interval), False
+            return child.wait(timeout=min(ticks)), None
         except subprocess.TimeoutExpired:
-            if not stopping.is_set() and plan.time_to_take_back():
-                child.terminate()
-                return child.wait(), True
+            pass
+        now = time.monotonic()
+        if stopping.is_set():
+            left = stop_timeout - (now - stopping.at)
+            return attempt.end_within(max(0.0, left)), 'signal'
+        if expected and len(attempt.started_ranks()) >= expected:
+            expected = None   # all started: mnopt's stall detection on
+        elif expected and now - begun >= start_timeout:
+            _say_never_started(attempt, plan, start_timeout, say)
+            return attempt.stop(signal.SIGTERM, stop_timeout), \
+                'never started'
+        if takes_back and now >= next_probe:
+            next_probe = now + plan.probe_interval
+            if plan.time_to_take_back():
+                return attempt.stop(signal.SIGTERM, stop_timeout), \
+                    'take back'
 
 
-def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
+def _say_never_started(attempt, plan, start_timeout, say):
+    missing = launch_attempt.never_started(
+        attempt.started_ranks(), plan.hosts, plan.procs_per_node)
+    say('mnopt.launch: the job started on %s (%d process%s each) never '
+        'started: within %g s (--start-timeout) %s noted no start in %s; '
+        'ending it, and probing the hosts again.  If those ranks did '
+        'start, the hosts do not share that folder (it is made in the '
+        'current directory): start the launcher in a directory every host '
+        'sees, or pass --start-timeout 0' % (
+            ','.join(plan.hosts), plan.procs_per_node,
+            'es' * (plan.procs_per_node > 1), start_timeout,
+            '; '.join('ranks %s on %s' % (','.join(map(str, ranks)), host)
+                      for host, ranks in missing.items()),
+            attempt.folder))
+
+
+def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
+        start_timeout=START_TIMEOUT_S, stop_timeout=STOP_TIMEOUT_S):
     """Run ``command`` (an argv list) until it succeeds or has failed
-    ``max_restarts + 1`` times; returns the last exit status.  With
+    ``max_restarts + 1`` times; returns the last exit status (128 + the
+    signal's number where SIGINT or SIGTERM stopped the launcher).  With
     ``plan`` (elastic.ElasticPlan) each attempt's command is the plan's,
     on the hosts that answer; too few of them end the launcher (status
-    1, or the last attempt's).
+    1, or the last attempt's); an attempt whose ranks do not all note
+    their start within ``start_timeout`` seconds (0: no limit) is ended
+    and counts as a failure.  A signal is passed to the attempt's whole
+    process group, which is killed ``stop_timeout`` seconds later.
 
     Each failure and an interruption are reported as WARNING records of
     logger ``mnopt.launch`` (mnopt/log.py: by default on stderr), or
@@ -159,28 +154,30 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
             log.flush()
 
     stopping = threading.Event()
+    running = []   # the attempt running now, if any
 
     def forward(signum, frame):
-        stopping.set()
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        if not stopping.is_set():
+            stopping.signum, stopping.at = signum, time.monotonic()
+            stopping.set()
+        for attempt in running:
+            attempt.signal_group(signum)
 
-    child = None
     status = 1
     previous = {s: signal.signal(s, forward)
                 for s in (signal.SIGINT, signal.SIGTERM)}
     if plan is not None:
         plan.pool.say = say
     try:
-        attempt = failures = 0
-        on_purpose = False
+        attempt_number = failures = 0
+        why = None
         while failures <= max_restarts:
-            env = dict(os.environ, MNOPT_RESTART=str(attempt))
-            attempt += 1
+            env = dict(os.environ, MNOPT_RESTART=str(attempt_number))
+            attempt_number += 1
             argv = command if plan is None else plan.command_for_attempt()
             if argv is None:
                 return status
-            if on_purpose and plan.missed_take_back:
+            if why == 'take back' and plan.missed_take_back:
                 # A restart that gained no host is a failure: a host that
                 # flaps must not restart the job forever.
                 failures += 1
@@ -193,36 +190,46 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None):
                     return status
             if stopping.is_set():   # a signal while the hosts were probed
                 say('mnopt.launch: interrupted; not starting the job')
-                return status
+                return 128 + stopping.signum
             start = time.monotonic()
-            child, folder, ended, readers = _attempt(argv, env)
-            status, on_purpose = _wait(child, plan, stopping)
-            for reader in readers:   # its output out before the summary
-                reader.join(READ_S)
-            found = failure_summary.read_folder(folder) if folder else None
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
-            if status == 0 or stopping.is_set():
+            attempt = launch_attempt.Attempt(argv, env)
+            running.append(attempt)
+            try:
+                attempt.start()
+                if stopping.is_set():   # a signal while it was started
+                    attempt.signal_group(stopping.signum)
+                status, why = _wait(attempt, plan, stopping, start_timeout,
+                                    stop_timeout, say)
+            finally:
+                running.remove(attempt)
+            found = attempt.finish()
+            if stopping.is_set():
+                say('mnopt.launch: interrupted (%s); the job ended with '
+                    'status %d; not restarting' % (
+                        signal.Signals(stopping.signum).name, status))
+                return 128 + stopping.signum
+            if status == 0:
                 return status
-            if on_purpose:   # to take a host back: no failure
+            if why == 'take back':   # to take a host back: no failure
                 continue
             failures += 1
             left = max_restarts + 1 - failures
-            if found is not None:
+            if found is not None and why != 'never started':
                 say('\n'.join(failure_summary.launcher_block(
                     found, status, failures, max_restarts + 1,
-                    ended or None)))
-            say('mnopt.launch: the job exited with status %d after '
-                '%.1f s (attempt %d of %d)%s' % (
-                    status, time.monotonic() - start, failures,
-                    max_restarts + 1,
+                    attempt.ended or None)))
+            say('mnopt.launch: the job %s after %.1f s (attempt %d of '
+                '%d)%s' % (
+                    'never started' if why == 'never started' else
+                    'exited with status %d' % status,
+                    time.monotonic() - start, failures, max_restarts + 1,
                     '; restarting in %g s' % delay if left else
                     '; no restarts left'))
             # A signal during the delay ends the launcher: the user, or the
             # scheduler, asked it to stop, so no attempt may start after it.
             if left and stopping.wait(delay):
                 say('mnopt.launch: interrupted; not restarting')
-                return status
+                return 128 + stopping.signum
         return status
     finally:
         for s, handler in previous.items():
@@ -273,6 +280,18 @@ def main(argv=None):
                    default=30.0, metavar='S',
                    help='elastic: seconds between probes of the hosts left '
                    'out, with --take-back-after-snapshot (default 30)')
+    p.add_argument('--start-timeout', type=cli.nonnegative_float,
+                   default=START_TIMEOUT_S, metavar='S',
+                   help='elastic: seconds every rank of an attempt has to '
+                   'start (import mnopt) before the attempt is ended, its '
+                   'hosts probed again and it counts as a failure; 0: no '
+                   'limit (default %(default)g)')
+    p.add_argument('--stop-timeout', type=cli.nonnegative_float,
+                   default=STOP_TIMEOUT_S, metavar='S',
+                   help='seconds the job has to end after the launcher '
+                   'passed it SIGINT or SIGTERM (or ended it to take a host '
+                   'back) before its processes are killed (default '
+                   '%(default)g)')
     p.add_argument('command', nargs=argparse.REMAINDER,
                    help='the job: mpiexec ..., srun ...')
     args = p.parse_args(argv)
@@ -284,7 +303,11 @@ def main(argv=None):
     if args.hosts or args.hostfile or args.min_nodes or \
             args.procs_per_node or args.take_back_after_snapshot:
         plan = _elastic_plan(p, args, command)
-    return run(command, args.max_restarts, args.delay, plan=plan)
+    status = run(command, args.max_restarts, args.delay, plan=plan,
+                 start_timeout=args.start_timeout,
+                 stop_timeout=args.stop_timeout)
+    # A job a signal ended (Popen's -N): the shell's 128 + N.
+    return status if status >= 0 else 128 - status
 
 
 #: Launchers an elastic command must not start with: the launcher runs

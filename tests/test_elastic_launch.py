@@ -333,3 +333,141 @@ def test_a_host_that_flaps_does_not_restart_the_job_forever(tmp_path):
     assert 'b did not answer at the relaunch: not taken back' in said
     assert 'the restart to take b back gained no host: it counts as a ' \
         'failure (1 of 2)' in said, said
+
+
+#: An MPI launcher that starts no rank (a host died after its probe: MPI's
+#: launcher waits for its proxy for ever); with a rank given, that rank
+#: notes its start as mnopt does at import, and no other.
+NEVER_STARTS = '''#!/bin/sh
+echo $$ >> "%(tmp)s/mpiexecs"
+[ -n "%(rank)s" ] && : > "$MNOPT_FAILURE_DIR/rank-%(rank)s.start"
+exec sleep 600
+'''
+
+
+@pytest.mark.parametrize('started', ['', '0'])
+def test_an_attempt_that_never_starts_is_ended_and_counts_as_a_failure(
+        tmp_path, started):
+    import io
+    from mnopt import launch as launcher
+    fake_mpiexec = tmp_path / 'mpiexec'
+    fake_mpiexec.write_text(NEVER_STARTS % {'tmp': tmp_path,
+                                            'rank': started})
+    fake_mpiexec.chmod(0o755)
+    probes = []
+    pool = elastic.HostPool(['a', 'b'], lambda h: probes.append(h),
+                            None)
+    plan = elastic.ElasticPlan(pool, 1, 1, ['python', 't.py'],
+                               mpiexec=str(fake_mpiexec), flavour='hydra')
+    log = io.StringIO()
+    status = launcher.run(None, max_restarts=1, delay=0, log=log, plan=plan,
+                          start_timeout=1, stop_timeout=60)
+    said = log.getvalue()
+    assert status == -15, said   # SIGTERM ended each
+    assert said.count('the job started on a,b (1 process each) never '
+                      'started: within 1 s (--start-timeout)') == 2, said
+    missing = 'ranks 1 on b' if started else 'ranks 0 on a; ranks 1 on b'
+    assert missing + ' noted no start in ' in said, said
+    assert 'the job never started after' in said
+    assert '(attempt 2 of 2); no restarts left' in said, said
+    assert sorted(probes) == ['a', 'a', 'b', 'b']   # probed again
+    for pid in (tmp_path / 'mpiexecs').read_text().split():
+        assert not os.path.exists('/proc/%s' % pid) or \
+            _state(pid) == 'Z'
+
+
+def _state(pid):
+    try:
+        with open('/proc/%s/stat' % pid) as f:
+            return f.read().rsplit(')', 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_the_launcher_sees_the_start_a_rank_notes_at_import(tmp_path):
+    from mnopt import launch_attempt
+    import subprocess
+    attempt = launch_attempt.Attempt(None, None)
+    attempt.folder = str(tmp_path)
+    env = dict(os.environ, PYTHONPATH=python_path(), PMI_RANK='1',
+               PMI_SIZE='2', MNOPT_FAILURE_DIR=str(tmp_path))
+    env.pop('MNOPT_LAUNCHED_PROCESS', None)
+    subprocess.run([sys.executable, '-c', 'import mnopt'], env=env,
+                   check=True, timeout=300)
+    assert attempt.started_ranks() == {1}
+    assert launch_attempt.never_started({1}, ['a', 'b'], 2) == {
+        'a': [0], 'b': [2, 3]}
+
+
+#: A job (what mpiexec would be) that notes it runs, then waits; it notes
+#: a signal it receives, and exits on it unless told to ignore SIGTERM.
+SIGNALLED = '''#!/bin/sh
+trap 'echo INT >> "%(tmp)s/signalled"; exit 130' INT
+trap '%(on_term)s' TERM
+echo $$ > "%(tmp)s/running"
+while :; do sleep 0.05; done
+'''
+
+
+def _launch_and_signal(tmp_path, signum, on_term):
+    import signal
+    import subprocess
+    import time
+    job = tmp_path / 'job.sh'
+    job.write_text(SIGNALLED % {'tmp': tmp_path, 'on_term': on_term})
+    job.chmod(0o755)
+    launcher = subprocess.Popen(
+        [sys.executable, '-m', 'mnopt.launch', '--stop-timeout', '1', '--',
+         str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=dict(os.environ, PYTHONPATH=python_path()),
+        start_new_session=True)
+    try:
+        running = tmp_path / 'running'
+        while not running.exists() or not running.read_text().strip():
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.05)
+        launcher.send_signal(signum)
+        out, err = launcher.communicate(timeout=120)
+    except BaseException:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        raise
+    return launcher.returncode, err, int(running.read_text())
+
+
+@pytest.mark.parametrize('name', ['SIGINT', 'SIGTERM'])
+def test_a_signal_reaches_the_job_and_the_launcher_exits_128_plus_it(
+        tmp_path, name):
+    import signal
+    signum = getattr(signal, name)
+    status, err, pid = _launch_and_signal(
+        tmp_path, signum,
+        'echo TERM >> "%s/signalled"; exit 143' % tmp_path)
+    assert status == 128 + signum, err
+    assert (tmp_path / 'signalled').read_text().split() == [name[3:]]
+    assert 'mnopt.launch: interrupted (%s)' % name in err, err
+    assert 'not restarting' in err
+
+
+def test_a_job_that_ignores_sigterm_is_killed_after_the_stop_timeout(
+        tmp_path):
+    import signal
+    import time
+    status, err, pid = _launch_and_signal(tmp_path, signal.SIGTERM, '')
+    assert status == 128 + signal.SIGTERM, err
+    assert not (tmp_path / 'signalled').exists()
+    # Nothing of its process group is left (its sleeps, reaped by init).
+    deadline = time.monotonic() + 60
+    while any(_state(p) not in (None, 'Z') and os.getpgid(int(p)) == pid
+              for p in os.listdir('/proc') if p.isdigit()
+              if _alive_pgid(p)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert _state(pid) in (None, 'Z')
+
+
+def _alive_pgid(pid):
+    try:
+        os.getpgid(int(pid))
+        return True
+    except OSError:
+        return False
