@@ -16,12 +16,14 @@ attempt, and the final validation accuracy, against an uninterrupted run
 on every node that saw the same samples (the same epochs).
 
 The real run (root; 80 training images per class, 20 iterations an
-epoch at 4 ranks: not yet timed, well over the 10 minutes the first
+epoch at 4 ranks: not yet timed, longer than the 10 minutes the first
 version with 10 images per class took on a quiet 2-core machine):
 
     sudo .venv/numpy2/bin/python benchmarks/elastic_kill.py \\
-        --json docs/results/netsim/elastic_kill.json \\
-        --markdown docs/results/netsim/elastic_kill.md
+        --json docs/results/netsim/elastic_kill.json
+
+(the table goes beside the JSON, the same name ending in ``.md``, unless
+``--markdown PATH`` says where).
 
 The smallest check (2 nodes, one kill, a few iterations; prints, writes
 nothing): ``... benchmarks/elastic_kill.py --dry-run``.
@@ -346,6 +348,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.dry_run and (args.json or args.markdown):
         p.error('a dry run writes no results')
+    if args.json and not args.markdown:
+        args.markdown = os.path.splitext(args.json)[0] + '.md'
     args.epochs = args.epochs or (1 if args.dry_run else 2)
     args.snapshot_interval = args.snapshot_interval or (2 if args.dry_run
                                                         else 4)
