@@ -82,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument('--fragment-sync-delay', type=int, default=0,
                    help='with --local-steps: apply each sync this many '
                    'local updates later, averaging in the background')
+    p.add_argument('--sync-warmup-steps', type=int, default=0,
+                   help='with --local-steps: this many synchronous updates '
+                   'first')
     p.add_argument('--outer-lr', type=float, default=0.7)
     p.add_argument('--outer-momentum', type=float, default=0.9)
     p.add_argument('--total-batch', type=int, default=64)
@@ -119,6 +122,7 @@ def main(argv=None):
     local = {} if args.local_steps is None else {
         'local_steps': args.local_steps, 'fragments': args.fragments,
         'fragment_sync_delay': args.fragment_sync_delay,
+        'sync_warmup_steps': args.sync_warmup_steps,
         'outer_optimizer': mnopt.OuterNesterov(
             lr=args.outer_lr, momentum=args.outer_momentum)}
     optimizer = mnopt.create_multi_node_optimizer(actual, comm,
@@ -152,6 +156,7 @@ def main(argv=None):
               'optimizer': args.optimizer,
               'local_steps': args.local_steps, 'fragments': args.fragments,
               'fragment_sync_delay': args.fragment_sync_delay,
+              'sync_warmup_steps': args.sync_warmup_steps,
               'outer_lr': args.outer_lr if local else None,
               'outer_momentum': args.outer_momentum if local else None,
               'total_batch': args.total_batch, 'epochs': args.epoch,

@@ -13,8 +13,8 @@ the same samples seen in every configuration.  Synchronous float32,
 PowerSGD rank 2 (8 plain iterations first), then ``--local-steps H`` for
 H in 1, 8, 32, 128, and with 4 fragments (H 8, 32, 128), with DiLoCo's
 outer Nesterov (``--outer-lr``, ``--outer-momentum``).  Writes
-``<stem>.json`` and ``<stem>.md`` (a table with the command) under
-``--out``."""
+``<stem>.json``, ``<stem>.md`` (a table with the command) and
+``<stem>.png`` (validation accuracy per epoch) under ``--out``."""
 
 import argparse
 import json
@@ -49,6 +49,8 @@ def main():
     p.add_argument('--only', nargs='*', default=None,
                    help='labels to run (the others are read from the '
                    'JSON already there)')
+    p.add_argument('--skip', nargs='*', default=[],
+                   help='labels not to run (nor to show)')
     p.add_argument('--stem', default='cnn_local_sgd')
     p.add_argument('--out', default='docs/results')
     p.add_argument('--data-cache', default=os.path.join(
@@ -62,7 +64,7 @@ def main():
     if os.path.exists(stem + '.json'):
         with open(stem + '.json') as f:
             results = json.load(f)
-    todo = configs(outer)
+    todo = [c for c in configs(outer) if c[0] not in args.skip]
     for label, extra in todo:
         if args.only is not None and label not in args.only and \
                 label in results:
@@ -91,10 +93,39 @@ def main():
             accs.mean() - base))
     command = ' '.join(['python examples/imagenet/local_sgd_study.py',
                         '--seeds', str(args.seeds), '--epochs',
-                        str(args.epochs)] + outer + ['--out', args.out])
+                        str(args.epochs)] + outer + ['--out', args.out] + (
+                            ['--skip'] + ["'%s'" % s for s in args.skip]
+                            if args.skip else []))
     with open(stem + '.md', 'w') as f:
         f.write('\n'.join(lines) + '\n\nCommand: `%s`\n' % command)
     print('\n'.join(lines))
+    plot([label for label, _ in todo if label in results], results,
+         stem + '.png')
+
+
+def plot(labels, results, path):
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for label in labels:
+        curves = numpy.array([r['curve'] for r in results[label]]) * 100
+        epochs = numpy.arange(1, curves.shape[1] + 1)
+        ax.plot(epochs, curves.mean(axis=0), label=label,
+                linestyle='-' if label.endswith('F=1') or 'H=' not in label
+                else '--')
+    ax.set_xlabel('epoch (10 updates of 4 x 16 images)')
+    ax.set_ylabel('validation accuracy % (synced parameters)')
+    ax.set_ylim(0, 101)
+    ax.grid(alpha=0.3)
+    ax.legend(loc='lower right', fontsize=8)
+    ax.set_title('smallcnn, 4 ranks: local steps (DiLoCo outer Nesterov) '
+                 'vs synchronous and PowerSGD')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == '__main__':
