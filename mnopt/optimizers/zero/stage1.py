@@ -58,6 +58,8 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         # sharded collectives would never call.
         communicator.add_sharded_optimizer(self)
         object.__setattr__(self, '_pieces', [])   # partition.Piece's
+        # {Piece: PieceUpdate} of this rank's pieces, kept across steps.
+        object.__setattr__(self, '_piece_updates', {})
         # After a load: (pieces from the snapshot, problem or None).
         object.__setattr__(self, '_loaded_share', None)
         # After a load of a sharded snapshot: (its size, its rank), and the
@@ -71,6 +73,7 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
     def setup(self, link):
         super(ShardedStateOptimizer, self).setup(link)
         object.__setattr__(self, '_pieces', [])
+        object.__setattr__(self, '_piece_updates', {})
         return self
 
     # ------------------------------------------------------------ plan
@@ -241,13 +244,35 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
         """Chainer's GradientMethod.update after the backward, on this
         rank's pieces only (``means``: {name: the piece's mean gradient};
         mnopt/optimizers/zero/owned_update.py)."""
+        pieces = self._piece_updates_for_step()
+        for p in pieces:
+            p.take(means[p.piece.name])
+        try:
+            with self._timeline().span('update', 'compute'):
+                update_pieces(self.actual_optimizer, self.communicator,
+                              self.target, pieces)
+        finally:
+            for p in pieces:
+                p.release()
+
+    def _piece_updates_for_step(self):
+        """This rank's PieceUpdate's, partition order: those of the last
+        step where they still view their parameter's piece, new ones
+        for the others (a new partition, a parameter's new array)."""
         params = dict(self.target.namedparams())
         rank = self.communicator.rank
-        pieces = [PieceUpdate(params[p.name], p, means[p.name])
-                  for p in self._pieces if p.rank == rank]
-        with self._timeline().span('update', 'compute'):
-            update_pieces(self.actual_optimizer, self.communicator,
-                          self.target, pieces)
+        kept, pieces = self._piece_updates, []
+        for piece in self._pieces:
+            if piece.rank != rank:
+                continue
+            param = params[piece.name]
+            update = kept.get(piece)
+            if update is None or not update.fits(param, piece):
+                update = PieceUpdate(param, piece)
+            pieces.append(update)
+        object.__setattr__(self, '_piece_updates',
+                           {p.piece: p for p in pieces})
+        return pieces
 
     # ------------------------------------------------------------ snapshots
     def _serialize_state(self, serializer):
