@@ -47,6 +47,7 @@ from mpi4py import MPI
 
 from mnopt.transport import reduce
 from mnopt.transport import ring_checks
+from mnopt.transport import ring_drain
 from mnopt.transport import waiting
 
 #: Largest segment (bytes): one message of the ring.
@@ -119,6 +120,7 @@ def reduce_scatter_sum_parts(comm, parts, wire, counts, check=True):
     live = [p for p in parts if p.size]
     if comm.size > 1 and live:
         _ring(comm, live, wire, counts, 0, comm.size - 1)
+        ring_drain.drain(comm)   # its caller computes before MPI again
 
 
 def allgather_parts(comm, parts, counts, check=True):
