@@ -119,8 +119,8 @@ def reduce_scatter_sum_parts(comm, parts, wire, counts, check=True):
                                               check)
     live = [p for p in parts if p.size]
     if comm.size > 1 and live:
-        _ring(comm, live, wire, counts, 0, comm.size - 1)
-        ring_drain.drain(comm)   # its caller computes before MPI again
+        ring_drain.drained(comm, lambda: _ring(  # its caller computes next
+            comm, live, wire, counts, 0, comm.size - 1))
 
 
 def allgather_parts(comm, parts, counts, check=True):

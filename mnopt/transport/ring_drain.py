@@ -21,6 +21,20 @@ TAG = 0x5AA
 _EMPTY = numpy.empty(0, numpy.uint8)
 
 
+def drained(comm, ring):
+    """Run ``ring()`` (this rank's part of a ring reduce-scatter), then
+    drain.  Where it raises, the right neighbour is told anyway (not
+    waited for), so that it leaves its drain and meets the failure where
+    mnopt's stall detection names this rank, as it did before drains."""
+    try:
+        ring()
+    except BaseException:
+        if comm.size > 1:
+            comm.Isend(_EMPTY, (comm.rank + 1) % comm.size, TAG)
+        raise
+    drain(comm)
+
+
 def drain(comm):
     """Return once this rank's left neighbour has finished its sends of
     the ring just run (every rank of ``comm`` calls it after the ring)."""

@@ -138,9 +138,13 @@ class PieceUpdate(object):
         stand_in._loss_scale = getattr(self.param, '_loss_scale', None)
 
     def release(self):
-        """Drop the gradient: a piece's mean is a copy, freed after the
-        update as before the stand-ins were kept."""
+        """Drop the gradient, and the array a rule put in the view's place
+        (fp32 updates do; written back by then): a piece's mean and that
+        copy are freed after the update as before the stand-ins were
+        kept."""
         self.stand_in.grad = None
+        if self.stand_in.array is not self.view:
+            self.stand_in.array = self.view
 
     def write_back(self):
         """Where a rule replaced the array (fp32 updates do), its values
