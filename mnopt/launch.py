@@ -28,8 +28,9 @@ It stops at the first success, at ``--max-restarts`` failures in a row, or
 when interrupted: SIGINT/SIGTERM are passed to every process of the
 attempt's process group (its own: mnopt/launch_attempt.py), which is
 killed if it has not ended ``--stop-timeout`` seconds later, and the
-launcher exits with 128 + the signal's number.  Otherwise its exit status
-is the last attempt's.  An elastic attempt whose ranks do not all start
+launcher exits with 128 + the signal's number (with the last attempt's
+status where the signal came between attempts).  Otherwise its exit
+status is the last attempt's.  An elastic attempt whose ranks do not all start
 (import mnopt) within ``--start-timeout`` seconds is ended the same way
 and counts as a failure: an MPI launcher waits for ever for a host that
 died after its probe.
@@ -135,7 +136,7 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
         start_timeout=START_TIMEOUT_S, stop_timeout=STOP_TIMEOUT_S):
     """Run ``command`` (an argv list) until it succeeds or has failed
     ``max_restarts + 1`` times; returns the last exit status (128 + the
-    signal's number where SIGINT or SIGTERM stopped the launcher).  With
+    signal's number where SIGINT or SIGTERM stopped an attempt).  With
     ``plan`` (elastic.ElasticPlan) each attempt's command is the plan's,
     on the hosts that answer; too few of them end the launcher (status
     1, or the last attempt's); an attempt whose ranks do not all note
@@ -229,7 +230,7 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
             # scheduler, asked it to stop, so no attempt may start after it.
             if left and stopping.wait(delay):
                 say('mnopt.launch: interrupted; not restarting')
-                return 128 + stopping.signum
+                return status   # the last attempt's: none was stopped
         return status
     finally:
         for s, handler in previous.items():

@@ -244,14 +244,14 @@ def run_mpi(n, code, timeout=60, args=(), env=None, module_runner=True):
         os.remove(script)
 
 
-def run_job(argv, timeout, env):
+def run_job(argv, timeout, env, cwd=REPO):
     """subprocess.run for a launcher: on a timeout the launcher's whole
     process group is killed (its ranks included, even stopped ones), then
     TimeoutExpired is raised as usual.  ``env``: built from ``os.environ``
     (see _drop_an_inherited_singleton), never None."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=REPO, start_new_session=True)
+                            cwd=cwd, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=slack(timeout))
     except subprocess.TimeoutExpired:

@@ -146,8 +146,10 @@ def test_the_same_error_on_every_rank_is_one_block_that_says_so(when):
         'ValueError: refused: pass the same setting on every rank') == 1
 
 
-def _launched(how, ranks=3, restarts=1):
-    """The job under python -m mnopt.launch, once; its stderr."""
+def _launched(how, ranks=3, restarts=1, cwd=REPO):
+    """The job under python -m mnopt.launch, once, started in ``cwd``
+    (where the launcher makes its folder for the ranks' records); its
+    stderr."""
     script = os.path.join(os.path.dirname(__file__),
                           '.spawned_launch_%d.py' % os.getpid())
     with open(script, 'w') as f:
@@ -158,7 +160,7 @@ def _launched(how, ranks=3, restarts=1):
                         '--max-restarts', str(restarts), '--delay', '0',
                         '--']
                        + mpiexec() + ['-n', str(ranks), sys.executable,
-                                      script, how], 180, env)
+                                      script, how], 180, env, cwd)
     finally:
         os.remove(script)
     assert proc.returncode != 0
@@ -168,8 +170,9 @@ def _launched(how, ranks=3, restarts=1):
 @pytest.mark.parametrize('how,said', [
     ('exception', 'uncaught exception'), ('SIGKILL', 'signal'),
     ('SIGSEGV', 'signal')])
-def test_the_launcher_sums_up_each_failed_attempt(how, said):
-    err = _launched(how)
+def test_the_launcher_sums_up_each_failed_attempt(how, said, tmp_path):
+    # A folder of its own: other tests' launchers make theirs in REPO.
+    err = _launched(how, cwd=str(tmp_path))
     for attempt in (1, 2):
         header = 'mnopt.launch: failure summary of attempt %d of 2' % attempt
         assert err.count(header) == 1, err
@@ -192,7 +195,7 @@ def test_the_launcher_sums_up_each_failed_attempt(how, said):
         assert 'Segmentation fault' in attempts[1].split('\n')[1]
         assert 'string_at' in attempts[1], attempts[1]
     # Its folder for the ranks' records is gone.
-    assert not [n for n in os.listdir(REPO)
+    assert not [n for n in os.listdir(str(tmp_path))
                 if n.startswith('.mnopt-failure-')]
 
 
