@@ -333,7 +333,7 @@ def first_failure(found, ended=None):
             # the others by the same signal: it may name one of them.
             what += ', as mpiexec reports it (it ends the other ranks ' \
                 'by SIGKILL too, so it may name one of them)'
-        return dict(record('signal', what, rank=rank), who='rank %s' % rank,
+        return dict(record('signal', what, rank=rank, who='rank %s' % rank),
             pid=ended.get('pid') or start.get('pid', '?'),
             host=ended.get('host') or start.get('host', '?'), others=None)
     return None

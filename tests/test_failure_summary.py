@@ -235,3 +235,17 @@ def test_the_block_reaches_stderr_also_with_the_users_log_file(tmp_path):
     # ... and in the user's file too, untagged.
     with open(log + '.1') as f:
         assert 'ValueError: a bad batch on rank 1' in f.read()
+
+
+def test_a_signal_on_a_rank_no_start_record_matches_is_said_of_rank_unknown():
+    """mpiexec names a process (pid, host) that no rank's start record
+    matches (another spelling of the host): the summary says 'rank ?'
+    instead of failing the launcher (it raised TypeError)."""
+    found = {'failure': {}, 'fault': {},
+             'start': {0: {'pid': 11, 'host': 'localhost'}}}
+    ended = {'pid': 99, 'host': '127.0.0.1', 'signal': 9}
+    from mnopt import failure_summary
+    rec = failure_summary.first_failure(found, ended)
+    assert rec['who'] == 'rank ?'
+    assert rec['what'].startswith('killed by SIGKILL'), rec
+    assert rec['pid'] == 99 and rec['host'] == '127.0.0.1'
