@@ -113,6 +113,6 @@ def test_dir_shows_the_public_api_only():
     # Every name shown is there (the Chainer layer's where Chainer is).
     chainer_layer = CHAINERMN_NAMES - {'create_communicator',
                                        'CommunicatorBase'} | {
-        'Signum', 'join', 'UnevenInputsError', 'OuterNesterov'}
+        'Signum', 'join', 'UnevenInputsError', 'OuterNesterov', 'zero'}
     for name in shown - (chainer_layer if chainer is None else set()):
         getattr(mnopt, name)
