@@ -81,8 +81,14 @@ def test_sharded_training_is_the_unsharded(kind):
     try:
         worst, split = worst_difference(comm, kind)
         assert split or comm.size == 1
-        if comm.size <= 2:
+        if comm.size <= 2 and kind == 'Adam':
             assert worst == 0.0, worst
+        elif comm.size <= 2:
+            # GradientClipping's norm of a split parameter is the sum of
+            # its pieces' dots, not Chainer's one dot: the same bits where
+            # NumPy's dot sums alike (NumPy 2), within float32 rounding of
+            # the rate elsewhere (NumPy 1: 6e-8), as docs/zero.md says.
+            assert worst <= 1e-6, worst
         else:
             assert worst <= TOLERANCE[kind], worst
     finally:
