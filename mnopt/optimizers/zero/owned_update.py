@@ -130,12 +130,10 @@ class PieceUpdate(object):
 
     def take(self, grad):
         """This step's mean gradient (flat, the piece's length) on the
-        stand-in, which views the piece as a fresh one would."""
-        stand_in = self.stand_in
-        if stand_in.array is not self.view:   # replaced by a write_back
-            stand_in.array = self.view
-        stand_in.grad = grad
-        stand_in._loss_scale = getattr(self.param, '_loss_scale', None)
+        stand-in, which views the piece as a fresh one would (``release``
+        put the view back after the last update)."""
+        self.stand_in.grad = grad
+        self.stand_in._loss_scale = getattr(self.param, '_loss_scale', None)
 
     def release(self):
         """Drop the gradient, and the array a rule put in the view's place
