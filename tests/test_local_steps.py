@@ -333,6 +333,25 @@ def test_a_snapshot_of_other_settings_is_refused_clearly():
         comm.finalize()
 
 
+@pytest.mark.parametrize('other', [dict(), dict(double_buffering=True),
+                                   dict(shard_state=True)])
+def test_a_snapshot_loaded_by_a_synchronous_optimizer_is_refused(other):
+    # Between syncs each rank's file holds its own parameters: resuming
+    # them synchronously would start every rank from different weights.
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=4, fragments=2)
+        for step in range(3):
+            opt.update(model, *batch(step, comm.rank))
+        snapshot = snapshot_of(model, opt)
+        other_model, synchronous = make(comm, **other)
+        with pytest.raises(ValueError, match=r'written with local_steps=4, '
+                           r'fragments=2.*local_steps=4, fragments=2\)'):
+            load(snapshot, other_model, synchronous)
+    finally:
+        comm.finalize()
+
+
 @pytest.mark.parametrize('saved, current, match', [
     (dict(), dict(outer_optimizer=chainer.optimizers.Adam()),
      r'outer_optimizer=mnopt\.optimizers\.outer_nesterov\.OuterNesterov'

@@ -25,10 +25,9 @@ from mnopt.optimizers import fragments as schedule
 from mnopt.optimizers.protocol import BROADCAST, LOADED, RESUME
 from mnopt.optimizers.protocol import MultiNodeOptimizer
 from mnopt.optimizers.protocol import digest, host, state_of, stepped
+from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY
+from mnopt.optimizers.shares import not_a_share
 from mnopt.optimizers.synced_copy import KEY, SyncedCopy
-
-#: Where a snapshot keeps this mode's state (under the optimizer's key).
-SNAPSHOT_KEY = 'mnopt_local_steps'
 
 
 class InFlight(object):
@@ -199,6 +198,9 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
             self._synced.apply(index, means, self.target)
 
     # ---------------------------------------------------------- snapshots
+    def _of_my_mode(self, deserializer):
+        return not_a_share(deserializer)
+
     def _serialize_state(self, serializer):
         """Also this mode's state (``_serialize_local``).  The inner
         optimizer's state and the model's parameters are each rank's own

@@ -14,6 +14,7 @@ from mnopt import timeline as timelines
 from mnopt.optimizers import uneven
 from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.accumulation import Accumulation
+from mnopt.optimizers.local_steps_mark import not_local_steps
 from mnopt.optimizers.shares import not_a_share
 
 LOADED = object()  # _param_set after a snapshot was loaded
@@ -202,21 +203,15 @@ class MultiNodeOptimizer(object):
         if summed:
             self._accumulation.divide(target)
 
-    def _current_param_set(self):
-        return [(name, p.array is not None)
-                for name, p in sorted(self.target.namedparams())]
-
     def serialize(self, serializer):
         """The wrapped optimizer's state (with its target).  After a load
         the next update makes the replicas agree (see the class): a
         snapshot loaded on every rank resumes bit for bit, one loaded on
         rank 0 alone (model, optimizer or both) is given to every rank.
 
-        Also this rank's part of the communicator's compression state
-        (``serialize_compression``; with a ``compression``, its
-        error-feedback residuals, PowerSGD's factors), apart from ``_serialize_state``: it
-        differs from rank to rank, so it is not part of the state the
-        replicas agree on."""
+        Also this rank's part of the compression state (error-feedback
+        residuals, PowerSGD's factors), apart from ``_serialize_state``:
+        it differs from rank to rank, not agreed on by the replicas."""
         self._serialize_state(serializer)   # waits for double buffering
         self.communicator.serialize_compression(
             serializer['mnopt_compression'], shared=False)
@@ -248,12 +243,16 @@ class MultiNodeOptimizer(object):
         """A snapshot was loaded: the next update is RESUME."""
         object.__setattr__(self, '_param_set', LOADED)
 
+    def _of_my_mode(self, deserializer):
+        """``deserializer``, refused where written by another mode."""
+        return not_local_steps(not_a_share(deserializer))
+
     def _serialize_state(self, serializer):
         """What a snapshot holds, the same on every rank: the wrapped
-        optimizer's state (a sharded one's share refused: shares.py), the
+        optimizer's state (refused where ``_of_my_mode`` says so), the
         communicator's shared compression state (with a compression, its
         averaging counter, warm-up's and the votes' coin, 'auto''s)."""
-        self.actual_optimizer.serialize(StatesMayBeAbsent(not_a_share(
+        self.actual_optimizer.serialize(StatesMayBeAbsent(self._of_my_mode(
             serializer)) if isinstance(
                 serializer, chainer.serializer.Deserializer) else serializer)
         self.communicator.serialize_compression(
@@ -299,8 +298,7 @@ class MultiNodeOptimizer(object):
         return BROADCAST if changed else AVERAGE, anyone_pending
 
     def _take_resumed(self):
-        """The micro-steps a snapshot restored on this rank since the
-        last update (0 if none), for the step's exchange."""
+        """The micro-steps a snapshot restored here since the last update."""
         resumed, self._accumulation.resumed = self._accumulation.resumed, 0
         return resumed
 
@@ -312,17 +310,18 @@ class MultiNodeOptimizer(object):
             raise RuntimeError(
                 'a snapshot taken in the middle of a gradient accumulation '
                 '(accumulation_steps=%d) restored %s micro-steps on ranks '
-                '0..%d: load the same snapshot on every rank '
-                '(multi_node_snapshot\'s autoload does), or take snapshots '
-                'right after an update' % (
-                    self._accumulation.steps, resumed, len(resumed) - 1))
+                '0..%d: load the same snapshot on every rank (multi_node_'
+                'snapshot\'s autoload does), or take snapshots right after '
+                'an update' % (self._accumulation.steps, resumed,
+                               len(resumed) - 1))
 
     def _take_param_set(self):
         """(whether a snapshot was loaded since the last update, whether
         the parameter set changed since then), this rank's; the current
         set becomes the last one."""
         loaded = self._param_set is LOADED
-        current = self._current_param_set()
+        current = [(name, p.array is not None)
+                   for name, p in sorted(self.target.namedparams())]
         changed = not loaded and current != self._param_set
         object.__setattr__(self, '_param_set', current)
         return loaded, changed

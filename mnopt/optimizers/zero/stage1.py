@@ -6,6 +6,7 @@ import chainer
 
 from mnopt.arrays import named_grads
 from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
+from mnopt.optimizers.local_steps_mark import not_local_steps
 from mnopt.optimizers.protocol import AVERAGE, BROADCAST, RESUME
 from mnopt.optimizers.protocol import MultiNodeOptimizer, digest, stepped
 from mnopt.optimizers.zero import snapshots
@@ -289,7 +290,7 @@ class ShardedStateOptimizer(MultiNodeOptimizer):
             snapshots.write_share(serializer, comm, self._pieces, params,
                                   actual.t)
             return
-        meta = snapshots.read_meta(serializer, {
+        meta = snapshots.read_meta(not_local_steps(serializer), {
             n: p.array.size for n, p in params.items()
             if p.array is not None})
         object.__setattr__(self, '_loaded_write',
