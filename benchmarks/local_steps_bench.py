@@ -12,13 +12,18 @@ ROUNDS=2 in the environment shortens it):
     sudo .venv/gloo/bin/python benchmarks/local_steps_bench.py --all \\
         --out docs/results/netsim
 
-It runs three netsim jobs one after the other and writes
+It runs four netsim jobs one after the other and writes
 local_steps_4_100mbit.json, local_steps_4_1gbit.json,
-local_steps_8_100mbit.json and the tables, local_steps.md:
+local_steps_8_100mbit.json, local_steps_4_100mbit_h128.json and the
+tables, local_steps.md:
 
-- 4 nodes at 100 Mbit/s and at 1 Gbit/s: every case;
+- 4 nodes at 100 Mbit/s and at 1 Gbit/s: every case, H=32;
 - 8 nodes at 100 Mbit/s: the compute alone, synchronous float32 and the
-  two local-steps cases.
+  two local-steps cases, H=32;
+- 4 nodes at 100 Mbit/s, H=128 (about 10 minutes of the whole): the
+  compute alone, synchronous float32 (for the ratio), the streamed cases
+  and PyTorch's post-local SGD with period 128 (``--only-h 128`` runs
+  this job alone; the tables still show every JSON in ``--out``).
 
 A quick check that every case runs (2 nodes, a 4 MB model, H=8; about a
 minute; keep its output out of docs/):
@@ -58,6 +63,8 @@ as the gradients do not depend on them):
   on the background thread during the next step);
 - ``local H=32 F=4 delay 8``: the same with the averaging given the whole
   8 steps until the next fragment's (the largest delay allowed);
+- ``local H=32 F=4 delay 8 float16``: the same, the pseudo-gradients on
+  the float16 wire (``allreduce_grad_dtype='float16'``);
 - ``torch post-local SGD``: PyTorch DDP on gloo with
   ``post_localSGD_hook`` (``post_local_gradient_allreduce=False``: with
   one rank per node the intra-node group is the rank itself) and
@@ -68,8 +75,10 @@ as the gradients do not depend on them):
   Chainer's.
 
 Timing: each case runs windows of whole steps (``H`` steps for the local
-cases and torch's, so that a window holds one sync of every fragment;
-``--sync-window`` steps for the others), the slowest rank's window time
+cases, torch's and the compute alone, so that a window holds one sync of
+every fragment and a window's barrier and slowest rank weigh the same per
+step in a case and its baseline; ``--sync-window`` steps for the
+synchronous cases), the slowest rank's window time
 over its steps is the step time.  Untimed first: each case's own warm-up
 (mnopt's first update broadcasts; PowerSGD's plain averaging; DDP's
 synchronous steps) and ``--warmup-rounds`` rounds.  Then ``--rounds``
@@ -108,14 +117,22 @@ MOMENTUM = 0.9
 TORCH_DDP_WARMUP = 2    # synchronous DDP steps before post-local SGD
 ALL_CASES = ('compute only', 'sync float32', 'sync float16',
              'powersgd r4', 'local H=32 F=1', 'local H=32 F=4 delay 1',
-             'local H=32 F=4 delay 8', 'torch compute only',
-             'torch post-local SGD')
+             'local H=32 F=4 delay 8', 'local H=32 F=4 delay 8 float16',
+             'torch compute only', 'torch post-local SGD')
 FEW_CASES = ('compute only', 'sync float32', 'local H=32 F=1',
              'local H=32 F=4 delay 1')
-# --all: (nodes, rate, Mbit/s, cases); --tiny runs only the first line's
-# cases at 2 nodes and 1 Gbit/s.
-JOBS = ((4, '100mbit', 100, ALL_CASES), (4, '1gbit', 1000, ALL_CASES),
-        (8, '100mbit', 100, FEW_CASES))
+#: H=128 (DiLoCo's range: 128x fewer bytes than synchronous float32),
+#: the streamed cases only (H=32's F=1 row shows what one fragment costs).
+LONG_CASES = ('compute only', 'sync float32', 'local H=32 F=4 delay 8',
+              'local H=32 F=4 delay 8 float16', 'torch compute only',
+              'torch post-local SGD')
+# --all: (nodes, rate, Mbit/s, cases, H, warm-up rounds); --tiny runs only
+# the first line's cases at 2 nodes and 1 Gbit/s.  H=128's windows are
+# 128 steps long: no warm-up round (each case still warms up first).
+JOBS = ((4, '100mbit', 100, ALL_CASES, 32, 1),
+        (4, '1gbit', 1000, ALL_CASES, 32, 1),
+        (8, '100mbit', 100, FEW_CASES, 32, 1),
+        (4, '100mbit', 100, LONG_CASES, 128, 0))
 
 
 def label(case, h):
@@ -261,12 +278,13 @@ def make_cases(names, shapes, consts, weights, args, world):
                 torch_up = gloo_here(world)
             made.append(TorchPostLocalSGD(
                 lab, weights, consts, args.compute_s,
-                h if name == 'torch post-local SGD' else sync_w,
-                alone=name == 'torch compute only'))
+                h, alone=name == 'torch compute only'))
             continue
         comm_args, opt_args, window = {}, None, sync_w
         if name == 'compute only':
-            comm_args = None
+            # Windows as long as the local cases': a window's barrier and
+            # its slowest rank weigh the same per step in both.
+            comm_args, window = None, h
         elif name == 'sync float16':
             comm_args = {'allreduce_grad_dtype': 'float16'}
         elif name == 'powersgd r4':
@@ -279,6 +297,8 @@ def make_cases(names, shapes, consts, weights, args, world):
                 opt_args['fragments'] = 4
                 opt_args['fragment_sync_delay'] = 1 if 'delay 1' in name \
                     else h // 4
+            if name.endswith('float16'):   # the pseudo-gradients' wire
+                comm_args = {'allreduce_grad_dtype': 'float16'}
         made.append(MnoptCase(lab, weights, consts, args.compute_s, window,
                               comm_args, opt_args))
     return made, note
@@ -484,22 +504,31 @@ def run_all(args):
     os.makedirs(args.out, exist_ok=True)
     py = sys.executable
     results = []
-    for nodes, rate, mbit, cases in JOBS[:1] if args.tiny else JOBS:
+    jobs = JOBS[:1] if args.tiny else [
+        j for j in JOBS if args.only_h is None or j[4] == args.only_h]
+    for nodes, rate, mbit, cases, h, warmup in jobs:
         if args.tiny:
             nodes, rate, mbit = 2, '1gbit', 1000
-        name = os.path.join(args.out, 'local_steps_%d_%s.json'
-                            % (nodes, rate))
+        name = os.path.join(args.out, 'local_steps_%d_%s%s.json' % (
+            nodes, rate, '' if h == 32 else '_h%d' % h))
         cmd = [py, '-m', 'mnopt.netsim', 'run', '--nodes', str(nodes),
                '--rate', rate, '--ranks-per-node', '1', '--timeout',
                str(args.job_timeout), '--', py, '-m', 'mpi4py',
                os.path.abspath(__file__), '--rate-mbit', str(mbit),
                '--cases', ','.join(cases), '--json', name,
                '--rounds', str(args.rounds), '--compute-s',
-               str(args.compute_s)] + (['--tiny'] if args.tiny else [])
+               str(args.compute_s)] + (['--tiny'] if args.tiny else [
+                   '--local-steps', str(h), '--warmup-rounds', str(warmup)])
         print('$ ' + ' '.join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=os.path.dirname(HERE))
-        with open(name) as f:
-            results.append(json.load(f))
+    # Every job's JSON there (also those of an earlier --only-h run).
+    for nodes, rate, mbit, cases, h, warmup in jobs if args.tiny else JOBS:
+        name = os.path.join(args.out, 'local_steps_%d_%s%s.json' % (
+            2 if args.tiny else nodes, '1gbit' if args.tiny else rate,
+            '' if h == 32 or args.tiny else '_h%d' % h))
+        if os.path.exists(name):
+            with open(name) as f:
+                results.append(json.load(f))
     md = os.path.join(args.out, 'local_steps.md')
     with open(md, 'w') as f:
         f.write('# Local steps beside synchronous averaging, PowerSGD and '
@@ -528,6 +557,9 @@ def main():
     p.add_argument('--compute-s', type=float, default=0.25,
                    help='the sleep standing in for the compute of a step')
     p.add_argument('--local-steps', type=int, default=32, help='H')
+    p.add_argument('--only-h', type=int, default=None,
+                   help='with --all: only the jobs of this H (the tables '
+                   'still show every job whose JSON is in --out)')
     p.add_argument('--sync-window', type=int, default=1,
                    help='steps timed together for the synchronous cases')
     p.add_argument('--rounds', type=int,
