@@ -79,6 +79,13 @@ LOCAL_CONFIGS = [CONFIGS[0], CONFIGS[1]] + [
     # inner one at small H), or synchronous updates first (about 6%).
     ('4 ranks, local steps H=32, outer momentum 0.5', 4,
      ['--local-steps', '32', '--outer-momentum', '0.5']),
+    ('4 ranks, local steps H=8, outer momentum 0.5', 4,
+     ['--local-steps', '8', '--outer-momentum', '0.5']),
+    ('4 ranks, local steps H=128, outer momentum 0.5', 4,
+     ['--local-steps', '128', '--outer-momentum', '0.5']),
+    ('4 ranks, local steps H=32, 4 fragments, delay 1, outer momentum 0.5',
+     4, ['--local-steps', '32', '--fragments', '4',
+         '--fragment-sync-delay', '1', '--outer-momentum', '0.5']),
     ('4 ranks, local steps H=32, 40 synchronous updates first', 4,
      ['--local-steps', '32', '--sync-warmup-steps', '40'])] + [
     # PyTorch's post-local SGD itself (train_digits_torch.py; torch from
