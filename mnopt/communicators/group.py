@@ -15,6 +15,7 @@ import logging
 from mpi4py import MPI
 
 from mnopt import log
+from mnopt.transport import cpu_phases
 from mnopt.transport import layouts
 from mnopt import grad_buffer
 from mnopt import sign
@@ -110,7 +111,8 @@ class Group(object):
             layout = holder.layout
         else:
             layout = grad_buffer.make_layout(named, wire)
-        layouts.check_layouts(self.comm, layout)
+        with cpu_phases.phase('check'):
+            layouts.check_layouts(self.comm, layout)
         return layout
 
     def free(self):
