@@ -11,13 +11,46 @@ Linear(width, 10), softmax cross-entropy, momentum SGD), the same inputs
 - 'ddp': DistributedDataParallel with ``bucket_cap_mb`` = mnopt's
   ``bucket_bytes``: each bucket's all-reduce starts during backward.
 
+The threads torch.distributed starts (``DDPPeer.threads``: gloo's loops,
+the TCP store's, DDP's own), found by comparing /proc/self/task before and
+after ``init_process_group``, the DDP wrapper and the first steps; their
+CPU (``thread_cpu``) is what overlap.py sets beside mnopt's averaging
+thread.
+
 Needs torch (the .venv/gloo environment of benchmarks/gloo_bench.py)."""
+
+import os
 
 import numpy
 
 from gloo_bench import gloo_here
 
 MODES = ('ddp sync', 'ddp')
+#: Where each of ``DDPPeer.threads`` came from, in order.  Threads of the
+#: first steps are torch's compute (its intra-op pool), not the reducer.
+BIRTHS = ('init_process_group', 'DDP', 'first steps')
+
+
+def task_comms():
+    """{native id: comm name} of this process's threads (/proc)."""
+    found = {}
+    for name in os.listdir('/proc/self/task'):
+        try:
+            with open('/proc/self/task/%s/comm' % name) as f:
+                found[int(name)] = f.read().strip()
+        except OSError:   # it ended meanwhile
+            continue
+    return found
+
+
+def thread_cpu_s(tid):
+    """Seconds thread ``tid`` of this process has run on a core so far
+    (its schedstat); None once it has ended."""
+    try:
+        with open('/proc/self/task/%d/schedstat' % tid) as f:
+            return int(f.read().split()[0]) * 1e-9
+    except OSError:
+        return None
 
 
 class DDPPeer(object):
@@ -27,7 +60,9 @@ class DDPPeer(object):
         import torch.nn as nn
         from torch.nn.parallel import DistributedDataParallel
         self.torch = torch
+        seen = [task_comms()]
         self.dist = gloo_here(world).dist
+        seen.append(task_comms())
         self.n = world.size
         rng = numpy.random.RandomState(rank)
         self.x = torch.from_numpy(
@@ -44,12 +79,25 @@ class DDPPeer(object):
         self.plain = mlp()
         self.ddp = DistributedDataParallel(
             mlp(), bucket_cap_mb=bucket_bytes / float(1 << 20))
+        seen.append(task_comms())
         self.opts = {m: torch.optim.SGD(model.parameters(), lr=0.01,
                                         momentum=0.9)
                      for m, model in zip(MODES, (self.plain, self.ddp))}
         for mode in MODES:   # DDP's first iterations build its buckets
             for _ in range(3):
                 self.step(mode)
+        seen.append(task_comms())
+        #: {native id: (comm name, birth)}: the threads each stage of
+        #: BIRTHS started, by the name they have now (a thread names
+        #: itself once it runs: gloo's workers were 'python' at first).
+        self.threads = {
+            tid: (seen[-1].get(tid, name), birth)
+            for birth, before, after in zip(BIRTHS, seen, seen[1:])
+            for tid, name in after.items() if tid not in before}
+
+    def thread_cpu(self):
+        """{native id: CPU seconds so far (None: ended)} of ``threads``."""
+        return {tid: thread_cpu_s(tid) for tid in self.threads}
 
     def loss(self, model):
         return self.torch.nn.functional.cross_entropy(model(self.x), self.t)

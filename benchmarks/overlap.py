@@ -12,6 +12,13 @@ share of the averaging a mode hides (issue 15's definition).  Beside
 each mode's steps, rank 0 records the machine's CPU idle share over the
 same interval (/proc/stat, every core: simulated nodes share them), which
 says whether the cores or the links set the pace.
+
+Per step, the CPU of the threads that average: mnopt's averaging thread,
+split into the phases of mnopt/transport/cpu_phases.py (check, pack,
+wire, divide, sum, unpack, wait, bookkeeping; MNOPT_PROFILE_THREADS=1
+unless set otherwise), and with ``--ddp`` the threads torch.distributed
+started (gloo's, by thread name: benchmarks/ddp_peer.py); each also per
+MB of gradients averaged.  Rank 0's, in the JSON and in a table after it.
 """
 
 import argparse
@@ -32,6 +39,10 @@ try:
     from mnopt.transport import wait_tallies, waiting
 except ImportError:  # a tree from before the C waits (rerun.py --code)
     wait_tallies = waiting = None
+try:
+    from mnopt.transport.cpu_phases import PHASES
+except ImportError:  # a tree from before the phases (rerun.py --code)
+    PHASES = ()
 import chainer  # NOQA
 import chainer.functions as F  # NOQA
 import chainer.links as L  # NOQA
@@ -60,22 +71,87 @@ def averaging_threads():
     return found
 
 
-def thread_costs(before, after, steps):
+def thread_costs(before, after, steps, nbytes):
     """Per step, the averaging threads' CPU seconds, seconds inside
     mnopt's waits (the GIL released), the CPU of those waits, the time
     spent getting the GIL back after them (C waits only), and the CPU
     outside them: time the thread ran Python, numpy and MPI calls (an
-    estimate of its GIL-held time; for Python waits their polling too)."""
+    estimate of its GIL-held time; for Python waits their polling too).
+    'cpu_per_mb': the CPU per MB (10**6 bytes) of the ``nbytes`` a step
+    averages; 'phase_NAME': the CPU of each of the averagings' phases
+    (mnopt/transport/cpu_phases.py; together no more than 'cpu')."""
     cpu = wait = wait_cpu = gil = 0.0
+    phases = dict.fromkeys(PHASES, 0.0)
     for tid, (c1, t1) in after.items():
         c0, t0 = before.get(tid, (0.0, None))
         cpu += c1 - c0
         wait += t1.wall_s - (t0.wall_s if t0 else 0.0)
         wait_cpu += t1.cpu_s - (t0.cpu_s if t0 else 0.0)
         gil += t1.gil_s - (t0.gil_s if t0 else 0.0)
-    return {'cpu': cpu / steps, 'wait': wait / steps,
-            'wait_cpu': wait_cpu / steps, 'gil_wait': gil / steps,
-            'outside_waits_cpu': (cpu - wait_cpu) / steps}
+        had = getattr(t0, 'phases', {})
+        for name, seconds in getattr(t1, 'phases', {}).items():
+            phases[name] = phases.get(name, 0.0) + seconds - had.get(name,
+                                                                     0.0)
+    costs = {'cpu': cpu / steps, 'wait': wait / steps,
+             'wait_cpu': wait_cpu / steps, 'gil_wait': gil / steps,
+             'outside_waits_cpu': (cpu - wait_cpu) / steps,
+             'cpu_per_mb': cpu / steps / (nbytes * 1e-6)}
+    costs.update({'phase_' + k: v / steps for k, v in phases.items()})
+    return costs
+
+
+def ddp_thread_costs(threads, before, after, steps, nbytes):
+    """Per step, the CPU seconds of the threads torch.distributed started
+    (``threads``: DDPPeer.threads; ``before``/``after``: their CPU so
+    far): 'cpu' of those init_process_group and the DDP wrapper started
+    (gloo's loops and workers, the TCP store: the communication's),
+    'cpu_per_mb' that per MB averaged, and 'by_comm' each thread name's
+    (threads of one name summed; those of the first steps, torch's
+    compute, named 'NAME (first steps)' and left out of 'cpu')."""
+    cpu, by_comm = 0.0, {}
+    for tid, (name, birth) in threads.items():
+        if before.get(tid) is None or after.get(tid) is None:
+            continue   # ended
+        seconds = (after[tid] - before[tid]) / steps
+        if birth == 'first steps':
+            name += ' (first steps)'
+        else:
+            cpu += seconds
+        by_comm[name] = by_comm.get(name, 0.0) + seconds
+    return {'cpu': cpu, 'cpu_per_mb': cpu / (nbytes * 1e-6),
+            'by_comm': by_comm}
+
+
+def spread_by_key(dicts):
+    """{key: spread} over ``dicts`` (a key a dict lacks counts as 0)."""
+    keys = sorted({k for d in dicts for k in d})
+    return {k: spread([d.get(k, 0.0) for d in dicts]) for k in keys}
+
+
+def thread_table(result):
+    """The averaging threads' CPU per step, as lines of text: medians
+    over the rounds, in ms, and per MB averaged."""
+    ms = 1e3
+    mnopt_costs = result.get('averaging_thread_s', {})
+    phases = [k for k in PHASES
+              if any('phase_' + k in c for c in mnopt_costs.values())]
+    lines = ['averaging threads, CPU per step (ms, median of rounds), '
+             'per MB averaged (%.1f MB a step)' % (result['bytes'] * 1e-6),
+             '%-17s %7s %7s  %s' % ('mode', 'cpu', 'cpu/MB', ' '.join(
+                 '%7s' % k for k in phases))]
+    for mode, c in mnopt_costs.items():
+        if mode == 'sync':
+            continue   # no averaging thread at work
+        lines.append('%-17s %7.2f %7.3f  %s' % (
+            mode, c['cpu']['median'] * ms, c['cpu_per_mb']['median'] * ms,
+            ' '.join('%*.2f' % (max(7, len(k)), c['phase_' + k]['median']
+                                * ms) for k in phases)))
+    for mode, c in result.get('ddp_thread_s', {}).items():
+        lines.append('%-17s %7.2f %7.3f  %s' % (
+            mode, c['cpu']['median'] * ms, c['cpu_per_mb']['median'] * ms,
+            ', '.join('%s %.2f' % (k, v['median'] * ms)
+                      for k, v in c['by_comm'].items())))
+    return lines
 
 
 def cpu_times():
@@ -154,6 +230,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.plot:
         return plot(args.plot[1].split(','), args.plot[0])
+    # The averaging thread's divides and sums, each a phase of its CPU.
+    os.environ.setdefault('MNOPT_PROFILE_THREADS', '1')
 
     comm = mnopt.create_communicator(args.communicator,
                                      bucket_bytes=args.bucket_bytes)
@@ -175,6 +253,7 @@ def main(argv=None):
         runs[mode] = (model, opt)
     model = runs['sync'][0]
     n_params = sum(p.size for p in model.params())
+    nbytes = 4 * n_params   # averaged each step (float32 gradients)
     modes = MODES
     peer = None
     if args.ddp:
@@ -187,6 +266,8 @@ def main(argv=None):
     blocked = {m: [] for m in MODES}   # waiting for averagings, per step
     idle = {m: [] for m in modes}      # the machine's CPU idle share
     costs = {m: [] for m in MODES}     # the averaging thread's, per step
+    # The threads torch.distributed started, per step.
+    ddp_costs = {m: [] for m in modes if m not in MODES}
     parts = {'forward': [], 'backward': [], 'average': []}
     peer_parts = {'forward': [], 'backward': [], 'average': []}
     for r in range(args.rounds):
@@ -196,6 +277,7 @@ def main(argv=None):
             i0, j0 = cpu_times()
             start = time.perf_counter()
             if mode not in MODES:
+                threads = peer.thread_cpu()
                 for _ in range(args.steps):
                     peer.step(mode)
                 comm.mpi_comm.Barrier()
@@ -203,6 +285,9 @@ def main(argv=None):
                                    / args.steps)
                 i1, j1 = cpu_times()
                 idle[mode].append((i1 - i0) / max(1, j1 - j0))
+                ddp_costs[mode].append(ddp_thread_costs(
+                    peer.threads, threads, peer.thread_cpu(), args.steps,
+                    nbytes))
                 continue
             model, opt = runs[mode]
             waited = opt.communication_time
@@ -216,7 +301,7 @@ def main(argv=None):
             i1, j1 = cpu_times()
             idle[mode].append((i1 - i0) / max(1, j1 - j0))
             costs[mode].append(thread_costs(threads, averaging_threads(),
-                                            args.steps))
+                                            args.steps, nbytes))
             blocked[mode].append((opt.communication_time - waited)
                                  / args.steps)
         if peer is not None:
@@ -242,7 +327,7 @@ def main(argv=None):
 
     result = {'command': ' '.join(sys.argv), 'ranks': comm.size,
               'communicator': comm.name, 'parameters': n_params,
-              'bytes': 4 * n_params, 'width': args.width,
+              'bytes': nbytes, 'width': args.width,
               'layers': args.layers, 'batch': args.batch,
               'steps': args.steps, 'rounds': args.rounds,
               'bucket_bytes': args.bucket_bytes,
@@ -254,9 +339,11 @@ def main(argv=None):
               'cpu_idle': {m: spread(v) for m, v in idle.items()},
               # MNOPT_WAIT: how the averaging thread waits
               'wait': waiting.kind() if waiting else 'python',
+              # MNOPT_PROFILE_THREADS: the ring's divides and sums timed
+              'profile_threads': os.environ.get('MNOPT_PROFILE_THREADS'),
               'averaging_thread_s': {
-                  m: {k: spread([c[k] for c in v]) for k in v[0]}
-                  for m, v in costs.items() if v and v[0]}}
+                  m: spread_by_key(v) for m, v in costs.items()
+                  if v and v[0]}}
     hidden = {}
     for mode in MODES[1:]:
         per_round = [(s - o) / min(b, a) for s, o, b, a in zip(
@@ -264,6 +351,13 @@ def main(argv=None):
         hidden[mode] = spread(per_round)
     if peer is not None:
         result['ddp_parts_s'] = {k: spread(v) for k, v in peer_parts.items()}
+        # The threads torch.distributed started: (name, what started it).
+        result['ddp_threads'] = sorted(peer.threads.values())
+        result['ddp_thread_s'] = {
+            m: {'cpu': spread([c['cpu'] for c in v]),
+                'cpu_per_mb': spread([c['cpu_per_mb'] for c in v]),
+                'by_comm': spread_by_key([c['by_comm'] for c in v])}
+            for m, v in ddp_costs.items() if v}
         hidden['ddp'] = spread([(s - o) / min(b, a) for s, o, b, a in zip(
             times['ddp sync'], times['ddp'], peer_parts['backward'],
             peer_parts['average'])])
@@ -271,6 +365,7 @@ def main(argv=None):
     comm.finalize()
     if comm.rank == 0:
         print(json.dumps(result, indent=1))
+        print('\n'.join(thread_table(result)))
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)),
                         exist_ok=True)

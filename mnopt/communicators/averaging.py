@@ -28,8 +28,10 @@ from mnopt import sign
 from mnopt import step_stats
 from mnopt import timeline as timelines
 from mnopt.transport import agreement
+from mnopt.transport import cpu_phases
 from mnopt.transport import waiting
 from mnopt.arrays import array_module
+from mnopt.communicators.arguments import named_pairs
 from mnopt.communicators.background import caller_ready, on_side_stream
 from mnopt.communicators.background import thread_setup
 from mnopt.communicators.devices import device_of
@@ -38,19 +40,6 @@ from mnopt.communicators.janitor import release_collected
 from mnopt.communicators.mean_handle import MeanHandle
 from mnopt.communicators.wires import Wires, current_wires
 from mnopt.stall import watched
-
-
-def named_pairs(named_grads, what):
-    """``named_grads`` as a list of (name, array) pairs, else a TypeError
-    saying what ``what`` takes (before any collective)."""
-    named = None if isinstance(named_grads, dict) else list(named_grads)
-    bad = 'a dict' if named is None else next((
-        'item %d, a %s' % (i, type(p).__name__) for i, p in enumerate(named)
-        if not isinstance(p, (tuple, list)) or len(p) != 2), None)
-    if bad:
-        raise TypeError('%s takes a list of (name, array) pairs: pass '
-                        'sorted(grads.items()), not %s' % (what, bad))
-    return named
 
 
 class Averaging(object):
@@ -122,7 +111,8 @@ class Averaging(object):
         'background': on the background thread)."""
         start = step_stats.clock()
         try:
-            yield
+            with cpu_phases.phase('bookkeeping'):   # CPU the rest leaves
+                yield
         finally:
             seconds = step_stats.clock() - start
             with self._lock:   # the caller's and the background's
@@ -225,12 +215,14 @@ class AveragingPipeline(object):
         # when recording; off, every span is one shared no-op).
         casts = tl and any(d != buffer.layout.wire
                            for d in buffer.layout.dtypes)
+        # The thread's CPU, phase by phase (mnopt/transport/cpu_phases.py).
         with tl.span('cast' if casts else 'pack', 'comm', step=step,
-                     bytes=buffer.nbytes):
+                     bytes=buffer.nbytes), cpu_phases.phase('pack'):
             buffer.pack(arrays, self._pack_divisor())
-        with self._wire_span(step, buffer.nbytes):
+        with self._wire_span(step, buffer.nbytes), cpu_phases.phase('wire'):
             self._sum(buffer, group)
-        with tl.span('unpack', 'comm', step=step):
+        with tl.span('unpack', 'comm', step=step), \
+                cpu_phases.phase('unpack'):
             buffer.unpack(arrays)
 
     def _wire_span(self, step, nbytes, op='allreduce'):

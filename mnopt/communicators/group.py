@@ -15,6 +15,7 @@ import logging
 from mpi4py import MPI
 
 from mnopt import log
+from mnopt.transport import cpu_phases
 from mnopt.transport import layouts
 from mnopt import grad_buffer
 from mnopt import sign
@@ -47,8 +48,8 @@ class Group(object):
         self.sharded = None
         self._buffers, self._sign_codecs = {}, {}
 
-    def _kept(self, kept, named, xp):
-        key = (tuple(n for n, _ in named), xp.__name__, device_of(named, xp))
+    def _kept(self, kept, names, named, xp):
+        key = (names, xp.__name__, device_of(named, xp))
         return key, kept.get(key)
 
     def _keep(self, kept, key, holder):
@@ -66,8 +67,9 @@ class Group(object):
         Allgather) and before any buffer is built, so a rank whose parameter
         set changed alone gets an error instead of a hang or a corrupted sum.
         """
-        key, buffer = self._kept(self._buffers, named, xp)
-        layout = self._checked_layout(named, wire, buffer)
+        names = tuple(n for n, _ in named)   # the key's and the layout's
+        key, buffer = self._kept(self._buffers, names, named, xp)
+        layout = self._checked_layout(names, named, wire, buffer)
         if buffer is None or buffer.layout is not layout or \
                 buffer.options != buffer_options:
             buffer = self._keep(self._buffers, key, grad_buffer.GradBuffer(
@@ -79,8 +81,9 @@ class Group(object):
     def sign_codec_for(self, named, xp, error_feedback):
         """The SignCodec (and its residuals) for this gradient set; rebuilt,
         residuals zeroed, when the set changes.  Checked as buffer_for."""
-        key, codec = self._kept(self._sign_codecs, named, xp)
-        layout = self._checked_layout(named, 'float32', codec)
+        names = tuple(n for n, _ in named)
+        key, codec = self._kept(self._sign_codecs, names, named, xp)
+        layout = self._checked_layout(names, named, 'float32', codec)
         if codec is None or codec.layout is not layout:
             codec = self._keep(self._sign_codecs, key, sign.SignCodec(
                 layout, xp, error_feedback))
@@ -100,17 +103,19 @@ class Group(object):
         self.sign_codec = None
         self._sign_codecs = {}
 
-    def _checked_layout(self, named, wire, holder):
+    def _checked_layout(self, names, named, wire, holder):
         """``holder``'s layout (a buffer's or codec's) while it still fits
-        ``named`` and ``wire``, else a new one; checked across ranks."""
-        key = (tuple(n for n, _ in named), tuple(a.shape for _, a in named),
+        ``named`` (whose ``names``) and ``wire``, else a new one; checked
+        across ranks."""
+        key = (names, tuple(a.shape for _, a in named),
                tuple(a.dtype.name for _, a in named))
         if (holder is not None and holder.layout.key[:3] == key
                 and (wire is None or holder.layout.wire == wire)):
             layout = holder.layout
         else:
             layout = grad_buffer.make_layout(named, wire)
-        layouts.check_layouts(self.comm, layout)
+        with cpu_phases.phase('check'):
+            layouts.check_layouts(self.comm, layout)
         return layout
 
     def free(self):

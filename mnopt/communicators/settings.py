@@ -12,6 +12,7 @@ report, its BLAS threads, a colocated server's memory, ...).
 from mnopt import _env
 from mnopt.transport import allreduce
 from mnopt.transport import collective_check
+from mnopt.transport import cpu_phases
 from mnopt.transport import waiting
 from mnopt import _sched
 from mnopt import cores
@@ -25,8 +26,8 @@ from mnopt import timeline_window
 #: colocated server's staging) and stats, timeline and MNOPT_TIMELINE
 #: (each rank writes its own file), MNOPT_BLAS_THREADS,
 #: MNOPT_THREAD_SLICE_US, MNOPT_WAIT (how a rank waits: the same bits),
-#: MNOPT_LOG_LEVEL (what a rank logs) and MNOPT_SINGLE_RANK_AVERAGING
-#: (one rank only).
+#: MNOPT_LOG_LEVEL (what a rank logs), MNOPT_PROFILE_THREADS (what a rank
+#: times) and MNOPT_SINGLE_RANK_AVERAGING (one rank only).
 #: Which settings are tuned ('auto') is compared as well (``tuned`` in
 #: shared_settings): the window is each rank's own, but a tuning's
 #: exchanges hang unless every rank tunes the same settings.
@@ -86,6 +87,7 @@ def environment_settings():
         'MNOPT_TIMELINE_MAX_BYTES': timeline_window.max_bytes_setting(),
         'MNOPT_DEBUG': collective_check.mode(),
         'MNOPT_LOG_LEVEL': _env.log_level(),
+        'MNOPT_PROFILE_THREADS': cpu_phases.detailed(),
     }
 
 

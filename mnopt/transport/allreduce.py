@@ -5,6 +5,7 @@ import contextlib
 
 from mnopt import _env
 from mnopt.transport import buffers
+from mnopt.transport import cpu_phases
 from mnopt.transport import reduce
 from mnopt.transport import ring
 
@@ -89,6 +90,8 @@ def allreduce_sum_parts(comm, parts, wire, algorithm=None, divide=None,
     layouts across ranks before summing."""
     if divided is None:
         divided = [True] * len(parts)
+    # Each division is a phase of the thread's CPU (MNOPT_PROFILE_THREADS).
+    divide = cpu_phases.timed('divide', divide)
     live = [(p, d) for p, d in zip(parts, divided) if p.size]
     if comm.size == 1:
         for i, (part, done) in enumerate(live):

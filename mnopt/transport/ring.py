@@ -45,9 +45,11 @@ import threading
 import numpy
 from mpi4py import MPI
 
+from mnopt.transport import cpu_phases
 from mnopt.transport import reduce
 from mnopt.transport import ring_checks
 from mnopt.transport import ring_drain
+from mnopt.transport import ring_scratch
 from mnopt.transport import waiting
 
 #: Largest segment (bytes): one message of the ring.
@@ -263,7 +265,8 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     n, rank = comm.size, comm.rank
     right, left = (rank + 1) % n, (rank - 1) % n
     mpi_type = MPI.BYTE if wire is None else reduce.MPI_TYPES[wire]
-    add = None if wire is None else _adder(wire)
+    # Each sum is a phase of the thread's CPU with MNOPT_PROFILE_THREADS=1.
+    add = None if wire is None else cpu_phases.timed('sum', _adder(wire))
     seg_elems = _segment_elems(counts, parts[0].itemsize, segment_bytes)
     # This rank's segments still to divide at their first use: each
     # element is either sent at step 0 (chunk rank-1) or summed into at
@@ -304,10 +307,11 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     recv_req = [None] * n_recvs
     recv_status = [None] * n_recvs
     sent = MPI.Status()   # where waits put the sends' statuses
-    # Sums arrive in scratch buffers (at most WINDOW are posted ahead).
-    scratch = [numpy.empty(max([v.size for v in recvs], default=0),
-                           parts[0].dtype)
-               for _ in range(min(WINDOW, sum(recv_sum)))]
+    # Sums arrive in scratch buffers (at most WINDOW are posted ahead):
+    # the thread's from its last ring (mnopt/transport/ring_scratch.py).
+    memory, scratch = ring_scratch.take(
+        min(WINDOW, sum(recv_sum)), max([v.size for v in recvs], default=0),
+        parts[0].dtype)
     scratch_of = {}
     posted_sends = posted_recvs = recvs_done = sends_done = 0
     by_yield = waits_by_yielding()
@@ -345,8 +349,8 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                 if not waiting.completed(recv_req[i], status):
                     break
                 if status.Get_count(mpi_type) != recvs[i].size:
-                    raise RuntimeError(_size_error(comm, left, recvs[i].size,
-                                                   status, mpi_type))
+                    raise RuntimeError(ring_checks.size_error(
+                        comm, left, recvs[i].size, status, mpi_type))
                 if recv_sum[i]:
                     got = scratch_of.pop(i)
                     if undivided and id(recvs[i]) in undivided:
@@ -377,6 +381,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                                       [s for _, s in pending],
                                       max_nap=waiting.PROMPT.max_nap,
                                       by_yield=by_yield)
+        ring_scratch.give_back(memory)   # not after an exception: see there
     except MPI.Exception as e:
         if e.Get_error_class() == MPI.ERR_TRUNCATE:
             raise RuntimeError(
@@ -384,12 +389,6 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                 'rank expected (%s): ranks disagree on the buffer size'
                 % (rank, left, e))
         raise
-
-
-def _size_error(comm, source, want, status, mpi_type):
-    return ('ring collective on rank %d: rank %d sent %d elements where '
-            '%d were expected: ranks disagree on the buffer size'
-            % (comm.rank, source, status.Get_count(mpi_type), want))
 
 
 def _adder(wire):

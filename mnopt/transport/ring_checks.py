@@ -1,6 +1,7 @@
 """The ring's argument checks: with ``check=True`` every rank raises the
 same ValueError unless all pass sound arguments and the same size, wire
-and counts (one small all-gather through mnopt's agreement)."""
+and counts (one small all-gather through mnopt's agreement); and the
+error of a message of the wrong size."""
 
 import zlib
 
@@ -142,3 +143,10 @@ def _wire_name(code):
     return 'bytes' if code == -1 else WIRES[code] if 0 <= code < len(
         WIRES) else '?'
 
+
+def size_error(comm, source, want, status, mpi_type):
+    """What a ring on ``comm`` says when rank ``source`` sent it other
+    than ``want`` elements (``status``: the receive's)."""
+    return ('ring collective on rank %d: rank %d sent %d elements where '
+            '%d were expected: ranks disagree on the buffer size'
+            % (comm.rank, source, status.Get_count(mpi_type), want))
