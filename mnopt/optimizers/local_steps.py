@@ -25,7 +25,8 @@ from mnopt.optimizers import fragments as schedule
 from mnopt.optimizers.protocol import BROADCAST, LOADED, RESUME
 from mnopt.optimizers.protocol import MultiNodeOptimizer
 from mnopt.optimizers.protocol import digest, host, state_of, stepped
-from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY
+from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY, read
+from mnopt.optimizers.local_steps_mark import saved_settings, settings_said
 from mnopt.optimizers.shares import not_a_share
 from mnopt.optimizers.synced_copy import KEY, SyncedCopy
 
@@ -216,13 +217,11 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         in, the synced copy with its outer state, and the fragment in
         flight with its (finished) mean: the same on every rank, and on
         any number of ranks (means and synced values)."""
-        loading = isinstance(serializer, chainer.serializer.Deserializer)
-        settings = numpy.array([self._local.local_steps,
-                                self._local.fragments,
-                                self._local.sync_warmup_steps], numpy.int64)
-        if not loading:
+        if not isinstance(serializer, chainer.serializer.Deserializer):
             serializer('done', numpy.int64(self._done))
-            serializer('settings', settings)
+            serializer('settings', numpy.array(
+                [self._local.local_steps, self._local.fragments,
+                 self._local.sync_warmup_steps], numpy.int64))
             serializer('outer_optimizer', numpy.array(self._outer_name()))
             serializer('fragment_sync_delay',
                        numpy.int64(self._local.fragment_sync_delay))
@@ -237,26 +236,32 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                 for i, (_, mean) in enumerate(flight.means):
                     serializer['means']('m%d' % i, mean)
             return
-        self._load_local(serializer, settings)
+        self._load_local(serializer)
 
-    def _load_local(self, serializer, settings):
-        done = _read(serializer, 'done')
+    def _load_local(self, serializer):
+        done = read(serializer, 'done')
         if done is None:   # a snapshot of another mode: start afresh
             self._restart()
             return
-        written = numpy.asarray(_read(serializer, 'settings'))
-        if not numpy.array_equal(written, settings):
+        # Each setting it recorded is this optimizer's (another outer
+        # optimizer class's state would be dropped, a fragment in flight
+        # land at another step); the outer hyperparameters (lr, momentum)
+        # may change at a resume.
+        saved, mine = saved_settings(serializer), settings_said(
+            self._local.local_steps, self._local.fragments,
+            self._local.fragment_sync_delay, self._local.sync_warmup_steps,
+            self._outer_name())
+        if any(s not in mine for s in saved):
             raise ValueError(
-                'the snapshot was written with local_steps=%d, fragments=%d, '
-                'sync_warmup_steps=%d; this optimizer has %d, %d, %d: pass '
-                "the snapshot's settings to create_multi_node_optimizer to "
-                'resume it' % (tuple(written) + tuple(settings)))
-        self._check_loaded_outer(serializer)
+                'the snapshot was written with %s; this optimizer has %s: '
+                "pass the snapshot's settings to create_multi_node_optimizer "
+                'to resume it (or start afresh without loading it)'
+                % (', '.join(saved), ', '.join(mine)))
         synced = SyncedCopy.load(serializer[KEY], self.target,
                                  self._template) \
-            if bool(_read(serializer, 'has_synced')) else None
+            if bool(read(serializer, 'has_synced')) else None
         flight = None
-        where = [int(v) for v in _read(serializer, 'in_flight')]
+        where = [int(v) for v in read(serializer, 'in_flight')]
         if where:
             names = synced.names(where[0])
             params = dict(self.target.namedparams())
@@ -275,26 +280,6 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
     def _outer_name(self):
         cls = type(self._template)
         return '%s.%s' % (cls.__module__, cls.__qualname__)
-
-    def _check_loaded_outer(self, serializer):
-        """The snapshot's outer optimizer class and fragment_sync_delay
-        are this optimizer's (another class's state would be dropped, a
-        fragment in flight land at another step); a snapshot from before
-        they were recorded is not checked.  The outer hyperparameters
-        (lr, momentum) may change at a resume."""
-        outer = _read(serializer, 'outer_optimizer')
-        delay = _read(serializer, 'fragment_sync_delay')
-        saved = (None if outer is None else str(numpy.asarray(outer).item()),
-                 None if delay is None else int(delay))
-        current = (self._outer_name(), self._local.fragment_sync_delay)
-        for name, was, now in zip(('outer_optimizer', 'fragment_sync_delay'),
-                                  saved, current):
-            if was is not None and was != now:
-                raise ValueError(
-                    'the snapshot was written with %s=%s; this optimizer has '
-                    '%s: pass the snapshot\'s %s to '
-                    'create_multi_node_optimizer to resume it (or start '
-                    'afresh without loading it)' % (name, was, now, name))
 
     def _make_replicas_agree(self):
         """After a load: the synced copy, outer state, step count,
@@ -327,10 +312,3 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         self.communicator.serialize_compression(
             serializer['mnopt_compression'], local=False)
 
-
-def _read(serializer, key):
-    """A snapshot's value of ``key``, or None where it has none."""
-    try:
-        return serializer(key, None)
-    except KeyError:
-        return None
