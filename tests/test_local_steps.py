@@ -748,6 +748,32 @@ def test_a_comm_hook_and_join_are_refused_on_every_rank():
         comm.finalize()
 
 
+@pytest.mark.parametrize('warmup', [0, 2])
+def test_a_comm_hook_registered_after_the_optimizer_is_refused_at_sync(
+        warmup):
+    """A hook registered once the optimizer exists (DDP's usual order) is
+    refused at the next update that exchanges (a warm-up step or a
+    sync), on every rank, before it averages anything; taken away again,
+    training goes on."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=2, sync_warmup_steps=warmup)
+        opt.update(model, *batch(0, comm.rank))   # the broadcast
+        calls = []
+        comm.register_comm_hook({}, lambda *args: calls.append(args))
+        with pytest.raises(ValueError, match='registered comm hook'):
+            for step in range(1, 4):   # local step 2 syncs
+                opt.update(model, *batch(step, comm.rank))
+        assert calls == []
+        comm.register_comm_hook(None, None)
+        for step in range(4, 8):
+            opt.update(model, *batch(step, comm.rank))
+        with opt.using_synced_parameters():
+            assert same_on_every_rank(comm, params_of(model))
+    finally:
+        comm.finalize()
+
+
 @pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
 @pytest.mark.parametrize('differ', [
     lambda rank: {'local_steps': 2 + rank},

@@ -27,6 +27,7 @@ from mnopt.optimizers.protocol import MultiNodeOptimizer
 from mnopt.optimizers.protocol import digest, host, state_of, stepped
 from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY, read
 from mnopt.optimizers.local_steps_mark import saved_settings, settings_said
+from mnopt.optimizers.local_steps_settings import hook_problem
 from mnopt.optimizers.shares import not_a_share
 from mnopt.optimizers.synced_copy import KEY, SyncedCopy
 
@@ -85,6 +86,9 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
         if self._meets():
+            problem = hook_problem(self.communicator)   # one added since
+            if problem is not None:
+                raise problem
             known = self._param_set
             step = self._next_step()
             if step is BROADCAST and known is None:   # a new target

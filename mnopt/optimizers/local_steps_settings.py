@@ -22,6 +22,20 @@ def whole(value):
         value, (int, numpy.integer))
 
 
+def hook_problem(comm):
+    """The ValueError for a comm hook registered on ``comm``, or None:
+    checked by the factory and again at each meeting of the optimizer
+    (a hook registered after it was made; registration is collective, so
+    every rank raises alike)."""
+    if not getattr(comm, 'comm_hook_registered', False):
+        return None
+    return ValueError(
+        'local_steps does not combine with a registered comm hook '
+        '(register_comm_hook): the hook is made for every step\'s '
+        'gradients, not a sync\'s pseudo-gradients.  Call '
+        'comm.register_comm_hook(None, None) first')
+
+
 class LocalSteps(object):
     """What the caller passed; ``enabled`` where ``local_steps`` is."""
 
@@ -117,12 +131,9 @@ class LocalSteps(object):
         its own); 'auto' settings are tuned on the syncs' averagings, as
         long as the fragment being timed comes back before the tuning
         gives it up (tuning.REKEY_AFTER averagings of other sets)."""
-        if getattr(comm, 'comm_hook_registered', False):
-            raise ValueError(
-                'local_steps does not combine with a registered comm hook '
-                '(register_comm_hook): the hook is made for every step\'s '
-                'gradients, not a sync\'s pseudo-gradients.  Call '
-                'comm.register_comm_hook(None, None) first')
+        problem = hook_problem(comm)
+        if problem is not None:
+            raise problem
         tuning_problem = getattr(comm, 'tuning_problem', None)
         if tuning_problem is not None and \
                 tuning_problem('local_steps') is not None and \
