@@ -946,6 +946,39 @@ def test_a_parameter_that_appears_later_joins_and_keeps_the_state():
         comm.finalize()
 
 
+@pytest.mark.parametrize('warmup', [0, 2])
+def test_a_branch_first_used_at_the_first_local_step_joins_once(warmup):
+    """The synced copy is made at the last update that exchanges (the
+    broadcast, the last warm-up step), of the parameters every rank holds
+    alike: a lazy link that gets its data (each rank's own) at the first
+    local step is not in it, and joins once at the next sync with rank
+    0's values; that first local step exchanges nothing, and
+    ``using_synced_parameters`` gives back each rank's local values."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, model=LateBranch(), local_steps=4,
+                          sync_warmup_steps=warmup)
+        calls = counting_exchanges(comm)
+        for step in range(warmup + 7):   # to local step 6: mid-H
+            numpy.random.seed(100 + comm.rank)   # each rank's own init
+            before = len(calls)
+            opt.update(model, *batch(step, comm.rank),
+                       use_extra=step > warmup)
+            if step == warmup + 1:   # the first local step
+                assert calls[before:] == []
+        names = opt._synced.names(0)
+        assert sorted(names) == ['/extra/W', '/extra/b', '/l1/W', '/l1/b']
+        local = params_of(model)
+        if comm.size > 1:
+            assert not same_on_every_rank(comm, local)
+        with opt.using_synced_parameters():
+            assert same_on_every_rank(comm, params_of(model))
+        after = params_of(model)
+        assert all(after[n].tobytes() == local[n].tobytes() for n in local)
+    finally:
+        comm.finalize()
+
+
 # ------------------------------------------------- the ImageNet example
 class BatchNormMLP(chainer.Chain):
     """A batch-normalized hidden layer (its gamma and beta are synced,

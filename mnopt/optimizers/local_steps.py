@@ -95,6 +95,7 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                 self.wait()
                 self.communicator.bcast_data(self.target)
                 self._restart()
+                self._copy_if_local()
                 return
             if step is BROADCAST:
                 self._adopt_appeared(known)
@@ -106,11 +107,9 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                           self.target, self.zero_fill)
             self._apply(*args, **kwds)
             object.__setattr__(self, '_done', self._done + 1)
+            self._copy_if_local()
             return
-        if self._synced is None or self._done == warmup:
-            # The local phase starts from the replicas' common parameters.
-            object.__setattr__(self, '_synced', SyncedCopy.of(
-                self.target, self._template, self._local.fragments))
+        self._copy_if_local()   # a load's or rank 0's state without one
         self._apply(*args, **kwds)   # the inner update: own gradients only
         object.__setattr__(self, '_done', self._done + 1)
         local_step = self._done - warmup
@@ -119,8 +118,9 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
 
     def _meets(self):
         """Whether this update exchanges with the other ranks: the first
-        after ``setup`` or a snapshot's load, a synchronous warm-up step,
-        or a step after which a sync starts.  Between syncs an update is
+        after ``setup`` or a snapshot's load, a synchronous warm-up step
+        (or one without a synced copy), or a step after which a sync
+        starts.  Between syncs an update is
         the inner optimizer's alone: what every rank must agree on (the
         parameter set, the hooks, a load on some ranks only) is agreed at
         the next of these, and a difference is an error there on every
@@ -130,7 +130,7 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         if self._param_set is None or self._param_set is LOADED:
             return True
         warmup = self._local.sync_warmup_steps
-        if self._done < warmup:
+        if self._done < warmup or self._synced is None:
             return True
         return bool(schedule.starting(self._done + 1 - warmup,
                                       self._local.local_steps,
@@ -163,6 +163,18 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
             params[name].array[...] = params[name].device.send(values[name])
         if appeared and self._synced is not None:
             self._synced.add(appeared, self.target)
+
+    def _copy_if_local(self):
+        """The synced copy, made where the local phase is next and there
+        is none: at the end of a meeting (the broadcast, the last warm-up
+        step; a load without one: the next update meets, ``_meets``), so
+        that it holds the parameters every rank has alike, and one that
+        gets its data later joins at a sync (``_adopt_appeared``)."""
+        if self._synced is None and \
+                self._done >= self._local.sync_warmup_steps:
+            # The local phase starts from the replicas' common parameters.
+            object.__setattr__(self, '_synced', SyncedCopy.of(
+                self.target, self._template, self._local.fragments))
 
     def _restart(self):
         object.__setattr__(self, '_synced', None)

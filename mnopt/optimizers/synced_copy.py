@@ -127,7 +127,8 @@ class SyncedCopy(object):
         fragment that holds the name before it in order (the first
         fragment if none), whose next sync is its first."""
         params = dict(target.namedparams())
-        for name in sorted(names):
+        held = {n for fragment in self.fragments for n in fragment.names}
+        for name in sorted(set(names) - held):   # each held once
             index = 0
             for i, fragment in enumerate(self.fragments):
                 if any(n < name for n in fragment.names):
@@ -182,7 +183,7 @@ class SyncedCopy(object):
             for fragment in self.fragments:
                 for name, synced in zip(fragment.names, fragment.params()):
                     param = params[name]
-                    saved[name] = param.array
+                    saved.setdefault(name, param.array)   # the local one
                     param.array = synced.array.astype(param.array.dtype)
             for path, link, name in float_persistents(target):
                 if path in self.persistents:
