@@ -979,6 +979,55 @@ def test_a_branch_first_used_at_the_first_local_step_joins_once(warmup):
         comm.finalize()
 
 
+def _train_late_branch(comm, model, opt, start, stop, first_use,
+                       snapshot_at=None):
+    """Updates ``start`` to ``stop`` of a LateBranch whose lazy link gets
+    its data (each rank's own) at ``first_use``; the snapshot after
+    update ``snapshot_at``."""
+    snapshot = None
+    for step in range(start, stop):
+        numpy.random.seed(100 + comm.rank)   # each rank's own init
+        opt.update(model, *batch(step, comm.rank),
+                   use_extra=step >= first_use)
+        if step == snapshot_at:
+            snapshot = snapshot_of(model, opt)
+    return snapshot
+
+
+@pytest.mark.parametrize('snapshot_at, first_use, settings', [
+    (6, 5, dict(local_steps=4)),   # between its first use and the sync
+    (7, 5, dict(local_steps=4)),   # resumed at the sync's update
+    (4, 5, dict(local_steps=4)),   # first used in the resumed update
+    (5, 3, dict(local_steps=4, fragments=2, fragment_sync_delay=1)),
+    (1, 2, dict(local_steps=2, sync_warmup_steps=3)),   # in the warm-up
+])
+def test_a_parameter_that_appears_around_a_snapshot_joins_as_without_one(
+        snapshot_at, first_use, settings):
+    """A snapshot records the parameter set the ranks last agreed on: a
+    lazy link that got its data since (or gets it in the resumed update)
+    joins the synced copy at the same update as in the uninterrupted run
+    (rank 0's values), which the resumed run follows bit for bit."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, model=LateBranch(), **settings)
+        snapshot = _train_late_branch(comm, model, opt, 0, 14, first_use,
+                                      snapshot_at)
+        again, resumed = make(comm, model=LateBranch(), **settings)
+        load(snapshot, again, resumed)
+        _train_late_branch(comm, again, resumed, snapshot_at + 1, 14,
+                           first_use)
+        final, resumed_final = params_of(model), params_of(again)
+        assert all(final[n].tobytes() == resumed_final[n].tobytes()
+                   for n in final)
+        assert sorted(resumed._synced.names(0) + (
+            resumed._synced.names(1) if len(resumed._synced.fragments) > 1
+            else [])) == ['/extra/W', '/extra/b', '/l1/W', '/l1/b']
+        with resumed.using_synced_parameters():
+            assert same_on_every_rank(comm, params_of(again))
+    finally:
+        comm.finalize()
+
+
 # ------------------------------------------------- the ImageNet example
 class BatchNormMLP(chainer.Chain):
     """A batch-normalized hidden layer (its gamma and beta are synced,

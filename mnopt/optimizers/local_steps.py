@@ -60,6 +60,8 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         object.__setattr__(self, '_synced', None)
         object.__setattr__(self, '_done', 0)
         object.__setattr__(self, '_in_flight', None)
+        #: A loaded snapshot's parameter set, until the update after.
+        object.__setattr__(self, '_loaded_set', None)
 
     # ------------------------------------------------------------- public
     @contextlib.contextmanager
@@ -85,22 +87,8 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
     def update(self, lossfun=None, *args, **kwds):
         if lossfun is not None:
             self._backward(lossfun, args, kwds)
-        if self._meets():
-            problem = hook_problem(self.communicator)   # one added since
-            if problem is not None:
-                raise problem
-            known = self._param_set
-            step = self._next_step()
-            if step is BROADCAST and known is None:   # a new target
-                self.wait()
-                self.communicator.bcast_data(self.target)
-                self._restart()
-                self._copy_if_local()
-                return
-            if step is BROADCAST:
-                self._adopt_appeared(known)
-            if step is RESUME and not self._make_replicas_agree():
-                return
+        if self._meets() and not self._meet():
+            return
         warmup = self._local.sync_warmup_steps
         if self._done < warmup:
             self._blocked(self.communicator.multi_node_mean_grad,
@@ -115,6 +103,39 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         local_step = self._done - warmup
         self._land(local_step)
         self._start(local_step)
+
+    def _meet(self):
+        """This update's exchange (``_meets``); False where it applies
+        nothing (a broadcast).  After a load, the parameter set becomes
+        the one the snapshot's ranks last agreed on (rank 0's where its
+        state was given to all), so a parameter that got its data since
+        joins where the uninterrupted run has it join: at this update
+        where that run meets here (a second exchange), else at the next
+        meeting."""
+        problem = hook_problem(self.communicator)   # one added since
+        if problem is not None:
+            raise problem
+        known = self._param_set
+        step = self._next_step()
+        if step is BROADCAST and known is None:   # a new target
+            self.wait()
+            self.communicator.bcast_data(self.target)
+            self._restart()
+            self._copy_if_local()
+            return False
+        if step is BROADCAST:
+            self._adopt_appeared(known)
+        if step is RESUME:
+            agreed = self._make_replicas_agree()
+            loaded = self._loaded_set
+            object.__setattr__(self, '_loaded_set', None)
+            if loaded is not None:
+                object.__setattr__(self, '_param_set', loaded)
+            if not agreed:
+                return False
+            if self._meets():   # alike on every rank: the state agrees
+                return self._meet()
+        return True
 
     def _meets(self):
         """Whether this update exchanges with the other ranks: the first
@@ -178,6 +199,7 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
 
     def _restart(self):
         object.__setattr__(self, '_synced', None)
+        object.__setattr__(self, '_loaded_set', None)
         object.__setattr__(self, '_done', 0)
         object.__setattr__(self, '_in_flight', None)
 
@@ -242,6 +264,10 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
             serializer('fragment_sync_delay',
                        numpy.int64(self._local.fragment_sync_delay))
             serializer('has_synced', numpy.bool_(self._synced is not None))
+            known = self._agreed_set()   # '1name': it had data; '0name'
+            serializer('param_set', numpy.array(
+                [] if known is None else ['%d%s' % (has, name)
+                                          for name, has in known], str))
             if self._synced is not None:
                 self._synced.save(serializer[KEY])
             flight = self._in_flight
@@ -292,6 +318,18 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         object.__setattr__(self, '_done', int(done))
         object.__setattr__(self, '_synced', synced)
         object.__setattr__(self, '_in_flight', flight)
+        known = read(serializer, 'param_set')   # None: an older snapshot
+        object.__setattr__(self, '_loaded_set', None if known is None or
+                           not len(known) else [(str(e)[1:], str(e)[0] == '1')
+                                                for e in known])
+
+    def _agreed_set(self):
+        """The parameter set the ranks last agreed on (a loaded one until
+        the update after the load), or None before the first update."""
+        if self._loaded_set is not None:
+            return self._loaded_set
+        known = self._param_set
+        return known if isinstance(known, list) else None
 
     def _outer_name(self):
         cls = type(self._template)
