@@ -876,6 +876,58 @@ def test_a_rank_held_up_between_syncs_holds_up_no_other(tmp_path):
         comm.finalize()
 
 
+@pytest.mark.parametrize('settings', [
+    dict(local_steps=2),
+    dict(local_steps=4, fragments=2, fragment_sync_delay=1),
+])
+def test_the_outer_optimizers_hyperparameters_reach_every_fragment(
+        settings):
+    """An outer lr schedule sets the lr on the outer optimizer given:
+    each fragment's copy takes it at its next outer update, so lr 0
+    after the first syncs freezes the synced parameters."""
+    comm = mnopt.create_communicator('flat')
+    try:
+        outer = mnopt.OuterNesterov(lr=0.7, momentum=0.9)
+        model, opt = make(comm, outer_optimizer=outer, **settings)
+        steps = settings['local_steps']
+        for step in range(steps + 2):   # every fragment synced once
+            opt.update(model, *batch(step, comm.rank))
+        opt.wait()
+        with opt.using_synced_parameters():
+            synced = params_of(model)
+        outer.lr = 0.0
+        for step in range(steps + 2, 3 * steps + 2):
+            opt.update(model, *batch(step, comm.rank))
+        opt.wait()
+        assert [f.outer.lr for f in opt._synced.fragments] == \
+            [0.0] * len(opt._synced.fragments)
+        with opt.using_synced_parameters():
+            frozen = params_of(model)
+        assert all(frozen[n].tobytes() == synced[n].tobytes()
+                   for n in synced)
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
+def test_an_outer_lr_set_on_one_rank_fails_every_rank_at_sync():
+    comm = mnopt.create_communicator('flat')
+    try:
+        outer = mnopt.OuterNesterov()
+        model, opt = make(comm, local_steps=4, outer_optimizer=outer)
+        opt.update(model, *batch(0, comm.rank))   # the broadcast
+        if comm.rank == 1:
+            outer.lr = 0.1
+        with pytest.raises(ValueError, match="outer optimizer's "
+                           r'hyperparameters differ across ranks \(rank 0: '
+                           r'OuterNesterov\(lr=0\.7, momentum=0\.9\); '
+                           r'rank 1: OuterNesterov\(lr=0\.1'):
+            for step in range(1, 5):   # local step 4 syncs
+                opt.update(model, *batch(step, comm.rank))
+    finally:
+        comm.finalize()
+
+
 @pytest.mark.skipif(WORLD.size < 2, reason='ranks that differ')
 def test_a_hook_added_on_one_rank_between_syncs_fails_every_rank_at_sync():
     comm = mnopt.create_communicator('flat')

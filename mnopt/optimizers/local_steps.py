@@ -22,6 +22,7 @@ import chainer
 import numpy
 
 from mnopt.optimizers import fragments as schedule
+from mnopt.optimizers.hook_agreement import outer_settings
 from mnopt.optimizers.protocol import BROADCAST, LOADED, RESUME
 from mnopt.optimizers.protocol import MultiNodeOptimizer
 from mnopt.optimizers.protocol import digest, host, state_of, stepped
@@ -233,8 +234,18 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                 index, local_step + delay, handle, named))
 
     def _outer_update(self, index, means):
+        """Fragment ``index``'s outer update, with the hyperparameters the
+        caller's outer optimizer has now (an outer lr schedule sets them
+        there: each fragment's copy takes them)."""
         with self._timeline().span('update', 'compute'):
-            self._synced.apply(index, means, self.target)
+            self._synced.apply(index, means, self.target,
+                               self._template.hyperparam.get_dict())
+
+    def _compared(self):
+        """Also the outer optimizer's hyperparameters, at each meeting: a
+        schedule must set them alike on every rank."""
+        return super(LocalStepsOptimizer, self)._compared() + (
+            outer_settings(self._template),)
 
     # ---------------------------------------------------------- snapshots
     def _of_my_mode(self, deserializer):

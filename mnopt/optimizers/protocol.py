@@ -2,7 +2,6 @@
 multi-node optimizer: average the gradients, then let the wrapped Chainer
 optimizer update.  Uses only the communicator's public API."""
 
-import contextlib
 import functools
 import hashlib
 import time
@@ -14,7 +13,7 @@ from mnopt import timeline as timelines
 from mnopt.optimizers import uneven
 from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.accumulation import Accumulation
-from mnopt.optimizers.local_steps_mark import not_local_steps
+from mnopt.optimizers.local_steps_mark import not_local_steps, read
 from mnopt.optimizers.shares import not_a_share
 
 LOADED = object()  # _param_set after a snapshot was loaded
@@ -231,9 +230,7 @@ class MultiNodeOptimizer(object):
         a snapshot without them (older, ChainerMN's): t·K + micro-steps."""
         if not isinstance(serializer, chainer.serializer.Deserializer):
             return serializer(UPDATES_KEY, numpy.int64(self._updates))
-        count = None
-        with contextlib.suppress(KeyError):   # a strict one's "absent"
-            count = serializer(UPDATES_KEY, None)
+        count = read(serializer, UPDATES_KEY)   # None where absent
         acc = self._accumulation
         object.__setattr__(self, '_updates', int(count) if count is not None
                            else self.actual_optimizer.t * acc.steps
@@ -281,7 +278,7 @@ class MultiNodeOptimizer(object):
         joined = self.__dict__.get('_uneven')
         votes = self.communicator.everyone(
             (loaded, changed, bool(pending), self._take_resumed(),
-             uneven.say(joined), hook_settings(self.actual_optimizer)),
+             uneven.say(joined), self._compared()),
             'the multi-node optimizer\'s next step')
         check_hooks_agree([v[5] for v in votes])
         self._check_resumed([v[3] for v in votes])
@@ -296,6 +293,10 @@ class MultiNodeOptimizer(object):
                 'update' % ([r for r, v in enumerate(votes) if v[1]],
                             [r for r, v in enumerate(votes) if not v[1]]))
         return BROADCAST if changed else AVERAGE, anyone_pending
+
+    def _compared(self):
+        """What each step's exchange compares across ranks: the hooks."""
+        return hook_settings(self.actual_optimizer)
 
     def _take_resumed(self):
         """The micro-steps a snapshot restored here since the last update."""

@@ -151,12 +151,15 @@ class SyncedCopy(object):
                     synced.array.dtype, copy=False)))
         return out
 
-    def apply(self, index, means, target):
+    def apply(self, index, means, target, hyperparameters=None):
         """The outer update of fragment ``index`` from the mean
-        pseudo-gradients ``[(name, array), ...]``; the model's parameters
-        of the fragment then take the new synced values (the same on every
-        rank, bit for bit)."""
+        pseudo-gradients ``[(name, array), ...]``, its outer optimizer's
+        ``hyperparameters`` ({name: value}) set first where given; the
+        model's parameters of the fragment then take the new synced
+        values (the same on every rank, bit for bit)."""
         fragment = self.fragments[index]
+        for name, value in (hyperparameters or {}).items():
+            setattr(fragment.outer.hyperparam, name, value)
         for param, (_, mean) in zip(fragment.params(), means):
             param.grad = mean
         # Parameters that joined after these means were taken: not moved.
