@@ -1140,6 +1140,43 @@ def test_the_running_statistics_are_averaged_at_syncs_and_swapped_in(
         comm.finalize()
 
 
+def test_the_running_statistics_average_is_counted_in_float32(tmp_path):
+    """Their mean travels in their float32 (not float64) and counts as
+    the communicator's averagings do: in ``communication_stats()`` and as
+    a 'wire' of the timeline (args ``persistents``: the local step)."""
+    path = str(tmp_path / 'trace.json')
+    comm = mnopt.create_communicator('flat', timeline=path)
+    try:
+        model, opt = make(comm, model=BatchNormMLP(), local_steps=4)
+        for step in range(4):
+            opt.update(model, *batch(step, comm.rank))
+        comm.communication_stats()
+        sent, allreduce = [], comm.allreduce
+        comm.allreduce = lambda x: sent.append(x.copy()) or allreduce(x)
+        opt.update(model, *batch(4, comm.rank))   # local step 4 syncs
+        counted = comm.communication_stats()['bytes']
+        with opt.using_synced_parameters():
+            synced = persistents_of(model)
+        params = sum(p.array.nbytes for p in model.params())
+        statistics = sum(v.nbytes for v in synced.values())
+        assert [a.dtype for a in sent] == [numpy.float32]
+        everyone = comm.everyone(sent[0], 'test')
+    finally:
+        comm.finalize()
+    mean = numpy.mean(everyone, axis=0, dtype=numpy.float64)
+    numpy.testing.assert_allclose(numpy.concatenate(
+        [synced[k].ravel() for k in sorted(synced)]), mean, rtol=1e-6)
+    events = timelines.load(timelines.trace_path(path, WORLD.rank))
+    wires = [e['args'] for e in events if e.get('name') == 'wire'
+             and 'persistents' in e.get('args', {})]
+    if comm.size > 1:
+        assert counted == params + statistics
+        assert [(w['persistents'], w['bytes']) for w in wires] == \
+            [(4, statistics)]
+    else:   # nothing moves
+        assert counted == 0 and wires == []
+
+
 def _train_with_the_examples_evaluator(comm, evaluate, steps=9):
     """The example's path: a Trainer, the StandardUpdater calling update
     with the loss, and (``evaluate``) its multi-node evaluator every

@@ -221,7 +221,7 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                                        self._local.fragments):
             if index == 0:   # before any averaging runs in the background
                 self._blocked(self._synced.average_persistents,
-                              self.communicator, self.target)
+                              self.communicator, self.target, local_step)
             named = self._synced.pseudo_gradients(self.target, index)
             if not named:
                 continue   # a fragment without arrays: on every rank

@@ -21,6 +21,8 @@ import copy
 import chainer
 import numpy
 
+from mnopt import step_stats
+from mnopt import timeline as timelines
 from mnopt.arrays import as_array_like, to_host
 from mnopt.optimizers.fragments import split_by_bytes
 from mnopt.optimizers.protocol import StatesMayBeAbsent
@@ -85,9 +87,11 @@ class SyncedCopy(object):
         self.fragments = fragments
         self.persistents = dict(persistents or {})
 
-    def average_persistents(self, comm, target):
+    def average_persistents(self, comm, target, key=None):
         """At a sync: every float persistent of ``target`` becomes its
-        mean over the ranks (summed in float64), kept as the synced one.
+        mean over the ranks (summed in the synced copy's dtype: float32 at
+        least), kept as the synced one; its bytes counted as the
+        communicator's averagings' are (``counted_allreduce``, ``key``).
         Ranks whose persistents differ get a ValueError on every rank."""
         found = float_persistents(target)
         values = [link.__dict__[name] for _, link, name in found]
@@ -97,9 +101,10 @@ class SyncedCopy(object):
                   'that local_steps averages at its syncs')
         if not found:
             return
-        total = to_host(comm.allreduce(numpy.concatenate(
-            [to_host(v).astype(numpy.float64).ravel() for v in values])))
-        total /= comm.size
+        dtype = numpy.result_type(*[copy_dtype(v.dtype) for v in values])
+        total = to_host(counted_allreduce(comm, numpy.concatenate(
+            [to_host(v).astype(dtype).ravel() for v in values]), key))
+        total /= dtype.type(comm.size)
         start = 0
         for (path, link, name), value in zip(found, values):
             mean = total[start:start + value.size].reshape(
@@ -246,6 +251,27 @@ class SyncedCopy(object):
         for i, path in enumerate(paths):
             persistents[path] = numpy.array(sub('v%d' % i, None))
         return cls(fragments, persistents)
+
+
+def counted_allreduce(comm, array, key):
+    """``comm.allreduce(array)`` (a plain sum: no wire dtype, no
+    compression, no averaging counter), its bytes and time counted as the
+    communicator's averagings' are: in ``comm.communication_stats()`` and
+    as a 'wire' of its timeline (args ``persistents``: ``key``, the same
+    on every rank; no ``seq``, which is the averagings' counter)."""
+    stats = getattr(comm, 'step_stats', None)
+    if stats is None or comm.size == 1:   # no figures, or nothing moves
+        return comm.allreduce(array)
+    name = getattr(comm, 'timeline_name', None)
+    span = getattr(comm, 'timeline', timelines.NULL).span(
+        'wire', 'comm', op='allreduce', comm=name, persistents=key,
+        bytes=array.nbytes)
+    with stats.timed('caller'):
+        stats.arrive()   # a late rank is waited for in allreduce's check
+        with stats.wire_timer(
+                span, (name, 'persistents', key), array.nbytes, 'allreduce',
+                lambda nbytes, op: step_stats.traffic(op, nbytes, comm.size)):
+            return comm.allreduce(array)
 
 
 def _copy_of(array):
