@@ -173,13 +173,21 @@ def test_the_plots_say_their_units():
             plt.close(figure)
 
 
-@pytest.mark.parametrize('double_buffering', [False, True])
-def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
-                                                double_buffering):
+@pytest.mark.parametrize('flags', [
+    [], ['--double-buffering'],
+    # Local steps: each rank's file holds its own replica (parameters,
+    # inner state), which differ between syncs.  The snapshot at 3 is
+    # mid-H at H=4, right after a sync at H=2 (update 1 broadcasts), and
+    # with a fragment's averaging in flight at 2 fragments and a delay.
+    ['--local-steps', '4'], ['--local-steps', '2'],
+    ['--local-steps', '4', '--fragments', '2', '--fragment-sync-delay', '1'],
+], ids=['synchronous', 'double-buffering', 'local-steps-mid-h',
+        'local-steps-at-sync', 'local-steps-in-flight'])
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache, flags):
     # A constant learning rate: the embedded set's default decays it to 0
     # over the run's length, which the shorter first part is not.
-    db = ['--lr-schedule', 'constant'] + (
-        ['--double-buffering'] if double_buffering else [])
+    db = ['--lr-schedule', 'constant'] + flags
+    plot_first = '--double-buffering' in flags
     whole, part = tmp_path / 'whole', tmp_path / 'part'
     assert train(2, whole, data_cache, '--iteration', '6',
                  '--snapshot-interval', '3', '--keep-snapshots', '5',
@@ -189,11 +197,11 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
     # the uninterrupted run's.
     assert train(2, part, data_cache, '--iteration', '3',
                  '--snapshot-interval', '3', *db,
-                 plot=double_buffering).returncode == 0
+                 plot=plot_first).returncode == 0
     proc = train(2, part, data_cache, '--iteration', '6',
                  '--snapshot-interval', '3', '--resume',
                  str(part / 'snapshot_iter_3.npz'), *db,
-                 plot=not double_buffering)
+                 plot=not plot_first)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'resumed from' in proc.stdout
     assert 'UserWarning' not in proc.stderr, proc.stderr[-3000:]
@@ -201,11 +209,31 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, data_cache,
                           part / 'snapshot_iter_6.npz')
     snapshot_plots_equal(whole / 'snapshot_iter_6.npz',
                          part / 'snapshot_iter_6.npz')
+    if '--local-steps' in flags:   # every rank's replica, and the rest
+        replicas_equal(whole, part, 6)
     # Validated with each rank's own batch normalization statistics (rank
     # 1's come back from its rank file, not rank 0's from the shared one).
     validated = [json.load(open(str(out / 'log')))[-1]['validation/main/loss']
                  for out in (whole, part)]
     assert validated[0] == validated[1], validated
+
+
+def replicas_equal(whole, part, iteration, ranks=2):
+    """Assert that snapshot ``iteration`` of runs ``whole`` and ``part``
+    holds the same multi-node optimizer state in the shared file (the
+    local steps' synced parameters, outer state, rank 0's inner state),
+    and the same model and optimizer in every rank's file, bit for bit."""
+    name = 'snapshot_iter_%d' % iteration
+    files = [(name + '.npz', 'updater/optimizer:main/')] + [
+        ('%s.rank%d.npz' % (name, r), 'replica/') for r in range(ranks)]
+    for file_name, prefix in files:
+        with numpy.load(str(whole / file_name)) as a, \
+                numpy.load(str(part / file_name)) as b:
+            keys = [k for k in a.files if k.startswith(prefix)]
+            assert keys and sorted(keys) == sorted(
+                k for k in b.files if k.startswith(prefix)), file_name
+            differ = [k for k in keys if a[k].tobytes() != b[k].tobytes()]
+            assert differ == [], (file_name, differ)
 
 
 @pytest.mark.parametrize('compression', [
@@ -389,6 +417,34 @@ def test_a_sharded_snapshot_resumed_unsharded_says_so_once(tmp_path,
             'is sharded over 2 ranks (written with --shard-state): resume '
             'with --shard-state' % snap)
     assert said in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count('cannot resume') == 1, proc.stderr[-3000:]
+    assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize('resumed_with, said', [
+    ([], 'it was written with --local-steps 4 --fragments 2 '
+     '--fragment-sync-delay 1, and between syncs each rank holds its own '
+     'parameters and inner optimizer state, which a run without '
+     '--local-steps cannot continue: resume it with those flags (on any '
+     'number of ranks)'),
+    (['--local-steps', '8', '--fragments', '2', '--fragment-sync-delay',
+      '1'], 'it was written with --local-steps 4; this run has '
+     "--local-steps 8: resume it with the snapshot's"),
+], ids=['without-local-steps', 'other-local-steps'])
+def test_a_local_steps_snapshot_resumed_otherwise_names_its_flags(
+        tmp_path, data_cache, resumed_with, said):
+    """Refused before anything loads, on every rank, naming the example's
+    flags the snapshot was written with (a known reason: no guess that the
+    file is damaged)."""
+    assert train(2, tmp_path, data_cache, '--iteration', '3',
+                 '--local-steps', '4', '--fragments', '2',
+                 '--fragment-sync-delay', '1').returncode == 0
+    snap = tmp_path / 'snapshot_iter_3.npz'
+    proc = train(2, tmp_path, data_cache, '--iteration', '4', '--resume',
+                 str(snap), *resumed_with, timeout=120)
+    assert proc.returncode != 0
+    assert 'train_imagenet.py: cannot resume from %s: %s' % (snap, said) \
+        in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count('cannot resume') == 1, proc.stderr[-3000:]
     assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
 

@@ -8,11 +8,20 @@ With ``--local-steps`` the example evaluates the synced parameters (the
 same on every rank: ``evaluating_synced``), so the validation accuracy is
 that of the model a user would keep, and its default ``--lr`` is the inner
 optimizer's for one rank's batch (``set_inner_lr``): a resume on another
-number of ranks changes it, and says so (``warn_of_resumed_lr``)."""
+number of ranks changes it, and says so (``warn_of_resumed_lr``).  A
+local-steps snapshot resumes only with the flags it was written with:
+read from the file before anything is loaded, and named where they
+differ (``resume_problem``)."""
 
 import types
 
+import numpy
+
 import mnopt
+from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY
+
+#: Where the example's shared snapshot file holds the local-steps state.
+SAVED = 'updater/optimizer:main/%s/' % SNAPSHOT_KEY
 
 
 def add_arguments(parser):
@@ -121,3 +130,64 @@ def evaluating_synced(evaluator, optimizer):
 
     evaluator.evaluate = types.MethodType(evaluate_synced, evaluator)
     return evaluator
+
+
+def local_steps_optimizer(optimizer):
+    """``optimizer`` where it has local steps, else None."""
+    return optimizer if hasattr(optimizer, 'using_synced_parameters') \
+        else None
+
+
+def saved_flags(path):
+    """The local-steps flags the snapshot whose shared file is ``path``
+    was written with ({flag's dest: value}), or None: written without
+    --local-steps.  Read from the file, before anything is loaded."""
+    with numpy.load(path) as f:
+        if SAVED + 'settings' not in f.files:
+            return None
+        settings = [int(v) for v in f[SAVED + 'settings']]
+        delay = int(f[SAVED + 'fragment_sync_delay']) \
+            if SAVED + 'fragment_sync_delay' in f.files else None
+    flags = {'local_steps': settings[0], 'fragments': settings[1]}
+    if len(settings) > 2:
+        flags['sync_warmup_steps'] = settings[2]
+    if delay is not None:
+        flags['fragment_sync_delay'] = delay
+    return flags
+
+
+def _said(flags, names=None):
+    """``flags`` as the command line gives them: ``names``, or --local-steps
+    and the others that are not their defaults."""
+    if names is None:
+        names = [n for n in ('local_steps', 'fragments',
+                             'fragment_sync_delay', 'sync_warmup_steps')
+                 if n in flags and flags[n] != DEFAULTS.get(n)]
+    return ' '.join('--%s %d' % (n.replace('_', '-'), flags[n])
+                    for n in names)
+
+
+#: The defaults of the flags a local-steps snapshot records.
+DEFAULTS = {'fragments': 1, 'fragment_sync_delay': 0, 'sync_warmup_steps': 0}
+
+
+def resume_problem(path, args):
+    """None where this run's flags (``args``) can resume the snapshot whose
+    shared file is ``path``, else why not, naming the flags to resume it
+    with: a local-steps snapshot needs --local-steps and the settings it
+    was written with (the outer lr and momentum may change).  A snapshot
+    without local steps resumed with --local-steps starts its first H
+    from the snapshot's parameters."""
+    saved = saved_flags(path)
+    if saved is None:
+        return None
+    if args.local_steps is None:
+        return ('it was written with %s, and between syncs each rank holds '
+                'its own parameters and inner optimizer state, which a run '
+                'without --local-steps cannot continue: resume it with those '
+                'flags (on any number of ranks)' % _said(saved))
+    differ = [name for name in saved if getattr(args, name) != saved[name]]
+    if not differ:
+        return None
+    return ('it was written with %s; this run has %s: resume it with the '
+            "snapshot's" % (_said(saved, differ), _said(vars(args), differ)))

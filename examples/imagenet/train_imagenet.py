@@ -337,7 +337,7 @@ class Snapshot(training.Extension):
     priority = -101  # after the trainer's snapshot of the same iteration
 
     def __init__(self, comm, keep, optimizer=None, config=None,
-                 asynchronous=False):
+                 asynchronous=False, replica=None):
         self.comm = comm
         self.keep = keep
         #: In the background: the write in flight is no snapshot yet.
@@ -346,6 +346,8 @@ class Snapshot(training.Extension):
         self.config = config or {}
         self.written = None   #: the shared file this run wrote last
         self.optimizer = optimizer   #: a sharded one: its share is saved
+        #: A local-steps one: the rank's model and optimizer are saved.
+        self.replica = replica
         self.job = comm.everyone(secrets.token_hex(6),
                                  'the snapshots\' job id')[0]
         self.updater = None
@@ -368,13 +370,15 @@ class Snapshot(training.Extension):
         out, iteration = trainer.out, trainer.updater.iteration
         path = os.path.join(out, 'snapshot_iter_%d.npz' % iteration)
         self.write.wait()   # the previous write, in the background
+        model = trainer.updater.get_optimizer('main').target
         self.write(rank_file(path, self.comm.rank),
                    _RankState(trainer.updater.get_iterator('main'),
                               self.comm.size, self.optimizer,
                               self.write_id(), self.comm,
-                              trainer.updater.get_optimizer('main').target,
+                              model if self.replica is None else None,
                               snapshot_modes.record_epoch(trainer,
-                                                          self.comm)))
+                                                          self.comm),
+                              replica=self.replica))
         # Rank 0's listing, taken before anyone removes anything, says
         # what to prune; gathering it also waits until every rank's file
         # is complete.
@@ -512,6 +516,11 @@ SHARE_KEY = 'optimizer/'
 
 #: Where a rank file keeps the rank's batch normalizations.
 BATCH_NORMS_KEY = 'batch_norms'
+#: With --local-steps, where a rank file keeps the rank's replica: its
+#: model and its multi-node optimizer (inner state, local-steps state,
+#: compression state).
+REPLICA_MODEL_KEY, REPLICA_OPTIMIZER_KEY = 'replica/model', \
+    'replica/optimizer'
 
 
 class _RankState(object):
@@ -519,17 +528,21 @@ class _RankState(object):
     the global generator the augmentation draws from, with ``optimizer``
     (a sharded one) its share of the optimizer state, with ``comm``
     this rank's compression state (error-feedback residuals; PowerSGD's
-    Qs), with ``model`` its batch normalizations' running statistics;
-    when saved, the snapshot's ``write_id``."""
+    Qs), with ``model`` its batch normalizations' running statistics,
+    with ``replica`` (a local-steps optimizer: between syncs each rank's
+    parameters and inner state are its own) the whole model and
+    optimizer instead of those two; when saved, the snapshot's
+    ``write_id``."""
 
     def __init__(self, iterator, size, optimizer=None, write_id=None,
-                 comm=None, model=None, epoch_record=None):
+                 comm=None, model=None, epoch_record=None, replica=None):
         self.iterator, self.size = iterator, size
         self.epoch_record = epoch_record or {}
         self.optimizer = optimizer
         self.write_id = write_id
         self.comm = comm
         self.model = model
+        self.replica = replica
 
     def serialize(self, serializer):
         self.iterator.serialize(serializer['iterator'])
@@ -543,7 +556,13 @@ class _RankState(object):
         serializer('n_ranks', self.size)
         if self.optimizer is not None:
             self.optimizer.serialize(serializer[SHARE_KEY.rstrip('/')])
-        if self.comm is not None:
+        if self.replica is not None:
+            # After the shared file (rank 0's replica): this rank's own,
+            # its parameters and batch normalizations, then its optimizer
+            # (its residuals with it).
+            self.replica.target.serialize(serializer[REPLICA_MODEL_KEY])
+            self.replica.serialize(serializer[REPLICA_OPTIMIZER_KEY])
+        elif self.comm is not None:
             # The shared file, rank 0's alone, holds rank 0's residuals:
             # each rank's own make the resume exact (nothing without
             # compression; a file without them loads and changes nothing).
@@ -559,12 +578,24 @@ class _RankState(object):
             # Each rank's batch normalizations' running statistics: they
             # follow the rank's own batches (without --mnbn), and the
             # shared file holds rank 0's.  Every rank validates its share
-            # of the set with its own.
+            # of the set with its own.  Their statistics alone: gamma and
+            # beta are parameters, the shared file's (a file written
+            # before holds them too, unread).
             for name, link in sorted(self.model.namedlinks()):
                 if isinstance(link, chainer.links.BatchNormalization):
-                    link.serialize(serializer[BATCH_NORMS_KEY + name])
+                    _serialize_statistics(
+                        link, serializer[BATCH_NORMS_KEY + name])
         if isinstance(serializer, chainer.serializer.Deserializer):
             numpy.random.set_state(state.get_state())
+
+
+def _serialize_statistics(link, serializer):
+    """Save or restore the persistent values of ``link`` (a batch
+    normalization's running mean, variance and count), not its
+    parameters (as Chainer's ``Link.serialize`` does them)."""
+    values = link.__dict__
+    for name in sorted(link._persistent):
+        values[name] = serializer(name, values[name])
 
 
 def _start_epoch(iterator, epoch):
@@ -630,16 +661,20 @@ def ranks_that_wrote(path):
     return None
 
 
-def resume(path, trainer, comm, optimizer):
+def resume(path, trainer, comm, optimizer, args=None):
     """Load a snapshot on every rank; every rank raises the same clear error
     if any of them cannot.  With the number of ranks it was written with,
     each rank also gets its iterator and random state back (a rank's
     missing file is an error naming it), and its share of a sharded
-    optimizer's state; with another, the data is split anew, the examples
-    the interrupted epoch has not read are split among the ranks (rank 0's
-    file records them: snapshot_modes; a snapshot without the record
-    restarts the epoch from its beginning), and a sharded optimizer's
-    state is re-sharded from every rank file (``optimizer.load_shards``).
+    optimizer's state, or with local steps its own model and optimizer
+    (the shared file holds rank 0's); a local-steps snapshot whose
+    settings are not ``args``' is refused before anything is loaded
+    (``local_steps_flags.resume_problem``).  With another number of
+    ranks, the data is split anew, the examples the interrupted epoch has
+    not read are split among the ranks (rank 0's file records them:
+    snapshot_modes; a snapshot without the record restarts the epoch from
+    its beginning), and a sharded optimizer's state is re-sharded from
+    every rank file (``optimizer.load_shards``).
     Returns (whether the number of ranks is the same, the number of ranks
     the optimizer state was re-sharded from or None)."""
     error = None
@@ -677,6 +712,10 @@ def resume(path, trainer, comm, optimizer):
             raise KnownReason('its optimizer state is sharded over %d ranks '
                              '(written with --shard-state): resume with '
                              '--shard-state' % shards)
+        mismatch = None if args is None else \
+            local_steps_flags.resume_problem(path, args)
+        if mismatch:
+            raise KnownReason(mismatch)
         # On another number of ranks the iterators start afresh.
         chainer.serializers.load_npz(path, trainer, ignore_names=(
             lambda key: (not same_layout and
@@ -691,16 +730,22 @@ def resume(path, trainer, comm, optimizer):
             chainer.serializers.load_npz(path, optimizer,
                                          path='updater/optimizer:main/')
         if same_layout:
-            # A sharded snapshot's rank files hold the ranks' shares.
-            # A rank file written before it kept them has no batch
-            # normalizations: they stay rank 0's.
+            # A sharded snapshot's rank files hold the ranks' shares; with
+            # local steps each holds the rank's model and optimizer.  A
+            # rank file written before it kept them has no batch
+            # normalizations (no replica): they stay rank 0's.
             with numpy.load(own) as f:
-                model = trainer.updater.get_optimizer('main').target if any(
-                    k.startswith(BATCH_NORMS_KEY) for k in f.files) else None
+                keys = f.files
+            replica = local_steps_flags.local_steps_optimizer(optimizer) \
+                if any(k.startswith(REPLICA_MODEL_KEY + '/')
+                       for k in keys) else None
+            model = trainer.updater.get_optimizer('main').target if (
+                replica is None and any(k.startswith(BATCH_NORMS_KEY)
+                                        for k in keys)) else None
             chainer.serializers.load_npz(
                 own, _RankState(trainer.updater.get_iterator('main'),
                                 comm.size, optimizer if shards else None,
-                                comm=comm, model=model))
+                                comm=comm, model=model, replica=replica))
         else:
             _start_epoch(trainer.updater.get_iterator('main'), epoch)
         if shards is not None and (not same_layout or shards != comm.size):
@@ -878,17 +923,23 @@ def check_writable(out, comm):
             out, '; '.join('rank %d: %s' % b for b in bad)))
 
 
-def check_identical_parameters(model, comm):
-    """Raise on every rank unless all ranks hold the same parameters."""
+def check_identical_parameters(model, comm, optimizer=None):
+    """Raise on every rank unless all ranks hold the same parameters: with
+    local steps (``optimizer``'s) the synced ones (between syncs each
+    rank's own differ, by design)."""
+    import contextlib
     import hashlib
+    synced = getattr(optimizer, 'using_synced_parameters', None)
     h = hashlib.sha256()
-    for name, p in sorted(model.namedparams()):
-        if p.array is not None:
-            h.update(name.encode())
-            h.update(chainer.backend.CpuDevice().send(p.array).tobytes())
+    with synced() if synced is not None else contextlib.nullcontext():
+        for name, p in sorted(model.namedparams()):
+            if p.array is not None:
+                h.update(name.encode())
+                h.update(chainer.backend.CpuDevice().send(p.array).tobytes())
     digests = comm.allgather_obj(h.hexdigest())
     if len(set(digests)) != 1:
-        raise RuntimeError('parameters differ across ranks after resuming')
+        raise RuntimeError('%sparameters differ across ranks after resuming'
+                           % ('synced ' if synced is not None else ''))
 
 
 def main(argv=None):
@@ -981,9 +1032,10 @@ def main(argv=None):
               'insize': args.insize}
     trainer.extend(trainer_snapshot(comm, config, args.async_snapshots),
                    name='snapshot', trigger=snapshot_trigger)
-    rank_snapshot = Snapshot(comm, args.keep_snapshots,
-                             optimizer if args.shard_state else None, config,
-                             args.async_snapshots)
+    rank_snapshot = Snapshot(
+        comm, args.keep_snapshots, optimizer if args.shard_state else None,
+        config, args.async_snapshots,
+        replica=local_steps_flags.local_steps_optimizer(optimizer))
     trainer.extend(rank_snapshot, name=RANK_SNAPSHOT,
                    trigger=FiredWith(snapshot_trigger))
     # Each step's communication (comm/exposed, comm/hidden, comm/busbw,
@@ -1023,10 +1075,11 @@ def main(argv=None):
                 'no complete snapshot yet, starting afresh'))
     if args.resume:
         try:
-            same, resharded = resume(args.resume, trainer, comm, optimizer)
+            same, resharded = resume(args.resume, trainer, comm, optimizer,
+                                     args)
         except CannotResume as e:
             refuse(comm, str(e))
-        check_identical_parameters(model, comm)
+        check_identical_parameters(model, comm, optimizer)
         local_steps_flags.warn_of_resumed_lr(args, comm, same)
         if comm.rank == 0:
             print('resumed from %s at iteration %d%s%s' % (
