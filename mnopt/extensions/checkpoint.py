@@ -22,8 +22,8 @@ from chainer.training import extension
 
 from mnopt.extensions.loadable import newest_loadable, npz_problem
 from mnopt.extensions.retention import agreed_retention
+from mnopt.extensions.snapshot_mode import load_checked
 from mnopt.iterators.epoch_position import epoch_record
-from mnopt.iterators.resize import load_resizing_iterators
 
 
 def _positive(name, value, meaning):
@@ -130,8 +130,8 @@ class _MultiNodeCheckpointer(extension.Extension):
                                     what='checkpoint')
         if iteration is None:
             return
-        load_resizing_iterators(self._file(outdir, iteration), trainer,
-                                self.comm, 'checkpoint %d' % iteration)
+        load_checked(self._file(outdir, iteration), trainer, self.comm,
+                     'checkpoint %d' % iteration)
         self.stats['loaded'] = iteration
 
     def get_stats(self):

@@ -79,10 +79,10 @@ from mnopt.extensions.loadable import newest_loadable, npz_problem
 from mnopt.extensions.loadable import npz_is_whole  # NOQA
 from mnopt.extensions.retention import (
     agreed_retention, filename_pattern, natural_key)
+from mnopt.extensions.snapshot_mode import load_checked
 from mnopt.extensions.snapshot_records import (
     RecordingSets, recorded_sets, shard_size, write_id)
 from mnopt.iterators.epoch_position import epoch_record
-from mnopt.iterators.resize import load_resizing_iterators
 from mnopt.optimizers.zero.trainer import load_shards_of, sharded_optimizers
 
 #: Each snapshot write, at INFO ($MNOPT_LOG_LEVEL=INFO shows them).
@@ -373,8 +373,7 @@ class _MultiNodeSnapshot(extension.Extension):
             return
         target = self._target(trainer)
         path, _ = self._my_file(outdir, newest, names)
-        load_resizing_iterators(path, target, self.comm,
-                                'snapshot %s' % newest)
+        load_checked(path, target, self.comm, 'snapshot %s' % newest)
         if self.sharded:
             # Another number of ranks wrote it: every rank's share is
             # re-sharded (problems are raised on every rank at the next
