@@ -171,6 +171,35 @@ def test_one_replica_set_resumes_with_rank_0s_file(mode, compression,
         assert _differing(straight, resumed) == []
 
 
+@pytest.mark.parametrize('compression', sorted(RESIDUALS))
+def test_a_snapshot_of_another_rank_count_says_so(compression, tmp_path):
+    """Every rank's residuals restart at zero on another number of ranks
+    (the files say one more rank wrote them): the warning says that the
+    number changed, not to give each rank a replica set of its own."""
+    def one_more_rank(path):
+        with numpy.load(path) as npz:
+            saved = {k: npz[k] for k in npz.files}
+        sizes = [k for k in saved if 'mnopt_compression' in k and
+                 k.endswith('/size')]
+        assert sizes
+        for k in sizes:
+            saved[k] = saved[k] + 1
+        numpy.savez(path, **saved)
+
+    with mnopt_records() as records:
+        _run('plain', tmp_path, edit=one_more_rank, compression=compression)
+    said = [r.getMessage() for r in records
+            if 'residuals restart at zero' in r.getMessage()]
+    assert said == [
+        'mnopt: warning: rank %d loaded the snapshot of rank %d of %d: its '
+        '%s residuals restart at zero, so the resumed run is not the '
+        "uninterrupted one bit for bit (the snapshot's job had %d ranks, "
+        "this one %d: the residuals are each rank's own, not split anew "
+        'over another number of ranks)' % (
+            WORLD.rank, WORLD.rank, WORLD.size + 1, RESIDUALS[compression],
+            WORLD.size + 1, WORLD.size)], said
+
+
 def test_communicator_state_round_trip():
     """serialize_compression alone: the counter and this rank's residuals
     come back; residuals are kept until their layout's codec is built."""

@@ -119,9 +119,8 @@ class SignCompression(object):
                     'mnopt: warning: rank %d loaded the snapshot of rank %d '
                     'of %d: its sign compression residuals restart at zero, '
                     'so the resumed run is not the uninterrupted one bit for '
-                    'bit (give each rank a replica set of its own for an '
-                    'exact resume)' % (rank, int(saved_rank),
-                                       int(saved_size)))
+                    'bit (%s)' % (rank, int(saved_rank), int(saved_size),
+                                  why_residuals_restart(size, saved_size)))
         else:
             for i in range(int(serializer('n_residuals', None))):
                 key = (str(serializer('group%d' % i, None)),
@@ -168,3 +167,12 @@ def warn_of_dropped_state(serializer, comm):
                    'communicator with %s to continue it as it was',
                    dropped, again)
 
+
+def why_residuals_restart(size, saved_size):
+    """Why a rank's error-feedback residuals restart at zero at a load
+    of another rank's snapshot, and what would keep them."""
+    if int(saved_size) != size:
+        return ('the snapshot\'s job had %d ranks, this one %d: the '
+                'residuals are each rank\'s own, not split anew over '
+                'another number of ranks' % (int(saved_size), size))
+    return 'give each rank a replica set of its own for an exact resume'

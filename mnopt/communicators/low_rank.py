@@ -32,7 +32,8 @@ import numpy
 from mnopt import log
 from mnopt import powersgd
 from mnopt.arrays import array_module, to_host
-from mnopt.communicators.compression import read_optional
+from mnopt.communicators.compression import (
+    read_optional, why_residuals_restart)
 from mnopt.communicators.compression_guard import CompressionGuard
 from mnopt.communicators.compression_guard import COMPRESSED, PLAIN
 
@@ -272,9 +273,9 @@ class PowerSGDCompression(object):
             notes.append(
                 'rank %d loaded the snapshot of rank %d of %d: its PowerSGD '
                 'residuals restart at zero, so the resumed run is not the '
-                'uninterrupted one bit for bit (give each rank a replica '
-                'set of its own for an exact resume)'
-                % (rank, saved_rank, saved_size))
+                'uninterrupted one bit for bit (%s)'
+                % (rank, saved_rank, saved_size,
+                   why_residuals_restart(size, saved_size)))
         saved_factors = int(read('powersgd_rank'))
         if saved_factors != self.options['rank'] and rank == 0:
             notes.append(
