@@ -679,6 +679,36 @@ def test_resume_with_a_rank_file_missing_is_an_error(tmp_path, data_cache,
     assert 'data split anew' not in proc.stdout
 
 
+def test_rank_0s_part_missing_on_another_number_of_ranks_is_incomplete(
+        tmp_path, data_cache, two_snapshots):
+    # A node lost at the snapshot step: the shared file of 4 written, rank
+    # 0's own part (the epoch's position across ranks) never.  On another
+    # number of ranks the snapshot is incomplete, never the epoch started
+    # again from its beginning.
+    out = copy_of(two_snapshots, tmp_path)
+    part = out / 'snapshot_iter_4.rank0.npz'
+    part.unlink()
+    proc = train(1, out, data_cache, '--iteration', '6', '--resume',
+                 str(out / 'snapshot_iter_4.npz'), timeout=120)
+    assert proc.returncode != 0
+    assert 'cannot resume from %s: rank 0: written by 2 ranks, and on ' \
+        "another number rank 0's part, which records where its epoch is, " \
+        'is needed: snapshot_iter_4.rank0.npz is missing' % (
+            out / 'snapshot_iter_4.npz') in proc.stderr, proc.stderr[-3000:]
+    assert 'missing, corrupt' not in proc.stderr   # the reason is known
+    proc = train(1, out, data_cache, '--iteration', '6',
+                 '--snapshot-interval', '2', '--resume', 'auto')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'skipping snapshot snapshot_iter_4.npz, which not every rank ' \
+        'can load: rank 0: written by 2 ranks' in proc.stderr, \
+        proc.stderr[-3000:]
+    assert 'resumed from %s at iteration 2' % (out / 'snapshot_iter_2.npz') \
+        in proc.stdout, proc.stdout[-3000:]
+    assert re.search(r'snapshot_iter_2.npz: updater/iterator:main: epoch 0 '
+                     r'resumed with \d+ of its examples not read yet',
+                     proc.stdout), proc.stdout[-3000:]
+
+
 def test_resume_prunes_an_earlier_runs_snapshots(tmp_path, data_cache,
                                                  two_snapshots):
     out = copy_of(two_snapshots, tmp_path)

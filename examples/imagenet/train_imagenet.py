@@ -672,8 +672,9 @@ def resume(path, trainer, comm, optimizer, args=None):
     (``local_steps_flags.resume_problem``).  With another number of
     ranks, the data is split anew, the examples the interrupted epoch has
     not read are split among the ranks (rank 0's file records them:
-    snapshot_modes; a snapshot without the record restarts the epoch from
-    its beginning), and a sharded optimizer's state is re-sharded from
+    snapshot_modes; without that file, whole and of the same write, the
+    snapshot is incomplete: a known reason; a snapshot written before the
+    example recorded them restarts the epoch, with a warning), and a sharded optimizer's state is re-sharded from
     every rank file (``optimizer.load_shards``).
     Returns (whether the number of ranks is the same, the number of ranks
     the optimizer state was re-sharded from or None)."""
@@ -699,6 +700,12 @@ def resume(path, trainer, comm, optimizer, args=None):
         if mixed:
             raise KnownReason(mixed)
         if not same_layout:
+            # Rank 0's file records the interrupted epoch's position: a
+            # snapshot without it whole, of its write, is incomplete (a
+            # crash at the snapshot step), never an epoch restarted.
+            problem = _record_problem(path, saved_size)
+            if problem:
+                raise KnownReason(problem)
             record = snapshot_modes.read_record(rank_file(path, 0))
         with numpy.load(path) as f:
             epoch = int(f['updater/iterator:main/epoch'])
@@ -706,6 +713,14 @@ def resume(path, trainer, comm, optimizer, args=None):
             skip_plots = plots.keys_to_skip(f.files,
                                             same_layout or bool(record))
             earlier_points = plots.points_of_plot_reports(f)
+            position = int(f['updater/iterator:main/current_position']) \
+                if 'updater/iterator:main/current_position' in f.files \
+                else 0
+        if not same_layout and not record and position and comm.rank == 0:
+            print('train_imagenet.py: warning: %s records no position of '
+                  'epoch %d across ranks (written before the example '
+                  'recorded it): the epoch starts again from its beginning'
+                  % (os.path.basename(path), epoch), flush=True)
         shards = sharded_by(path)
         sharded = hasattr(optimizer, 'load_shards')
         if shards is not None and not sharded:
@@ -794,7 +809,8 @@ def why_not_resumed(path, bad):
 def _resume_problem(path, comm):
     """None if this rank can resume from ``path``, else why not: the shared
     file must be whole, and on as many ranks as wrote it, this rank's own
-    file too, of the same write (on another number, it is not read)."""
+    file too, of the same write; on another number, rank 0's file (the
+    epoch's position), or with a sharded state every rank's."""
     problem = npz_problem(path)
     if problem is not None:
         return problem
@@ -809,12 +825,27 @@ def _resume_problem(path, comm):
         # previous owners' files.
         parts = [rank_file(path, r) for r in range(saved_size)]
     else:
-        return None
+        return _record_problem(path, saved_size)
     for part in parts:
         problem = npz_problem(part)
         if problem is not None:
             return problem
     return mixed_writes(path, parts)
+
+
+def _record_problem(path, saved_size):
+    """None if rank 0's file of the snapshot whose shared file is
+    ``path`` is whole and of the shared file's write, else why not: on
+    another number of ranks it is read for the position of the
+    interrupted epoch (the same in every rank file; without it the epoch
+    would start again from its beginning)."""
+    part = rank_file(path, 0)
+    problem = npz_problem(part)
+    if problem is not None:
+        return ('written by %d ranks, and on another number rank 0\'s '
+                'part, which records where its epoch is, is needed: %s' % (
+                    saved_size, problem))
+    return mixed_writes(path, [part])
 
 
 def snapshot_iterations(out):
