@@ -22,6 +22,7 @@ pytestmark = [needs_chainer, pytest.mark.many_ranks]
 import mnopt  # NOQA
 
 JOB = os.path.join(REPO, 'tests', 'async_snapshot_job.py')
+RETENTION_JOB = os.path.join(REPO, 'tests', 'async_retention_job.py')
 
 
 @pytest.fixture
@@ -169,6 +170,36 @@ def test_a_kill_at_any_phase_leaves_the_newest_complete_snapshot(
                                 % (newest, newest)) == 2, resumed.stdout
     if phase == 'written-alone':   # skipped, naming the missing file
         assert 'snapshot_iter_4.1 is missing' in resumed.stderr
+
+
+@pytest.mark.spawn
+def test_retention_counts_only_snapshots_autoload_would_load(tmp_path):
+    # n_retains=1, sharded, in the background.  A 3-rank run's node is
+    # lost during snapshot 8 (8.0 and 8.1 written, 8.2 never); on 2 ranks
+    # 8 is no snapshot (its shares need every file), so the run resumes
+    # from 6.  Its prune before its own write of 8 must not count the old
+    # 8 as complete: 6 is the only loadable snapshot while that write is
+    # in flight, and a kill during it leaves 6 to resume from.
+    def run(n, kill):
+        env = dict(os.environ, PYTHONPATH=python_path())
+        return run_job(mpiexec() + ['-n', str(n), sys.executable, '-m',
+                                    'mpi4py', RETENTION_JOB, str(tmp_path),
+                                    kill], 240, env)
+    assert run(3, 'lost-node').returncode != 0
+    assert 'snapshot_iter_8.2' not in os.listdir(str(tmp_path))
+    failed = run(2, 'second-failure')
+    assert failed.returncode != 0
+    assert 'LOADED snapshot_iter_6 AT 6' in failed.stdout, failed.stdout
+    assert 'snapshot_iter_6.0 snapshot_iter_6.1' in failed.stdout, \
+        failed.stdout
+    resumed = run(2, 'none')
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert 'LOADED snapshot_iter_6 AT 6' in resumed.stdout, \
+        resumed.stdout + resumed.stderr[-3000:]
+    # Its own 10 complete, the rest goes (6.2 too: no rank writes it now).
+    assert sorted(n for n in os.listdir(str(tmp_path))
+                  if n.startswith('snap')) == [
+        'snapshot_iter_10.0', 'snapshot_iter_10.1']
 
 
 def test_a_write_in_flight_never_costs_the_complete_snapshot(

@@ -47,8 +47,10 @@ order of the new shard, a warning).
 
 ``n_retains`` (of ``extensions.snapshot``) is applied by every rank alike:
 after each write completes the ranks keep the ``n_retains`` newest (by the
-numbers in their names) that every writing rank holds, and remove older
-ones; a partial file (an asynchronous write in flight) is no snapshot,
+numbers in their names) that autoload would load (every writer's file
+whole, all of one write: mnopt/extensions/snapshot_checks.py), and remove
+older ones; the snapshot autoload loaded stays until one this job wrote is
+kept; a partial file (an asynchronous write in flight) is no snapshot,
 for any filename.  A rank whose write fails raises its error, every other
 rank one naming it.  ``snapshot_on_error`` records no epoch position (the
 ranks cannot agree on one then): its resume on another rank count says so.
@@ -74,14 +76,14 @@ from chainer.training import extension
 from mnopt import log
 from mnopt.extensions.background_writer import (
     background_writer_for, complete_names, remove_partial_files)
-from mnopt.extensions.loadable import newest_loadable, npz_problem
+from mnopt.extensions.loadable import newest_loadable
 # npz_is_whole: imported from here by code written before it moved.
 from mnopt.extensions.loadable import npz_is_whole  # NOQA
 from mnopt.extensions.retention import (
     agreed_retention, filename_pattern, natural_key)
+from mnopt.extensions.snapshot_checks import SnapshotChecks
 from mnopt.extensions.snapshot_mode import load_checked
-from mnopt.extensions.snapshot_records import (
-    RecordingSets, recorded_sets, shard_size, write_id)
+from mnopt.extensions.snapshot_records import RecordingSets
 from mnopt.iterators.epoch_position import epoch_record
 from mnopt.optimizers.zero.trainer import load_shards_of, sharded_optimizers
 
@@ -169,6 +171,8 @@ class _MultiNodeSnapshot(extension.Extension):
         self.loaded = None  #: the snapshot autoload loaded, if any
         self.sharded = False  #: set at initialize: a sharded optimizer
         self.failed = False   #: training ended with an error
+        self.checks = SnapshotChecks(self)   # autoload's and retention's
+        self._in_flight = None   # this writer's background write's file
 
     @property
     def is_master(self):
@@ -232,6 +236,7 @@ class _MultiNodeSnapshot(extension.Extension):
             self.comm.raise_together(
                 self._wait_for_write(), 'multi_node_snapshot: the '
                 'background write before iteration %d' % iteration)
+            self._confirmed()
             self._prune(trainer.out)   # the write just confirmed
         self.snapshot.writer.extra = epoch_record(self._target(trainer),
                                                   self.comm)
@@ -239,14 +244,18 @@ class _MultiNodeSnapshot(extension.Extension):
             self.snapshot.writer.write_id = '%s.%d' % (self.job, iteration)
             try:
                 self.snapshot(trainer)
+                written = self._written_file(trainer)
+                if self.asynchronous:
+                    self._in_flight = written
+                else:   # renamed into place: complete
+                    self.checks.trust(written)
             except Exception as e:
                 problem = e
         self.comm.raise_together(problem, 'multi_node_snapshot at '
                                  'iteration %d' % iteration)
         if self.is_master:
             _logger.info('mnopt: rank %d wrote the snapshot of iteration '
-                         '%d: %s', self.comm.rank, iteration,
-                         self._written_file(trainer))
+                         '%d: %s', self.comm.rank, iteration, written)
         if not self.asynchronous:
             self._prune(trainer.out)
 
@@ -271,21 +280,30 @@ class _MultiNodeSnapshot(extension.Extension):
             self.snapshot.on_error(trainer, exc, tb)
 
     def _prune(self, outdir):
-        """Keep the ``n_retains`` newest snapshots every writing rank
-        holds; every writer removes its file of each older one, and rank 0
-        the files of ranks that write none now (an earlier run's)."""
+        """Keep the ``n_retains`` newest complete snapshots (autoload's
+        check on every writer: each would load it, all of one write);
+        every writer removes its file of each older one, and rank 0 the
+        files of ranks that write none now (an earlier run's).  The
+        snapshot autoload loaded stays until one this job wrote is kept."""
         if self.n_retains <= 0 or callable(self.base):
             return
         names = complete_names(outdir)
         regex = re.compile('(%s)\\.(\\d+)$' % filename_pattern(self.base))
         found = [(m.group(1), int(m.group(2)))
                  for m in map(regex.match, names) if m]
-        held = [n for n, r in found if r == self.comm.rank] \
-            if self.is_master else None
-        _, stale = agreed_retention(
+        held = None
+        if self.is_master:
+            held = {}
+            for n in {n for n, r in found if r == self.comm.rank}:
+                problem, write = self.checks.problem(outdir, n, names)
+                held[n] = (problem is None, write)
+        kept, stale = agreed_retention(
             self.comm, held, self.n_retains, key=natural_key,
             what='multi_node_snapshot clean-up', keep_newer=True)
         stale = set(stale)
+        if held is not None and not any(
+                str(held[k][1]).startswith('%s.' % self.job) for k in kept):
+            stale.discard(self.loaded)
         writers = {s[0] for s in self.sets}
         for name, r in found:
             if name in stale and (r == self.comm.rank and self.is_master or
@@ -312,67 +330,28 @@ class _MultiNodeSnapshot(extension.Extension):
             return
         self.comm.raise_together(self._wait_for_write(), 'multi_node_'
                                  'snapshot: the last background write')
+        self._confirmed()
         self._prune(self.out)
 
-    def _my_file(self, outdir, name, names):
-        """The file this rank loads for snapshot ``name`` and None, or None
-        and why it has none."""
-        mine = '%s.%d' % (name, self.master)
-        # The first set's file, for a set beyond those that wrote the
-        # snapshot (a resize, which that file records): this set's own
-        # file, if any, is an earlier run's.  Where the first file does
-        # not say so, this set's file is needed.
-        first = '%s.%d' % (name, self.sets[0][0])
-        if self.set_index > 0 and first in names:
-            written_by = recorded_sets(os.path.join(outdir, first))
-            if written_by is not None and self.set_index >= written_by:
-                return os.path.join(outdir, first), None
-        if mine in names:
-            return os.path.join(outdir, mine), None
-        return None, '%s is missing' % mine
-
-    def _problem(self, outdir, name, names):
-        """``(None, write id)`` if this rank can load snapshot ``name``,
-        else ``(why not, None)``: a sharded optimizer's snapshot of another
-        number of ranks also needs every rank's file whole and of the same
-        write (their shares are re-sharded)."""
-        path, problem = self._my_file(outdir, name, names)
-        if path is None:
-            return problem, None
-        problem = npz_problem(path)
-        if problem is not None:
-            return problem, None
-        mine = write_id(path)
-        if not self.sharded:
-            return None, mine
-        size = shard_size(path)
-        if size is None or size == self.comm.size:
-            return None, mine
-        for r in range(size):
-            share = os.path.join(outdir, '%s.%d' % (name, r))
-            problem = npz_problem(share)
-            if problem is not None:
-                return problem, None
-            if write_id(share) != mine:
-                return ('its files are of different writes (%s: write %s, '
-                        '%s: write %s)' % (
-                            os.path.basename(path), mine,
-                            os.path.basename(share), write_id(share))), None
-        return None, mine
+    def _confirmed(self):
+        """The background write in flight is complete on every rank."""
+        if self._in_flight is not None:
+            self.checks.trust(self._in_flight)
+            self._in_flight = None
 
     def _autoload(self, trainer):
         outdir = trainer.out
         names = complete_names(outdir)
         regex = re.compile('(%s)\\.\\d+$' % filename_pattern(self.base))
         candidates = {m.group(1) for m in map(regex.match, names) if m}
-        found = {c: self._problem(outdir, c, names) for c in candidates}
+        found = {c: self.checks.problem(outdir, c, names) for c in candidates}
         newest = newest_loadable(
             self.comm, {c: p for c, (p, _) in found.items()},
             key=natural_key, writes={c: w for c, (_, w) in found.items()})
         if newest is None:
             return
         target = self._target(trainer)
-        path, _ = self._my_file(outdir, newest, names)
+        path, _ = self.checks.file_to_load(outdir, newest, names)
         load_checked(path, target, self.comm, 'snapshot %s' % newest)
         if self.sharded:
             # Another number of ranks wrote it: every rank's share is

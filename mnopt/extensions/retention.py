@@ -11,22 +11,32 @@ import re
 import string
 
 
-
 def agreed_retention(comm, held, n_keep, key, what, keep_newer):
     """``(kept, stale)``, the same on every rank.
 
     ``held``: the snapshots (names or iterations) this rank holds a file
-    of, or None on a rank that writes none (its vote does not count).
-    ``kept``: the ``n_keep`` newest (by ``key``) that every writing rank
-    holds; ``stale``: the others, except, with ``keep_newer``, those newer
-    than the newest kept (a write still in flight on some rank).  Nothing
-    is stale while no snapshot is held by every writer."""
-    said = comm.everyone(None if held is None else sorted(held, key=key),
-                         what)
-    writers = [set(h) for h in said if h is not None]
+    of, or None on a rank that writes none (its vote does not count); or
+    a dict that maps each to ``(whether this rank can load it, the write
+    id of the files it would read)``: then a snapshot is complete only
+    where every writer can load it, all of one write (autoload's check:
+    an earlier, larger run's set missing a file, or one rank's write lost
+    beside an older file of the same name, is held but no snapshot).
+    ``kept``: the ``n_keep`` newest (by ``key``) complete ones;
+    ``stale``: the others, except, with ``keep_newer``, those newer than
+    the newest kept (a write still in flight on some rank).  Nothing is
+    stale while no snapshot is complete."""
+    if held is not None and not isinstance(held, dict):
+        held = {h: (True, None) for h in held}
+    said = comm.everyone(None if held is None else sorted(
+        held.items(), key=lambda item: key(item[0])), what)
+    votes = [dict(h) for h in said if h is not None]
+    writers = [set(v) for v in votes]
     if not writers:
         return [], []
-    complete = sorted(set.intersection(*writers), key=key)
+    complete = sorted(
+        (s for s in set.intersection(*writers)
+         if all(v[s][0] for v in votes) and
+         len({v[s][1] for v in votes}) == 1), key=key)
     kept = complete[-n_keep:]
     if not kept:
         return [], []
