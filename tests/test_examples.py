@@ -709,6 +709,27 @@ def test_rank_0s_part_missing_on_another_number_of_ranks_is_incomplete(
                      proc.stdout), proc.stdout[-3000:]
 
 
+def test_keep_snapshots_never_counts_an_incomplete_snapshot(tmp_path,
+                                                             data_cache):
+    # A 3-rank sharded run's snapshot 4 lacks rank 2's file (its node lost
+    # mid-snapshot): on 2 ranks no snapshot (the shares need every file),
+    # so the run resumes from 2.  With --keep-snapshots 1 and its own
+    # snapshot 3 in flight, 2 is the one to keep, not 4.
+    assert train(3, tmp_path, data_cache, '--iteration', '4',
+                 '--snapshot-interval', '2', '--keep-snapshots', '5',
+                 '--shard-state').returncode == 0
+    (tmp_path / 'snapshot_iter_4.rank2.npz').unlink()
+    proc = train(2, tmp_path, data_cache, '--iteration', '3',
+                 '--snapshot-interval', '3', '--keep-snapshots', '1',
+                 '--shard-state', '--async-snapshots', '--resume', 'auto')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'resumed from %s at iteration 2' % (
+        tmp_path / 'snapshot_iter_2.npz') in proc.stdout, proc.stdout[-3000:]
+    names = snapshot_names(tmp_path)
+    assert 'snapshot_iter_2.npz' in names, names
+    assert 'snapshot_iter_3.npz' in names, names
+
+
 def test_resume_prunes_an_earlier_runs_snapshots(tmp_path, data_cache,
                                                  two_snapshots):
     out = copy_of(two_snapshots, tmp_path)

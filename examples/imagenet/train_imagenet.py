@@ -391,8 +391,8 @@ class Snapshot(training.Extension):
 
     def _beyond_keep(self, out, iteration):
         """The snapshots to remove: this configuration's loadable ones
-        (another configuration's, and damaged ones, are neither counted
-        nor removed) but the newest ``keep``, this one included.  Older by
+        (another configuration's, and damaged or incomplete ones, are
+        neither counted nor removed) but the newest ``keep``, this one included.  Older by
         the time they were written: a run on another number of ranks in
         the same --out reaches other iterations."""
         older = [i for i in snapshots_by_write(out) if i != iteration and
@@ -401,17 +401,25 @@ class Snapshot(training.Extension):
         return older[:max(0, len(older) - keep)]
 
     def _ours(self, path):
-        """Whether the shared file ``path`` is whole and of this run's
-        configuration; remembered by the file's time and size (every zip
-        member's CRC is read once)."""
+        """Whether rank 0 can resume from ``path`` (``_resume_problem``:
+        the shared file whole, rank 0's file, or on another number of
+        ranks with a sharded state every rank's, whole and of its write)
+        and it is of this run's configuration; remembered by the files'
+        times and sizes (every zip member's CRC is read once)."""
         try:
-            stat = os.stat(path)
-            seen = (path, stat.st_mtime_ns, stat.st_size)
+            prefix = os.path.basename(path)[:-len('.npz')] + '.rank'
+            folder = os.path.dirname(path)
+            files = [path] + sorted(
+                os.path.join(folder, n) for n in os.listdir(folder)
+                if n.startswith(prefix) and n.endswith('.npz'))
+            seen = tuple((f, s.st_mtime_ns, s.st_size) for f, s in
+                         ((f, os.stat(f)) for f in files))
             if seen not in self._checked:
-                self._checked[seen] = npz_problem(path) is None and \
+                self._checked[seen] = \
+                    _resume_problem(path, self.comm) is None and \
                     other_config(path, self.config) is None
             return self._checked[seen]
-        except OSError:   # removed meanwhile
+        except (OSError, ValueError):   # removed meanwhile
             return False
 
     def finalize(self):
@@ -674,8 +682,8 @@ def resume(path, trainer, comm, optimizer, args=None):
     not read are split among the ranks (rank 0's file records them:
     snapshot_modes; without that file, whole and of the same write, the
     snapshot is incomplete: a known reason; a snapshot written before the
-    example recorded them restarts the epoch, with a warning), and a sharded optimizer's state is re-sharded from
-    every rank file (``optimizer.load_shards``).
+    example recorded them restarts the epoch, with a warning), and a
+    sharded optimizer's state is re-sharded from every rank file (``optimizer.load_shards``).
     Returns (whether the number of ranks is the same, the number of ranks
     the optimizer state was re-sharded from or None)."""
     error = None
