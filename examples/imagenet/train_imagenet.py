@@ -392,9 +392,9 @@ class Snapshot(training.Extension):
     def _beyond_keep(self, out, iteration):
         """The snapshots to remove: this configuration's loadable ones
         (another configuration's, and damaged or incomplete ones, are
-        neither counted nor removed) but the newest ``keep``, this one included.  Older by
-        the time they were written: a run on another number of ranks in
-        the same --out reaches other iterations."""
+        neither counted nor removed) but the newest ``keep``, this one
+        included.  Older by the time they were written: a run on another
+        number of ranks in the same --out reaches other iterations."""
         older = [i for i in snapshots_by_write(out) if i != iteration and
                  self._ours(os.path.join(out, 'snapshot_iter_%d.npz' % i))]
         keep = self.keep if self.asynchronous else self.keep - 1
@@ -683,7 +683,8 @@ def resume(path, trainer, comm, optimizer, args=None):
     snapshot_modes; without that file, whole and of the same write, the
     snapshot is incomplete: a known reason; a snapshot written before the
     example recorded them restarts the epoch, with a warning), and a
-    sharded optimizer's state is re-sharded from every rank file (``optimizer.load_shards``).
+    sharded optimizer's state is re-sharded from every rank file
+    (``optimizer.load_shards``).
     Returns (whether the number of ranks is the same, the number of ranks
     the optimizer state was re-sharded from or None)."""
     error = None
