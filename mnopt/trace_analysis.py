@@ -16,7 +16,8 @@ Per step, on each rank's main thread (the one that records 'step'):
 - idle: the rest of the step (data loading, Python between the phases).
 
 Collectives: the 'wire' spans with a ``seq`` (ZeRO's all-gather: a
-``gather``; and ``comm``) are one collective on every rank (its buckets'
+``gather``; local steps' running statistics: ``persistents``; and
+``comm``) are one collective on every rank (its buckets'
 wires together).  Its straggler arrived last (``arrived``: entering the
 averaging, before the layout check where a late rank is waited for; else
 the wire's start), late by that less the others' median arrival; bus
@@ -190,11 +191,14 @@ def total(ivs):
 
 def collective_key(args):
     """The collective of a 'wire' (its args), alike on every rank: (comm,
-    seq), (comm, 'allgather', gather); None (a server's receive, send)."""
+    seq), (comm, 'allgather', gather), (comm, 'persistents', local step);
+    None (a server's receive, send)."""
     if 'seq' in args:
         return (args.get('comm'), args['seq'])
     if 'gather' in args:
         return (args.get('comm'), 'allgather', args['gather'])
+    if 'persistents' in args:   # local steps' running statistics
+        return (args.get('comm'), 'persistents', args['persistents'])
     return None
 
 

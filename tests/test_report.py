@@ -642,3 +642,16 @@ def test_the_advice_names_flags_the_example_takes():
     assert {'--bucket-bytes', '--overlap', '--allreduce-grad-dtype'} <= named
     taken = set(re.findall(r"add_argument\('(--[a-z][a-z-]+)'", example))
     assert named <= taken, named - taken
+
+
+def test_each_kind_of_wire_is_one_collective_across_ranks():
+    # The running statistics local steps average at a sync carry no seq
+    # (which numbers gradient averagings) but their local step: the same
+    # collective on every rank, kept apart from the averagings.
+    key = trace_analysis.collective_key
+    assert key({'comm': 'c', 'seq': 3}) == ('c', 3)
+    assert key({'comm': 'c', 'gather': 2}) == ('c', 'allgather', 2)
+    assert key({'comm': 'c', 'persistents': 4}) == ('c', 'persistents', 4)
+    assert key({'comm': 'c', 'persistents': 4}) != key(
+        {'comm': 'c', 'seq': 4})
+    assert key({'comm': 'c'}) is None
