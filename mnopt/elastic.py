@@ -1,118 +1,42 @@
 """Which hosts an elastic relaunch runs on (``python -m mnopt.launch
 --hosts ... --min-nodes K --procs-per-node P -- python train.py ...``):
-the hosts given (a list, a host file or Slurm's node list), a short probe
-of each before every attempt, the ones that answer, and the mpiexec
-command that starts the job on them.
+the hosts given (mnopt/elastic_hosts.py: a list, a host file or Slurm's
+node list), a short probe of each before every attempt, the ones that
+answer, and the mpiexec command that starts the job on them.
 
 A host that does not answer is dropped for that attempt and taken back
-at the first attempt where it answers again; each change is said with
-its reason.  The probe is a command run per host (``{host}`` replaced):
-by default ``ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true``,
-and nothing at all for this machine's own names; tests give one that
-fakes hosts going and coming.
+at the first attempt where it answers again; a host the launcher blamed
+for a failure (its ranks failed first, or never started) is left out
+while enough others answer, until it has answered more probes each time
+(``ElasticPlan.leave_out``); each change is said with its reason.  The
+probe is a command run per host (``{host}`` replaced): by default
+``ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true``, and nothing at
+all for this machine's own names; tests give one that fakes hosts going
+and coming.  With ``--take-back-after-snapshot DIR`` a running job is
+ended to take a host back once a complete snapshot is in DIR
+(mnopt/elastic_snapshots.py).
 """
 
 import os
-import re
 import shlex
+import signal
 import socket
 import subprocess
+import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+from mnopt import elastic_snapshots
+from mnopt.failure_summary import signal_name
+# The hosts given: their functions' home is mnopt/elastic_hosts.py.
+from mnopt.elastic_hosts import (  # NOQA
+    expand_slurm_nodelist, hosts_and_slots, hosts_from, parse_host_list,
+    read_hostfile, read_hostfile_slots)
 
 #: The default probe: a host answers if ssh can run ``true`` on it.
 SSH_PROBE = 'ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true'
 #: Seconds a probe may take before its host counts as not answering.
 PROBE_TIMEOUT_S = 15.0
-
-
-def parse_host_list(text):
-    """``h1,h2,...`` as a list of names (empty items dropped);
-    ValueError for a host named twice."""
-    hosts = [h.strip() for h in text.split(',') if h.strip()]
-    twice = sorted({h for h in hosts if hosts.count(h) > 1})
-    if twice:
-        raise ValueError('host %s is named twice: name each host once (the '
-                         'processes per host are --procs-per-node)'
-                         % ', '.join(twice))
-    return hosts
-
-
-def read_hostfile(path):
-    """The hosts of an MPI host file: one a line, ``#`` comments; what
-    follows the name (``:4``, ``slots=4``) is ignored (the processes per
-    host are ``--procs-per-node``)."""
-    hosts = []
-    with open(path) as f:
-        for line in f:
-            line = line.split('#', 1)[0].strip()
-            if line:
-                name = re.split(r'[\s:]', line, maxsplit=1)[0]
-                if re.search(r'[\[\],]', name):
-                    raise ValueError(
-                        '%s: %r is no host name: write one host a line, '
-                        'each by its full name (no [ranges]; for Slurm\'s '
-                        'node lists use --hosts "$(scontrol show hostnames '
-                        '| paste -sd,)")' % (path, line))
-                hosts.append(name)
-    return parse_host_list(','.join(hosts))
-
-
-def _expand_range(ranges):
-    names = []
-    for part in ranges.split(','):
-        if '-' in part:
-            first, last = part.split('-', 1)
-            names += ['%0*d' % (len(first), n)
-                      for n in range(int(first), int(last) + 1)]
-        else:
-            names.append(part)
-    return names
-
-
-def _expand_name(item, text):
-    """One name of a node list, each bracket expanded (``rack[1-2]-n[01-02]``
-    is four names, the last bracket varying fastest, as Slurm's)."""
-    found = re.match(r'^([^\[\]]*)\[([0-9,-]+)\](.*)$', item)
-    if found is None:
-        if '[' in item or ']' in item:
-            raise ValueError('%r is not a Slurm node list (at %r): give the '
-                             'hosts as --hosts h1,h2,...' % (text, item))
-        return [item]
-    prefix, ranges, rest = found.groups()
-    try:
-        middles = _expand_range(ranges)
-    except ValueError:
-        raise ValueError('%r is not a Slurm node list (at %r): give the '
-                         'hosts as --hosts h1,h2,...' % (text, item))
-    return [prefix + m + tail for m in middles
-            for tail in _expand_name(rest, text)]
-
-
-def expand_slurm_nodelist(text):
-    """Slurm's compressed node list (``node[01-03,07],gpu5``,
-    ``rack[1-2]-node[01-02]``) as names, as ``scontrol show hostnames``
-    prints them; ValueError for a list it cannot read."""
-    items = re.findall(r'(?:[^,\[]|\[[^\]]*\])+', text)
-    if ','.join(items) != text.strip(','):
-        raise ValueError('%r is not a Slurm node list: give the hosts as '
-                         '--hosts h1,h2,...' % text)
-    return [h for item in items for h in _expand_name(item, text) if h]
-
-
-def hosts_from(hosts=None, hostfile=None, environ=None):
-    """The hosts given: ``--hosts``, ``--hostfile``, or Slurm's
-    ``SLURM_JOB_NODELIST``; ValueError saying what to give where none
-    is."""
-    environ = os.environ if environ is None else environ
-    if hosts:
-        return parse_host_list(hosts)
-    if hostfile:
-        return read_hostfile(hostfile)
-    if environ.get('SLURM_JOB_NODELIST'):
-        return parse_host_list(','.join(expand_slurm_nodelist(
-            environ['SLURM_JOB_NODELIST'])))
-    raise ValueError('no hosts: give --hosts h1,h2,..., --hostfile FILE, '
-                     'or run inside a Slurm allocation (SLURM_JOB_NODELIST)')
 
 
 def _own_names():
@@ -127,7 +51,9 @@ def _own_names():
 def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
     """A probe ``probe(host) -> None or why not``: the command
     ``template`` (``{host}`` replaced) must exit 0 within ``timeout``
-    seconds.  The default ssh probe answers for this machine's own names
+    seconds.  The probe's own exit is waited for, not its output's end:
+    a child it leaves (``ssh -f``, a ControlPersist master) may hold its
+    stderr.  The default ssh probe answers for this machine's own names
     without running anything."""
     own = _own_names() if template == SSH_PROBE else set()
 
@@ -135,19 +61,32 @@ def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
         if host in own:
             return None
         argv = shlex.split(template.replace('{host}', host))
-        try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return 'the probe took more than %g s' % timeout
-        except OSError as e:
-            return 'the probe could not run (%s)' % e
-        if done.returncode != 0:
-            said = done.stderr.decode(errors='replace').strip().splitlines()
-            return 'the probe exited with status %d%s' % (
-                done.returncode, ': ' + said[-1] if said else '')
-        return None
+        with tempfile.TemporaryFile() as err:
+            try:
+                # A session of its own: a probe that hangs is killed with
+                # what it started.
+                child = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=err, start_new_session=True)
+            except OSError as e:
+                return 'the probe could not run (%s)' % e
+            try:
+                status = child.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                child.wait()
+                return 'the probe took more than %g s' % timeout
+            if status == 0:
+                return None
+            err.seek(0)
+            said = err.read().decode(errors='replace').strip().splitlines()
+        return 'the probe %s%s' % (
+            'exited with status %d' % status if status > 0 else
+            'was ended by %s' % signal_name(-status),
+            ': ' + said[-1] if said else '')
     return probe
 
 
@@ -213,11 +152,19 @@ def mpiexec_command(mpiexec, flavour, hosts, procs_per_node, command):
 
 class ElasticPlan(object):
     """Each attempt's command: the hosts that answer now, at least
-    ``min_nodes`` of them, or None (too few: the reasons are said)."""
+    ``min_nodes`` of them, or None (too few: the reasons are said).  A
+    host the launcher blamed for a failure (``leave_out``) is left out
+    while at least ``min_nodes`` others answer, until it has answered
+    2**n probes (n: the times it was left out)."""
 
     def __init__(self, pool, min_nodes, procs_per_node, command,
                  mpiexec='mpiexec', flavour=None, rejoin_dir=None,
                  probe_interval=30.0):
+        if rejoin_dir is not None and not os.path.isdir(rejoin_dir):
+            raise ValueError(
+                '--take-back-after-snapshot %s: no such folder: give the '
+                'folder the job writes its snapshots to (its --out; make it '
+                'first where the job has not yet)' % rejoin_dir)
         self.pool, self.min_nodes = pool, min_nodes
         self.procs_per_node, self.command = procs_per_node, command
         self.mpiexec = mpiexec
@@ -226,9 +173,12 @@ class ElasticPlan(object):
         #: Where snapshots appear (--take-back-after-snapshot), or None.
         self.rejoin_dir = rejoin_dir
         self.probe_interval = probe_interval
-        self._back = None   #: (hosts answering again, the snapshots then)
+        self._back = None   #: (hosts answering again, the files then)
         self._answers = {}   #: host left out -> probes answered in a row
         self._flaps = {}   #: host -> relaunches to take it back it missed
+        self._strikes = {}   #: host -> times it was left out
+        self._cooling = {}   #: host left out -> probes it must answer yet
+        self._why_out = {}   #: host left out -> why
         #: The hosts the last relaunch meant to take back but that did
         #: not answer at its own probe (the launcher counts that restart
         #: as a failure).
@@ -240,6 +190,53 @@ class ElasticPlan(object):
         time it then did not answer at the relaunch (a host that flaps
         would otherwise restart the job forever)."""
         return 2 ** self._flaps.get(host, 0)
+
+    def leave_out(self, hosts, why):
+        """After a failed attempt: leave ``hosts`` out of the next attempts
+        (``why``: what they did) until each has answered 2**n probes, the
+        relaunch's own among them (n: the times it was left out), while
+        at least ``min_nodes`` others answer."""
+        for host in hosts:
+            n = self._strikes[host] = self._strikes.get(host, 0) + 1
+            self._cooling[host], self._why_out[host] = 2 ** n, why
+            self.pool.say(
+                'mnopt.launch: leaving %s out: %s; it runs again once it '
+                'has answered %d probes (before that, only where fewer than '
+                '--min-nodes %d other hosts answer)'
+                % (host, why, 2 ** n, self.min_nodes))
+
+    def _cool(self, answered):
+        """Count a probe answered by each host left out in ``answered``;
+        the hosts whose wait it ends (said)."""
+        over = []
+        for host in answered:
+            if host in self._cooling:
+                self._cooling[host] -= 1
+                if self._cooling[host] <= 0:
+                    del self._cooling[host]
+                    over.append(host)
+                    self.pool.say(
+                        'mnopt.launch: %s has answered %d probes since it '
+                        'was left out (%s): it may run again' % (
+                            host, 2 ** self._strikes[host],
+                            self._why_out.pop(host)))
+        return over
+
+    def _select(self):
+        """(the hosts that answer, those the attempt would run on)."""
+        up = self.pool.select()
+        self._cool(up)
+        use = [h for h in up if h not in self._cooling]
+        kept = [h for h in up if h in self._cooling][
+            :max(0, self.min_nodes - len(use))]
+        if kept:
+            self.pool.say(
+                'mnopt.launch: running on %s though it was left out (%s): '
+                'without it fewer than --min-nodes %d hosts answer' % (
+                    ','.join(kept), '; '.join(self._why_out[h] for h in kept),
+                    self.min_nodes))
+            use = [h for h in up if h not in self._cooling or h in kept]
+        return up, use
 
     def _note_missed_take_back(self, up):
         self.missed_take_back = [h for h in (self._back or ((), ))[0]
@@ -253,25 +250,42 @@ class ElasticPlan(object):
                     host, self.pool.down.get(host, 'it did not answer'),
                     self.answers_needed(host)))
 
-    def command_for_attempt(self):
-        up = self.pool.select()
+    def command_for_attempt(self, wait=0.0, stopping=None):
+        """The next attempt's mpiexec command, or None where fewer than
+        ``min_nodes`` hosts answer, after probing again every
+        ``probe_interval`` (1 s at least) for up to ``wait`` seconds, or
+        until ``stopping`` (a threading.Event) is set."""
+        up, use = self._select()
         self._note_missed_take_back(up)
         self._back, self._answers = None, {}
-        if len(up) < self.min_nodes:
-            self.pool.say(
-                'mnopt.launch: %d of %d hosts answer, fewer than --min-nodes '
-                '%d: not starting the job (%s)' % (
-                    len(up), len(self.pool.hosts), self.min_nodes,
-                    self.pool.why_down()))
-            return None
-        if up != self.hosts:
+        deadline, told = time.monotonic() + wait, False
+        while len(up) < self.min_nodes:
+            left = deadline - time.monotonic()
+            short = '%d of %d hosts answer, fewer than --min-nodes %d' % (
+                len(up), len(self.pool.hosts), self.min_nodes)
+            pause = min(max(self.probe_interval, 1.0), left)
+            if not told and left > 0:
+                told = True
+                self.pool.say('mnopt.launch: %s: waiting up to %g s '
+                              '(--wait-for-nodes) for more, probing every '
+                              '%g s (%s)' % (short, wait, pause,
+                                             self.pool.why_down()))
+            if left <= 0 or (stopping.wait(pause) if stopping is not None
+                             else time.sleep(pause)):
+                self.pool.say('mnopt.launch: %s: not starting the job (%s)%s'
+                              % (short, self.pool.why_down(),
+                                 ' after waiting %g s (--wait-for-nodes)' %
+                                 wait if left <= 0 and wait else ''))
+                return None
+            up, use = self._select()
+        if use != self.hosts:
             self.pool.say('mnopt.launch: starting on %d host%s (%s), %d '
                           'process%s each' % (
-                              len(up), 's' * (len(up) > 1), ','.join(up),
+                              len(use), 's' * (len(use) > 1), ','.join(use),
                               self.procs_per_node,
                               'es' * (self.procs_per_node > 1)))
-        self.hosts = up
-        return mpiexec_command(self.mpiexec, self.flavour, up,
+        self.hosts = use
+        return mpiexec_command(self.mpiexec, self.flavour, use,
                                self.procs_per_node, self.command)
 
     def takes_back(self):
@@ -281,23 +295,15 @@ class ElasticPlan(object):
             len(self.hosts) < len(self.pool.hosts)
 
     def _snapshot_files(self):
-        """{name: modification time} of the complete snapshot files in
-        ``rejoin_dir``: files only (Chainer writes into a temporary
-        folder), none whose name starts with '.' (mnopt's partial
-        files, written but not yet complete)."""
-        try:
-            with os.scandir(self.rejoin_dir) as entries:
-                return {e.name: e.stat().st_mtime_ns for e in entries
-                        if not e.name.startswith('.') and e.is_file()}
-        except OSError:
-            return {}
+        return elastic_snapshots.listing(self.rejoin_dir)
 
     def _answering_again(self):
         back = []
         said = probe_all(self.pool.probe, [
             h for h in self.pool.hosts if h not in self.hosts])
+        self._cool([h for h, why in said.items() if why is None])
         for host, why in said.items():
-            answered = why is None
+            answered = why is None and host not in self._cooling
             self._answers[host] = self._answers.get(host, 0) + 1 \
                 if answered else 0
             if self._answers[host] >= self.answers_needed(host):
@@ -307,9 +313,10 @@ class ElasticPlan(object):
     def time_to_take_back(self):
         """Called every ``probe_interval`` while an attempt runs: probes
         the hosts left out; once one has answered enough probes in a row
-        (``answers_needed``), True as soon as a snapshot file is complete
-        that was not before (a new name, or a name written again), however
-        often snapshots come."""
+        (``answers_needed``, after its wait if it was left out), True as
+        soon as a snapshot is complete in ``rejoin_dir`` whose every file
+        was written since (mnopt/elastic_snapshots.py), however often
+        snapshots come."""
         if self._back is None:
             back = self._answering_again()
             if back:
@@ -320,12 +327,12 @@ class ElasticPlan(object):
                         ','.join(back), 's' * (len(back) == 1),
                         'it' if len(back) == 1 else 'them', self.rejoin_dir))
             return False
-        before = self._back[1]
-        new = sorted(n for n, t in self._snapshot_files().items()
-                     if before.get(n) != t)
+        new = elastic_snapshots.new_since(
+            self.rejoin_dir, self._back[1],
+            len(self.hosts) * self.procs_per_node)
         if new:
-            self.pool.say('mnopt.launch: a snapshot was written (%s): ending '
-                          'the job to relaunch it with %s' % (
+            self.pool.say('mnopt.launch: a complete snapshot was written '
+                          '(%s): ending the job to relaunch it with %s' % (
                               ', '.join(new), ','.join(self._back[0])))
             return True
         return False

@@ -18,22 +18,27 @@ allocation, with ``--min-nodes K --procs-per-node P``): the command after
 ``--`` is each process's (``python train.py --resume auto``), and the
 launcher starts mpiexec itself, on the hosts that answer a short probe
 (mnopt/elastic.py), before every attempt: a failure is relaunched on the
-hosts still answering, as long as at least K do, and a host that answers
-again is taken back at the next attempt (with
-``--take-back-after-snapshot DIR``, a running job is ended on purpose
-after the next snapshot in DIR to take it back, which is no failure).
-It says which hosts it dropped or took back, and why.
+hosts still answering, as long as at least K do (waiting up to
+``--wait-for-nodes`` seconds for them), the host the failure names (its
+ranks failed first, or never started) is left out for a while where K
+others answer, and a host that answers again is taken back at the next
+attempt (with ``--take-back-after-snapshot DIR``, a running job is ended
+on purpose after the next complete snapshot in DIR to take it back,
+which is no failure).  It says which hosts it dropped, left out or took
+back, and why.
 
 It stops at the first success, at ``--max-restarts`` failures in a row, or
-when interrupted: SIGINT/SIGTERM are passed to every process of the
-attempt's process group (its own: mnopt/launch_attempt.py), which is
-killed if it has not ended ``--stop-timeout`` seconds later, and the
-launcher exits with 128 + the signal's number (with the last attempt's
-status where the signal came between attempts).  Otherwise its exit
-status is the last attempt's.  An elastic attempt whose ranks do not all start
-(import mnopt) within ``--start-timeout`` seconds is ended the same way
-and counts as a failure: an MPI launcher waits for ever for a host that
-died after its probe.
+when interrupted: SIGINT/SIGTERM (SIGHUP/SIGQUIT too, passed on as
+SIGTERM) are passed to every process of the attempt's process group (its
+own: mnopt/launch_attempt.py), which is killed if it has not ended
+``--stop-timeout`` seconds later, and the launcher exits with 128 + the
+signal's number (with the last attempt's status where the signal came
+between attempts).  Otherwise its exit status is the last attempt's (128
++ N where signal N ended it), or 1 where the last attempt never started:
+an elastic attempt whose ranks do not all start (import mnopt) within
+``--start-timeout`` seconds is ended the same way and counts as a
+failure (an MPI launcher waits for ever for a host that died after its
+probe).
 
 After each failed attempt it prints one failure summary
 (mnopt/failure_summary.py): which rank failed first, how, its traceback,
@@ -47,7 +52,6 @@ what MPI's launcher says on stderr (which passes through this one).
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -67,82 +71,41 @@ logger = _log.get('mnopt.launch')   # also when run as __main__
 STOP_TIMEOUT_S = 20.0
 #: Seconds every rank of an elastic attempt has to note its start.
 START_TIMEOUT_S = 300.0
-#: Seconds between looks at the attempt while its start is watched.
-LOOK_S = 0.25
+#: Seconds an elastic launcher waits for --min-nodes hosts to answer
+#: before an attempt (a node's reboot takes minutes).
+WAIT_FOR_NODES_S = 300.0
+#: The launcher's status where the last attempt never started (it ended
+#: the attempt itself: not the job's status, nor a signal's).
+NEVER_STARTED = 1
+#: The signals that stop the launcher and its attempt; the attempt's
+#: group gets SIGTERM for SIGHUP and SIGQUIT (which MPI's launchers may
+#: not clean up after).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
-def _start_watch(attempt, plan, start_timeout):
-    """The ranks whose start is awaited, or None where the start is not
-    watched (no elastic plan, no deadline, no folder, or one process:
-    a job of one writes no start record)."""
-    if plan is None or not start_timeout or attempt.folder is None:
-        return None
-    expected = len(plan.hosts) * plan.procs_per_node
-    return expected if expected > 1 else None
-
-
-def _wait(attempt, plan, stopping, start_timeout, stop_timeout, say):
-    """Wait for the attempt's end; returns (its exit status, why the
-    launcher ended it: None, 'take back' (elastic.ElasticPlan.
-    time_to_take_back), 'never started' or 'signal')."""
-    begun = time.monotonic()
-    expected = _start_watch(attempt, plan, start_timeout)
-    takes_back = plan is not None and plan.takes_back()
-    next_probe = begun + (plan.probe_interval if takes_back else 0)
-    child = attempt.child
-    while True:
-        # Looked at in turns: a signal's handler does not end a wait.
-        ticks = [LOOK_S]
-        if takes_back:
-            ticks.append(max(0.0, next_probe - time.monotonic()))
-        try:
-            return child.wait(timeout=min(ticks)), None
-        except subprocess.TimeoutExpired:
-            pass
-        now = time.monotonic()
-        if stopping.is_set():
-            left = stop_timeout - (now - stopping.at)
-            return attempt.end_within(max(0.0, left)), 'signal'
-        if expected and len(attempt.started_ranks()) >= expected:
-            expected = None   # all started: mnopt's stall detection on
-        elif expected and now - begun >= start_timeout:
-            _say_never_started(attempt, plan, start_timeout, say)
-            return attempt.stop(signal.SIGTERM, stop_timeout), \
-                'never started'
-        if takes_back and now >= next_probe:
-            next_probe = now + plan.probe_interval
-            if plan.time_to_take_back():
-                return attempt.stop(signal.SIGTERM, stop_timeout), \
-                    'take back'
-
-
-def _say_never_started(attempt, plan, start_timeout, say):
-    missing = launch_attempt.never_started(
-        attempt.started_ranks(), plan.hosts, plan.procs_per_node)
-    say('mnopt.launch: the job started on %s (%d process%s each) never '
-        'started: within %g s (--start-timeout) %s noted no start in %s; '
-        'ending it, and probing the hosts again.  If those ranks did '
-        'start, the hosts do not share that folder (it is made in the '
-        'current directory): start the launcher in a directory every host '
-        'sees, or pass --start-timeout 0' % (
-            ','.join(plan.hosts), plan.procs_per_node,
-            'es' * (plan.procs_per_node > 1), start_timeout,
-            '; '.join('ranks %s on %s' % (','.join(map(str, ranks)), host)
-                      for host, ranks in missing.items()),
-            attempt.folder))
+def describe(status):
+    """``exited with status 3``, or ``was ended by SIGTERM`` for a
+    process a signal ended (Popen's negative status)."""
+    return 'exited with status %d' % status if status >= 0 else \
+        'was ended by %s' % failure_summary.signal_name(-status)
 
 
 def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
-        start_timeout=START_TIMEOUT_S, stop_timeout=STOP_TIMEOUT_S):
+        start_timeout=START_TIMEOUT_S, stop_timeout=STOP_TIMEOUT_S,
+        wait_for_nodes=WAIT_FOR_NODES_S):
     """Run ``command`` (an argv list) until it succeeds or has failed
-    ``max_restarts + 1`` times; returns the last exit status (128 + the
-    signal's number where SIGINT or SIGTERM stopped an attempt).  With
-    ``plan`` (elastic.ElasticPlan) each attempt's command is the plan's,
-    on the hosts that answer; too few of them end the launcher (status
-    1, or the last attempt's); an attempt whose ranks do not all note
-    their start within ``start_timeout`` seconds (0: no limit) is ended
-    and counts as a failure.  A signal is passed to the attempt's whole
-    process group, which is killed ``stop_timeout`` seconds later.
+    ``max_restarts + 1`` times; returns the last exit status (Popen's:
+    -N where signal N ended it; 128 + the signal's number where SIGINT,
+    SIGTERM, SIGHUP or SIGQUIT stopped an attempt; ``NEVER_STARTED``
+    where the last attempt never started).  With ``plan``
+    (elastic.ElasticPlan) each attempt's command is the plan's, on the
+    hosts that answer; too few of them, still after ``wait_for_nodes``
+    seconds, end the launcher (status 1, or the last attempt's); an
+    attempt whose ranks do not all note their start within
+    ``start_timeout`` seconds (0: no limit) is ended and counts as a
+    failure; the host a failure names is left out of the next attempts
+    while enough others answer.  A signal is passed to the attempt's
+    whole process group, which is killed ``stop_timeout`` seconds later.
 
     Each failure and an interruption are reported as WARNING records of
     logger ``mnopt.launch`` (mnopt/log.py: by default on stderr), or
@@ -161,12 +124,13 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
         if not stopping.is_set():
             stopping.signum, stopping.at = signum, time.monotonic()
             stopping.set()
+        passed = signum if signum in (signal.SIGINT, signal.SIGTERM) \
+            else signal.SIGTERM
         for attempt in running:
-            attempt.signal_group(signum)
+            attempt.signal_group(passed)
 
     status = 1
-    previous = {s: signal.signal(s, forward)
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     if plan is not None:
         plan.pool.say = say
     try:
@@ -175,7 +139,11 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
         while failures <= max_restarts:
             env = dict(os.environ, MNOPT_RESTART=str(attempt_number))
             attempt_number += 1
-            argv = command if plan is None else plan.command_for_attempt()
+            argv = command if plan is None else plan.command_for_attempt(
+                wait_for_nodes, stopping)
+            if stopping.is_set():   # a signal while the hosts were probed
+                say('mnopt.launch: interrupted; not starting the job')
+                return 128 + stopping.signum
             if argv is None:
                 return status
             if why == 'take back' and plan.missed_take_back:
@@ -189,25 +157,26 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
                 if failures > max_restarts:
                     say('mnopt.launch: no restarts left')
                     return status
-            if stopping.is_set():   # a signal while the hosts were probed
-                say('mnopt.launch: interrupted; not starting the job')
-                return 128 + stopping.signum
             start = time.monotonic()
             attempt = launch_attempt.Attempt(argv, env)
             running.append(attempt)
             try:
                 attempt.start()
                 if stopping.is_set():   # a signal while it was started
-                    attempt.signal_group(stopping.signum)
-                status, why = _wait(attempt, plan, stopping, start_timeout,
-                                    stop_timeout, say)
+                    forward(stopping.signum, None)
+                status, why = launch_attempt.watch(
+                    attempt, plan, stopping, start_timeout, stop_timeout,
+                    say)
             finally:
                 running.remove(attempt)
+            missing = launch_attempt.never_started(
+                attempt.started_ranks(), plan.hosts, plan.procs_per_node) \
+                if why == 'never started' else None
             found = attempt.finish()
             if stopping.is_set():
-                say('mnopt.launch: interrupted (%s); the job ended with '
-                    'status %d; not restarting' % (
-                        signal.Signals(stopping.signum).name, status))
+                say('mnopt.launch: interrupted (%s); the job %s; not '
+                    'restarting' % (signal.Signals(stopping.signum).name,
+                                    describe(status)))
                 return 128 + stopping.signum
             if status == 0:
                 return status
@@ -215,17 +184,22 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
                 continue
             failures += 1
             left = max_restarts + 1 - failures
-            if found is not None and why != 'never started':
+            if why == 'never started':
+                status = NEVER_STARTED
+            elif found is not None:
                 say('\n'.join(failure_summary.launcher_block(
-                    found, status, failures, max_restarts + 1,
-                    attempt.ended or None)))
+                    found, status if status >= 0 else 128 - status,
+                    failures, max_restarts + 1, attempt.ended or None)))
             say('mnopt.launch: the job %s after %.1f s (attempt %d of '
                 '%d)%s' % (
                     'never started' if why == 'never started' else
-                    'exited with status %d' % status,
+                    describe(status),
                     time.monotonic() - start, failures, max_restarts + 1,
                     '; restarting in %g s' % delay if left else
                     '; no restarts left'))
+            if left and plan is not None:
+                launch_attempt.blame(plan, attempt, found, why, missing,
+                                     say)
             # A signal during the delay ends the launcher: the user, or the
             # scheduler, asked it to stop, so no attempt may start after it.
             if left and stopping.wait(delay):
@@ -276,11 +250,18 @@ def main(argv=None):
     p.add_argument('--take-back-after-snapshot', metavar='DIR',
                    help='elastic: while a host is left out, probe it every '
                    '--probe-interval; once it answers, end the job after '
-                   'the next snapshot written in DIR and relaunch with it')
+                   'the next complete snapshot written in DIR (an existing '
+                   'folder) and relaunch with it')
     p.add_argument('--probe-interval', type=cli.nonnegative_float,
                    default=30.0, metavar='S',
                    help='elastic: seconds between probes of the hosts left '
-                   'out, with --take-back-after-snapshot (default 30)')
+                   'out, with --take-back-after-snapshot, and while too '
+                   'few hosts answer (default 30)')
+    p.add_argument('--wait-for-nodes', type=cli.nonnegative_float,
+                   default=WAIT_FOR_NODES_S, metavar='S',
+                   help='elastic: seconds to wait, probing again, for '
+                   '--min-nodes hosts to answer before an attempt; 0: end '
+                   'at once (default %(default)g)')
     p.add_argument('--start-timeout', type=cli.nonnegative_float,
                    default=START_TIMEOUT_S, metavar='S',
                    help='elastic: seconds every rank of an attempt has to '
@@ -290,7 +271,7 @@ def main(argv=None):
     p.add_argument('--stop-timeout', type=cli.nonnegative_float,
                    default=STOP_TIMEOUT_S, metavar='S',
                    help='seconds the job has to end after the launcher '
-                   'passed it SIGINT or SIGTERM (or ended it to take a host '
+                   'passed it a signal (or ended it to take a host '
                    'back) before its processes are killed (default '
                    '%(default)g)')
     p.add_argument('command', nargs=argparse.REMAINDER,
@@ -306,7 +287,8 @@ def main(argv=None):
         plan = _elastic_plan(p, args, command)
     status = run(command, args.max_restarts, args.delay, plan=plan,
                  start_timeout=args.start_timeout,
-                 stop_timeout=args.stop_timeout)
+                 stop_timeout=args.stop_timeout,
+                 wait_for_nodes=args.wait_for_nodes)
     # A job a signal ended (Popen's -N): the shell's 128 + N.
     return status if status >= 0 else 128 - status
 
@@ -322,20 +304,26 @@ def _elastic_plan(p, args, command):
                 'is each process\'s (python train.py ...): the launcher '
                 'starts %s itself' % args.mpiexec)
     try:
-        hosts = elastic.hosts_from(args.hosts, args.hostfile)
+        hosts, slots = elastic.hosts_and_slots(args.hosts, args.hostfile)
     except (OSError, ValueError) as e:
         p.error(str(e))
+    if slots and args.procs_per_node and slots != args.procs_per_node:
+        p.error('%s gives each host %d slots, and --procs-per-node %d: give '
+                'one of them (or the same number)' % (
+                    args.hostfile, slots, args.procs_per_node))
     min_nodes = args.min_nodes or 1
     if min_nodes > len(hosts):
         p.error('--min-nodes %d is more than the %d hosts given (%s)'
                 % (min_nodes, len(hosts), ','.join(hosts)))
     pool = elastic.HostPool(hosts, elastic.command_probe(
-        args.probe, args.probe_timeout),
-                            say=None)
-    return elastic.ElasticPlan(pool, min_nodes, args.procs_per_node or 1,
-                               command, mpiexec=args.mpiexec,
-                               rejoin_dir=args.take_back_after_snapshot,
-                               probe_interval=args.probe_interval)
+        args.probe, args.probe_timeout), say=None)
+    try:
+        return elastic.ElasticPlan(
+            pool, min_nodes, args.procs_per_node or slots or 1, command,
+            mpiexec=args.mpiexec, rejoin_dir=args.take_back_after_snapshot,
+            probe_interval=args.probe_interval)
+    except ValueError as e:
+        p.error(str(e))
 
 
 if __name__ == '__main__':

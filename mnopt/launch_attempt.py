@@ -2,7 +2,9 @@
 group of its own, its output passed through (noting what MPI's launcher
 says of a rank a signal ended), its start watched, and the whole group
 stopped when the launcher must stop it: nothing the attempt started
-outlives the launcher's signal by more than a bounded wait.
+outlives the launcher's signal by more than a bounded wait.  After a
+failed elastic attempt, the host it names (``blame``): where the first
+failure was, or where ranks never started.
 
 Its start: every rank of a job of several notes its start in the folder
 ``MNOPT_FAILURE_DIR`` when it imports mnopt (mnopt/failure_summary.py,
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from mnopt import failure_summary
 
@@ -29,15 +32,22 @@ HYDRA_SIGNAL = re.compile(rb'EXIT STRING: .*\(signal (\d+)\)')
 OPEN_MPI = re.compile(rb'process rank (\d+) with PID (\d+) on node (\S+) '
                       rb'exited on signal (\d+)')
 START_RECORD = re.compile(r'^rank-(\d+)\.start$')
+#: What mnopt says of a rank that exited before MPI started
+#: (mnopt/global_except_hook.py): each rank its own line.
+EARLY_EXIT = re.compile(rb'mnopt: rank (\d+) exited with status \d+ before '
+                        rb'MPI started')
 
+#: Seconds between looks at the attempt while its start is watched.
+LOOK_S = 0.25
 #: How long the job's stderr may stay open after the job ended (a rank
 #: its launcher left behind holds it) before the summary is printed.
 READ_S = 5.0
 
 
-def _forward(source, into, ended):
+def _forward(source, into, ended, exits):
     """Copy the job's output ``source`` to ``into`` line by line, noting
-    in ``ended`` the rank a signal ended, as the MPI launcher says it."""
+    in ``ended`` the rank a signal ended, as the MPI launcher says it, and
+    in ``exits`` each rank mnopt says exited before MPI started."""
     where = {}
     for line in iter(source.readline, b''):
         try:
@@ -57,6 +67,9 @@ def _forward(source, into, ended):
             ended.update(rank=int(found.group(1)), pid=int(found.group(2)),
                          host=found.group(3).decode(errors='replace'),
                          signal=int(found.group(4)))
+        found = EARLY_EXIT.search(line)
+        if found:
+            exits.append(int(found.group(1)))
 
 
 def failure_folder():
@@ -74,12 +87,13 @@ class Attempt(object):
     """One run of ``command``: ``start()``, then ``child`` is the process
     (the leader of its own process group), ``folder`` the ranks' record
     folder (or None), ``ended`` what the MPI launcher said of a rank a
-    signal ended; ``finish()`` reads and removes the folder."""
+    signal ended, ``exits`` the ranks mnopt said exited before MPI
+    started; ``finish()`` reads and removes the folder."""
 
     def __init__(self, command, env):
         self.command, self.env = command, env
         self.child = self.folder = None
-        self.ended, self.readers = {}, []
+        self.ended, self.exits, self.readers = {}, [], []
 
     def start(self):
         self.folder = failure_folder()
@@ -103,7 +117,8 @@ class Attempt(object):
             self.command, env=env, stdin=stdin, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True)
         self.readers = [threading.Thread(target=_forward, daemon=True,
-                                         args=(source, out, self.ended))
+                                         args=(source, out, self.ended,
+                                               self.exits))
                         for source, out in zip((self.child.stdout,
                                                 self.child.stderr), into)]
         for reader in self.readers:
@@ -175,3 +190,133 @@ def never_started(started, hosts, procs_per_node):
             missing.setdefault(hosts[rank // procs_per_node], []).append(
                 rank)
     return missing
+
+
+def _rank_of(rec):
+    """The rank a failure record is of (its ``who``: a rank may write of
+    another), or None."""
+    who = str(rec.get('who') or 'rank %s' % rec.get('rank'))
+    return int(who[5:]) if re.match(r'^rank \d+$', who) else None
+
+
+def blamed_hosts(found, ended, exits, hosts, procs_per_node):
+    """``(hosts, why)`` after a failed attempt on ``hosts`` (ranks placed
+    in order, ``procs_per_node`` each): the host of the rank that failed
+    first, as the ranks' records (``found``: failure_summary.read_folder),
+    an MPI launcher naming a rank a signal ended (``ended``; MPICH's, which
+    names no rank and may name one it ended itself, is not taken) or
+    mnopt's line of a rank that exited before MPI started (``exits``) tell
+    it; ``([], why none)`` where nothing names one, or ranks failed on
+    every host (the job's own error, not a host's)."""
+    def host_of(rank):
+        ok = rank is not None and 0 <= rank < len(hosts) * procs_per_node
+        return hosts[rank // procs_per_node] if ok else None
+    found = found or {'start': {}, 'failure': {}, 'fault': {}}
+    named = ended if ended and ended.get('rank') is not None else None
+    failed = [_rank_of(r) for r in found['failure'].values()
+              if r.get('how') != 'stall'] + list(exits) + [
+        r for r, text in found['fault'].items() if text.strip()]
+    first = failure_summary.first_failure(found, named)
+    if first is not None and first.get('how') != 'stall':
+        rank, how = _rank_of(first), first['how']
+    elif named is not None or exits:
+        rank = int(named['rank']) if named is not None else exits[0]
+        how = 'a signal' if named is not None else 'it exited before MPI ' \
+            'started'
+    else:
+        return [], 'no rank left a record or was named where it failed'
+    if host_of(rank) is None:
+        return [], 'the rank that failed first (rank %s) is not one of ' \
+            'the job\'s' % rank
+    if {host_of(r) for r in failed + [rank]} >= set(hosts):
+        return [], 'ranks failed on every host (%s): the job\'s own ' \
+            'error, not a host\'s' % ','.join(hosts)
+    return [host_of(rank)], 'rank %d failed first there (%s)' % (rank, how)
+
+
+def never_started_hosts(missing, hosts):
+    """``(hosts, why)`` after an attempt that never started: the hosts of
+    the ranks that did not start (``missing``: ``never_started``), or
+    ``([], why none)`` where no rank started on any host (the folder not
+    shared, or the MPI launcher itself stuck)."""
+    if set(missing) >= set(hosts):
+        return [], 'no rank started on any host'
+    return [h for h in hosts if h in missing], 'its ranks did not start ' \
+        'within --start-timeout'
+
+
+def _start_watch(attempt, plan, start_timeout):
+    """The ranks whose start is awaited, or None where the start is not
+    watched (no elastic plan, no deadline, no folder, or one process:
+    a job of one writes no start record)."""
+    if plan is None or not start_timeout or attempt.folder is None:
+        return None
+    expected = len(plan.hosts) * plan.procs_per_node
+    return expected if expected > 1 else None
+
+
+def watch(attempt, plan, stopping, start_timeout, stop_timeout, say):
+    """Wait for the attempt's end (``stopping``: a threading.Event a
+    signal's handler sets, with its time in ``at``); returns (its exit
+    status, why the launcher ended it: None, 'take back' (elastic.
+    ElasticPlan.time_to_take_back), 'never started' or 'signal')."""
+    begun = time.monotonic()
+    expected = _start_watch(attempt, plan, start_timeout)
+    takes_back = plan is not None and plan.takes_back()
+    next_probe = begun + (plan.probe_interval if takes_back else 0)
+    child = attempt.child
+    while True:
+        # Looked at in turns: a signal's handler does not end a wait.
+        ticks = [LOOK_S]
+        if takes_back:
+            ticks.append(max(0.0, next_probe - time.monotonic()))
+        try:
+            return child.wait(timeout=min(ticks)), None
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if stopping.is_set():
+            left = stop_timeout - (now - stopping.at)
+            return attempt.end_within(max(0.0, left)), 'signal'
+        if expected and len(attempt.started_ranks()) >= expected:
+            expected = None   # all started: mnopt's stall detection on
+        elif expected and now - begun >= start_timeout:
+            _say_never_started(attempt, plan, start_timeout, say)
+            return attempt.stop(signal.SIGTERM, stop_timeout), \
+                'never started'
+        if takes_back and now >= next_probe:
+            next_probe = now + plan.probe_interval
+            if plan.time_to_take_back():
+                return attempt.stop(signal.SIGTERM, stop_timeout), \
+                    'take back'
+
+
+def _say_never_started(attempt, plan, start_timeout, say):
+    missing = never_started(
+        attempt.started_ranks(), plan.hosts, plan.procs_per_node)
+    say('mnopt.launch: the job started on %s (%d process%s each) never '
+        'started: within %g s (--start-timeout) %s noted no start in %s; '
+        'ending it, and probing the hosts again.  If those ranks did '
+        'start, the hosts do not share that folder (it is made in the '
+        'current directory): start the launcher in a directory every host '
+        'sees, or pass --start-timeout 0' % (
+            ','.join(plan.hosts), plan.procs_per_node,
+            'es' * (plan.procs_per_node > 1), start_timeout,
+            '; '.join('ranks %s on %s' % (','.join(map(str, ranks)), host)
+                      for host, ranks in missing.items()),
+            attempt.folder))
+
+
+def blame(plan, attempt, found, why, missing, say):
+    """After a failed elastic attempt: leave out the host that failed
+    (elastic.ElasticPlan.leave_out), or say why none is."""
+    if why == 'never started':
+        hosts, reason = never_started_hosts(missing, plan.hosts)
+    else:
+        hosts, reason = blamed_hosts(
+            found, attempt.ended, attempt.exits, plan.hosts,
+            plan.procs_per_node)
+    if hosts:
+        plan.leave_out(hosts, reason)
+    else:
+        say('mnopt.launch: no host left out: %s' % reason)

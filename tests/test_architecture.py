@@ -45,6 +45,7 @@ LAYERS = [
     ('entry points', ['mnopt', 'mnopt.__main__', 'mnopt.check',
                       'mnopt.benchmark', 'mnopt.benchmarking',
                       'mnopt.netsim', 'mnopt.launch', 'mnopt.elastic',
+                      'mnopt.elastic_hosts', 'mnopt.elastic_snapshots',
                       'mnopt.launch_attempt',
                       'mnopt.report',
                       'mnopt.report_rules', 'mnopt.report_plot',

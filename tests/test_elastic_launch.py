@@ -50,8 +50,9 @@ def test_hosts_are_probed_at_once_within_the_probe_timeout():
 
 def test_a_hostfile_names_hosts_one_a_line(tmp_path):
     f = tmp_path / 'hosts'
-    f.write_text('# the rack\nh1:4\nh2 slots=4\n\nh3\n')
+    f.write_text('# the rack\nh1\nh2 # spare\n\nh3\n')
     assert elastic.read_hostfile(str(f)) == ['h1', 'h2', 'h3']
+    assert elastic.read_hostfile_slots(str(f)) == (['h1', 'h2', 'h3'], None)
 
 
 def test_no_hosts_or_a_host_twice_is_an_error_saying_what_to_give():
@@ -170,6 +171,7 @@ def test_too_few_hosts_after_a_failure_end_the_launcher(tmp_path):
     flag = tmp_path / 'down-127.0.0.1'
     done = launch('--hosts', 'localhost,127.0.0.1', '--min-nodes', '2',
                   '--procs-per-node', '1', '--delay', '0',
+                  '--wait-for-nodes', '0',
                   '--probe', 'test ! -e %s/down-{host}' % tmp_path,
                   '--mpiexec', mpiexec()[0], '--',
                   sys.executable, str(script), str(flag), timeout=180)
@@ -241,8 +243,8 @@ def test_a_host_back_is_taken_back_after_the_next_snapshot(tmp_path):
     err = done.stderr
     assert '127.0.0.1 answers again: the job restarts to take it back ' \
         'after the next snapshot' in err, err
-    assert 'a snapshot was written (snapshot_iter_10): ending the job to ' \
-        'relaunch it with 127.0.0.1' in err, err
+    assert 'a complete snapshot was written (snapshot_iter_10): ending the ' \
+        'job to relaunch it with 127.0.0.1' in err, err
     assert 'took back 127.0.0.1' in err
 
 
@@ -271,7 +273,7 @@ def test_a_snapshot_taken_back_at_once_however_often_snapshots_come(
     # look (snapshots more often than --probe-interval).
     (tmp_path / 'snapshot_iter_2.0').write_text('')
     assert plan.time_to_take_back()
-    assert 'a snapshot was written (snapshot_iter_2.0)' in said[-1]
+    assert 'a complete snapshot was written (snapshot_iter_2)' in said[-1]
 
 
 def test_a_host_that_flaps_must_answer_longer_before_a_take_back(tmp_path):
@@ -302,7 +304,7 @@ echo "$MNOPT_RESTART" >> "$1/attempts"
 [ "$MNOPT_RESTART" -ge 4 ] && exit 0
 i=0; n=20; [ "$MNOPT_RESTART" = 0 ] && n=600
 while [ $i -lt $n ]; do
-    i=$((i+1)); touch "$1/snaps/snap_${MNOPT_RESTART}_$i"; sleep 0.1
+    i=$((i+1)); touch "$1/snaps/snapshot_${MNOPT_RESTART}_$i"; sleep 0.1
 done
 '''
 
@@ -357,13 +359,21 @@ def test_an_attempt_that_never_starts_is_ended_and_counts_as_a_failure(
     probes = []
     pool = elastic.HostPool(['a', 'b'], lambda h: probes.append(h),
                             None)
-    plan = elastic.ElasticPlan(pool, 1, 1, ['python', 't.py'],
+    # --min-nodes 2: b, whose rank did not start, runs again all the same.
+    plan = elastic.ElasticPlan(pool, 2, 1, ['python', 't.py'],
                                mpiexec=str(fake_mpiexec), flavour='hydra')
     log = io.StringIO()
     status = launcher.run(None, max_restarts=1, delay=0, log=log, plan=plan,
                           start_timeout=1, stop_timeout=60)
     said = log.getvalue()
-    assert status == -15, said   # SIGTERM ended each
+    # The launcher ended each: its own status, not SIGTERM's.
+    assert status == launcher.NEVER_STARTED == 1, said
+    if started:
+        assert 'leaving b out: its ranks did not start within ' \
+            '--start-timeout' in said, said
+        assert 'running on b though it was left out' in said, said
+    else:
+        assert 'no host left out: no rank started on any host' in said
     assert said.count('the job started on a,b (1 process each) never '
                       'started: within 1 s (--start-timeout)') == 2, said
     missing = 'ranks 1 on b' if started else 'ranks 0 on a; ranks 1 on b'
@@ -434,16 +444,20 @@ def _launch_and_signal(tmp_path, signum, on_term):
     return launcher.returncode, err, int(running.read_text())
 
 
-@pytest.mark.parametrize('name', ['SIGINT', 'SIGTERM'])
+@pytest.mark.parametrize('name,passed', [
+    ('SIGINT', 'INT'), ('SIGTERM', 'TERM'),
+    # The terminal or ssh session closed, or SIGQUIT: the job gets SIGTERM
+    # (its own session hears no hangup), the launcher exits 129 or 131.
+    ('SIGHUP', 'TERM'), ('SIGQUIT', 'TERM')])
 def test_a_signal_reaches_the_job_and_the_launcher_exits_128_plus_it(
-        tmp_path, name):
+        tmp_path, name, passed):
     import signal
     signum = getattr(signal, name)
     status, err, pid = _launch_and_signal(
         tmp_path, signum,
         'echo TERM >> "%s/signalled"; exit 143' % tmp_path)
     assert status == 128 + signum, err
-    assert (tmp_path / 'signalled').read_text().split() == [name[3:]]
+    assert (tmp_path / 'signalled').read_text().split() == [passed]
     assert 'mnopt.launch: interrupted (%s)' % name in err, err
     assert 'not restarting' in err
 
