@@ -156,6 +156,37 @@ def test_the_record_is_what_every_rank_read(tmp_path):
     assert set(numpy.nonzero(seen)[0]) == read
 
 
+@pytest.mark.many_ranks
+def test_ranks_two_epochs_apart_record_no_position_and_say_so(tmp_path,
+                                                              caplog):
+    # force_equal_length=False: shares of unequal length, the ranks'
+    # epochs drift apart.  Two epochs apart, no position is recorded, and
+    # rank 0 says so once.
+    from mnopt.iterators.epoch_position import epoch_record, SEEN_KEY
+    comm = mnopt.create_communicator('naive')
+    if comm.size == 1:
+        pytest.skip('needs two ranks')
+    data = mnopt.scatter_dataset(numpy.arange(N), comm,
+                                 force_equal_length=False)
+    it = chainer.iterators.SerialIterator(data, 1)
+    for _ in range(2 * len(data) if comm.rank == 1 else 1):
+        it.next()
+    opt = chainer.optimizers.SGD()
+    opt.setup(chainer.links.Linear(1, 1))
+    trainer = chainer.training.Trainer(
+        chainer.training.StandardUpdater(it, opt), (1, 'epoch'),
+        out=str(tmp_path))
+    for _ in range(2):
+        record = epoch_record(trainer, comm)
+        assert 'updater/iterator:main/' + SEEN_KEY not in record
+    said = [r.getMessage() for r in caplog.records
+            if 'record no position' in r.getMessage()]
+    assert len(said) == (1 if comm.rank == 0 else 0), said
+    if said:
+        assert 'updater/iterator:main: the ranks are in epochs 0 to 2' \
+            in said[0] and 'force_equal_length=True' in said[0]
+
+
 class _Failing(chainer.training.StandardUpdater):
     """Reads a batch, then fails at iteration ``fail_at``."""
 

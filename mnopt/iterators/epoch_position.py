@@ -13,9 +13,20 @@ iterator has read in the current epoch (its order up to its position,
 mapped to the whole dataset's indices; a bit each, packed); the union is
 recorded beside the iterator's own state (``ITERATOR/mnopt_epoch_seen``,
 ``.../mnopt_epoch`` and ``.../mnopt_epoch_n_total``), the same in every
-file.  Ranks whose share length differs (``force_equal_length=False``)
-may end an epoch an iteration apart: one already in the next epoch counts
-its whole share as read.
+file.
+
+An exact resume needs shares of one length (``force_equal_length=True``,
+``scatter_dataset``'s default).  With ``force_equal_length=False`` the
+shares differ by one example and every rank reads a batch a step, so the
+ranks' epochs drift apart: a rank of the shorter share starts its next
+epoch first, and the gap grows by an epoch every few epochs.  While the
+ranks are at most one epoch apart the record is of the earliest epoch: a
+rank already in the next one counts its whole share as read, and what it
+read of the next epoch is not recorded, so a resume (on any number of
+ranks, on the same number too unless every rank is in one epoch) reads
+those examples again.  Once ranks are two epochs apart no position is
+recorded (rank 0 warns, once per iterator): a resume on another number of
+ranks goes on as for an iterator over another dataset (``resize``).
 
 At a resume on the number of ranks that wrote the snapshot, where what
 the iterators' loaded states say they read is what the record says (each
@@ -43,7 +54,10 @@ import numpy
 from chainer import serializer as chainer_serializer
 from chainer.serializers import DictionarySerializer
 
+from mnopt import log
 from mnopt.datasets.scatter import ScatteredDataset, share_bounds
+
+logger = log.get(__name__)
 
 #: Key suffixes (beside the iterator's own state) of the record.
 SEEN_KEY = 'mnopt_epoch_seen'
@@ -54,6 +68,8 @@ SIZE_KEY = 'mnopt_epoch_ranks'
 #: iterator -> (epoch, seen): what a resume found read before it, for a
 #: snapshot taken later in the same (resumed) epoch.
 _read_before_resume = weakref.WeakKeyDictionary()
+#: The iterators whose ranks were found two epochs apart (warned once).
+_apart = weakref.WeakSet()
 
 
 def scattered_iterators(target):
@@ -130,7 +146,8 @@ def epoch_record(target, comm):
     to write beside ``target``'s state, the same on every rank.
     Collective: every rank calls it."""
     mine = {}
-    for group, it in scattered_iterators(target).items():
+    it_of = scattered_iterators(target)
+    for group, it in it_of.items():
         epoch, seen = _read_this_epoch(it)
         share = numpy.zeros(it.dataset.n_total, dtype=bool)
         share[it.dataset.global_indices] = True
@@ -145,6 +162,7 @@ def epoch_record(target, comm):
                 continue
             union = _union([s[:3] for s in said], mine[group][3])
             if union is None:
+                _warn_apart(it_of[group], group, [s[0] for s in said])
                 continue
             record[group + EPOCH_KEY] = numpy.asarray(union[0])
             record[group + SEEN_KEY] = numpy.packbits(union[1])
@@ -153,6 +171,21 @@ def epoch_record(target, comm):
     else:
         record = None
     return comm.bcast_obj(record, root=0)
+
+
+def _warn_apart(iterator, group, epochs):
+    if iterator in _apart:
+        return
+    _apart.add(iterator)
+    # A report, not a fault in the user's code: logger
+    # mnopt.iterators.epoch_position (mnopt/log.py).
+    logger.warning(
+        'mnopt: warning: %s: the ranks are in epochs %d to %d (shares of '
+        'unequal length: scatter_dataset(force_equal_length=False)): '
+        'snapshots record no position in the epoch, and a resume on another '
+        'number of ranks reads examples twice or skips them; '
+        'force_equal_length=True keeps the ranks in one epoch',
+        group.rstrip('/'), min(epochs), max(epochs))
 
 
 class _KeepOrder(object):
