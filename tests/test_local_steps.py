@@ -202,7 +202,8 @@ def test_the_outer_step_matches_a_one_process_reference():
     comm = mnopt.create_communicator('hierarchical')
     try:
         model, opt = make(comm, chainer.optimizers.MomentumSGD(lr=0.1),
-                          local_steps=H)
+                          local_steps=H, outer_optimizer=mnopt.OuterNesterov(
+                              lr=0.7, momentum=0.9))
         replicas = []
         for rank in range(comm.size):
             replica = MLP()
@@ -920,7 +921,7 @@ def test_an_outer_lr_set_on_one_rank_fails_every_rank_at_sync():
             outer.lr = 0.1
         with pytest.raises(ValueError, match="outer optimizer's "
                            r'hyperparameters differ across ranks \(rank 0: '
-                           r'OuterNesterov\(lr=0\.7, momentum=0\.9\); '
+                           r'OuterNesterov\(lr=0\.7, momentum=0\.5\); '
                            r'rank 1: OuterNesterov\(lr=0\.1'):
             for step in range(1, 5):   # local step 4 syncs
                 opt.update(model, *batch(step, comm.rank))

@@ -44,7 +44,7 @@ def add_arguments(parser):
                        '0.7)')
     group.add_argument('--outer-momentum', type=float, default=None,
                        help='the outer Nesterov\'s momentum (default: '
-                       'DiLoCo\'s 0.9)')
+                       '0.5; DiLoCo\'s is 0.9, for H in the hundreds)')
     group.add_argument('--sync-warmup-steps', type=int, default=0,
                        help='with --local-steps, synchronous updates first')
 

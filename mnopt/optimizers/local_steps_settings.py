@@ -53,7 +53,7 @@ class LocalSteps(object):
 
     def outer(self):
         """The outer optimizer to copy once per fragment: the caller's,
-        or DiLoCo's Nesterov (lr 0.7, momentum 0.9)."""
+        or Nesterov with lr 0.7 (DiLoCo's) and momentum 0.5."""
         return OuterNesterov() if self.outer_optimizer is None \
             else self.outer_optimizer
 
@@ -117,7 +117,7 @@ class LocalSteps(object):
             raise TypeError(
                 'outer_optimizer takes a Chainer optimizer instance that is '
                 'not set up (e.g. chainer.optimizers.SGD(lr=1.0), or '
-                'mnopt.OuterNesterov(lr=0.7, momentum=0.9)); '
+                'mnopt.OuterNesterov(lr=0.7, momentum=0.5)); '
                 'got %r' % (outer,))
         if getattr(outer, 'target', None) is not None:
             raise ValueError(
