@@ -469,6 +469,20 @@ def _x(v, fmt='%.1f'):
     return '' if v is None else fmt % v
 
 
+def continuous_utilisation(result, row):
+    """Compute utilisation with the wait for the sync in flight at each
+    window's end left out of the case's step (median over the rounds): a
+    run that does not stop between windows overlaps that sync with its
+    next steps, as it does every other one."""
+    by = {c['case']: c for c in result['cases']}
+    base = by.get('torch compute only' if row['case'].startswith('torch')
+                  else 'compute only')
+    w = row['window_steps']
+    steps = [s - e / w for s, e in zip(row['step_s_rounds'],
+                                      row['end_wait_s_rounds'])]
+    return base['step_s']['median'] / float(numpy.median(steps))
+
+
 def table(result):
     lines = ['### %d nodes, %g Mbit/s' % (result['n_ranks'],
                                          result['rate_mbit']), '',
@@ -477,17 +491,21 @@ def table(result):
                  result['model_bytes'] / 1e6, result['compute_s'],
                  result['local_steps'], result['rounds'],
                  result['note'] or ''), '',
-             '| case | step s | compute utilisation | MB/step (mnopt) | '
+             '| case | step s | compute utilisation | the same, the '
+             'window-end wait left out | MB/step (mnopt) | '
              'MB/step (eth0) | x fewer than sync float32 (mnopt / eth0) | '
              'peak MB per sync (mnopt / eth0) | peak / float32 sync of '
-             'the model (mnopt) |', '|---|---|---|---|---|---|---|---|']
+             'the model (mnopt) |', '|---|---|---|---|---|---|---|---|---|']
     for c in result['cases']:
         t = c['step_s']
-        lines.append('| %s | %.3f (%.3f-%.3f) | %s | %s | %s | %s / %s | '
-                     '%s / %s | %s |' % (
+        lines.append('| %s | %.3f (%.3f-%.3f) | %s | %s | %s | %s | %s / %s '
+                     '| %s / %s | %s |' % (
                          c['case'], t['median'], t['min'], t['max'],
                          _x(100 * c['compute_utilisation'], '%.1f%%')
                          if 'compute_utilisation' in c else '',
+                         _x(100 * continuous_utilisation(result, c),
+                            '%.1f%%') if 'compute_utilisation' in c
+                         else '',
                          _mb(c, 'mnopt_bytes_per_step'),
                          _mb(c, 'eth0_tx_bytes_per_step'),
                          _x(c.get('mnopt_x_fewer_than_sync_float32')),
@@ -506,7 +524,7 @@ def run_all(args):
     results = []
     jobs = JOBS[:1] if args.tiny else [
         j for j in JOBS if args.only_h is None or j[4] == args.only_h]
-    for nodes, rate, mbit, cases, h, warmup in jobs:
+    for nodes, rate, mbit, cases, h, warmup in [] if args.tables else jobs:
         if args.tiny:
             nodes, rate, mbit = 2, '1gbit', 1000
         name = os.path.join(args.out, 'local_steps_%d_%s%s.json' % (
@@ -533,9 +551,16 @@ def run_all(args):
     with open(md, 'w') as f:
         f.write('# Local steps beside synchronous averaging, PowerSGD and '
                 "PyTorch's post-local SGD on the simulated cluster\n\n"
-                'Command: `%s`\n\n' % ' '.join(
-                    ['python', 'benchmarks/local_steps_bench.py'] +
-                    sys.argv[1:]))
+                'Command (root): `%s`; each job alone: `--all --only-h H`; '
+                'the tables again from the JSON: `--tables`.\n\n'
+                'The window-end wait: each case is timed in windows with '
+                'other cases between them, so the sync still in flight at '
+                'a window\'s end (with a delay of H/F, always one) is waited '
+                'for inside the window; a run that goes on overlaps it with '
+                'its next steps as it does the others.  Bytes are exact; '
+                'times are median (min-max) over the rounds.\n\n' % ' '.join(
+                    ['python', 'benchmarks/local_steps_bench.py', '--all',
+                     '--out', args.out] + (['--tiny'] if args.tiny else [])))
         f.write('\n\n'.join(table(r) for r in results) + '\n')
     print('wrote %s' % md)
 
@@ -546,6 +571,9 @@ def main():
                    help='run every job under netsim (root) and write '
                    'the JSON and local_steps.md to --out')
     p.add_argument('--out', default='docs/results/netsim')
+    p.add_argument('--tables', action='store_true',
+                   help='write local_steps.md again from the JSON in --out '
+                   '(runs nothing)')
     p.add_argument('--job-timeout', type=int, default=900)
     p.add_argument('--tiny', action='store_true',
                    help='a check that every case runs: the first 4 MB of '
@@ -573,7 +601,7 @@ def main():
         args.max_mb = args.max_mb or 4
         args.local_steps, args.compute_s = 8, 0.01
         args.sync_window, args.rounds = 2, 2
-    if args.all:
+    if args.all or args.tables:
         return run_all(args)
     if args.rate_mbit is None:
         p.error('--rate-mbit is needed (or --all)')
