@@ -9,6 +9,8 @@ on every rank.
 
 Run serially and under mpiexec -n 2 and -n 3."""
 
+import warnings
+
 import numpy
 import pytest
 
@@ -361,6 +363,30 @@ def test_a_snapshot_loaded_by_a_synchronous_optimizer_is_refused(other):
             comm, local_steps=4, fragments=2, fragment_sync_delay=1,
             sync_warmup_steps=1, outer_optimizer=chainer.optimizers.SGD())
         load(snapshot, advised_model, advised)
+    finally:
+        comm.finalize()
+
+
+def test_a_resume_with_other_outer_hyperparameters_says_so():
+    # The default outer momentum changed (0.9 to 0.5): a run resumed with
+    # defaults would go on with another momentum than it trained with.
+    comm = mnopt.create_communicator('flat')
+    try:
+        model, opt = make(comm, local_steps=2, outer_optimizer=mnopt.
+                          OuterNesterov(lr=0.7, momentum=0.9))
+        for step in range(4):
+            opt.update(model, *batch(step, comm.rank))
+        snapshot = snapshot_of(model, opt)
+        same_model, same = make(comm, local_steps=2, outer_optimizer=mnopt.
+                                OuterNesterov(lr=0.7, momentum=0.9))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            load(snapshot, same_model, same)
+        other_model, other = make(comm, local_steps=2)
+        with pytest.warns(UserWarning, match=r"outer optimizer at lr=0\.7, "
+                          r"momentum=0\.9; this one has lr=0\.7, "
+                          r"momentum=0\.5"):
+            load(snapshot, other_model, other)
     finally:
         comm.finalize()
 

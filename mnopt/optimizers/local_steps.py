@@ -17,6 +17,7 @@ update lands after the tau-th, replacing the fragment's local values (as
 torchft's DiLoCo with ``fragment_update_alpha=0``)."""
 
 import contextlib
+import warnings
 
 import chainer
 import numpy
@@ -272,6 +273,8 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                 [self._local.local_steps, self._local.fragments,
                  self._local.sync_warmup_steps], numpy.int64))
             serializer('outer_optimizer', numpy.array(self._outer_name()))
+            serializer('outer_hyperparameters', numpy.array(
+                self._outer_hyperparameters()))
             serializer('fragment_sync_delay',
                        numpy.int64(self._local.fragment_sync_delay))
             serializer('has_synced', numpy.bool_(self._synced is not None))
@@ -310,6 +313,8 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
                 "pass the snapshot's settings to create_multi_node_optimizer "
                 'to resume it (or start afresh without loading it)'
                 % (', '.join(saved), ', '.join(mine)))
+        self._warn_of_other_outer_hyperparameters(
+            read(serializer, 'outer_hyperparameters'))
         synced = SyncedCopy.load(serializer[KEY], self.target,
                                  self._template) \
             if bool(read(serializer, 'has_synced')) else None
@@ -333,6 +338,22 @@ class LocalStepsOptimizer(MultiNodeOptimizer):
         object.__setattr__(self, '_loaded_set', None if known is None or
                            not len(known) else [(str(e)[1:], str(e)[0] == '1')
                                                 for e in known])
+
+    def _outer_hyperparameters(self):
+        return ', '.join('%s=%r' % kv for kv in sorted(
+            self._template.hyperparam.get_dict().items()))
+
+    def _warn_of_other_outer_hyperparameters(self, saved):
+        """The outer steps go on with this optimizer's hyperparameters
+        (an outer lr schedule may change them at a resume); say so where
+        they are not the snapshot's, as a changed default would not."""
+        mine = self._outer_hyperparameters()
+        if saved is not None and str(saved) != mine:
+            warnings.warn(
+                'the snapshot was written with the outer optimizer at %s; '
+                'this one has %s, which the outer updates use from here on '
+                '(to keep the snapshot\'s, pass an outer_optimizer with '
+                'them to create_multi_node_optimizer)' % (saved, mine))
 
     def _agreed_set(self):
         """The parameter set the ranks last agreed on (a loaded one until
