@@ -24,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from mnopt import elastic_snapshots
 from mnopt.failure_summary import signal_name
@@ -56,6 +56,15 @@ def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
     stderr.  The default ssh probe answers for this machine's own names
     without running anything."""
     own = _own_names() if template == SSH_PROBE else set()
+    running = set()
+
+    def stop():
+        """Kill every probe running now (the launcher must stop)."""
+        for child in list(running):
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def probe(host):
         if host in own:
@@ -70,6 +79,7 @@ def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
                     stderr=err, start_new_session=True)
             except OSError as e:
                 return 'the probe could not run (%s)' % e
+            running.add(child)
             try:
                 status = child.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -79,6 +89,8 @@ def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
                     pass
                 child.wait()
                 return 'the probe took more than %g s' % timeout
+            finally:
+                running.discard(child)
             if status == 0:
                 return None
             err.seek(0)
@@ -87,16 +99,31 @@ def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
             'exited with status %d' % status if status > 0 else
             'was ended by %s' % signal_name(-status),
             ': ' + said[-1] if said else '')
+    probe.stop = stop
     return probe
 
 
-def probe_all(probe, hosts):
+def probe_all(probe, hosts, stopping=None):
     """{host: None or why not}, every host probed at once (a host whose
-    probe hangs costs one probe timeout, not one per host)."""
+    probe hangs costs one probe timeout, not one per host).  Once
+    ``stopping`` (a threading.Event) is set, the probes still running are
+    killed (``probe.stop``, where the probe has one) and not waited for:
+    their hosts count as not answering."""
     if not hosts:
         return {}
-    with ThreadPoolExecutor(max_workers=min(len(hosts), 64)) as pool:
-        return dict(zip(hosts, pool.map(probe, hosts)))
+    pool = ThreadPoolExecutor(max_workers=min(len(hosts), 64))
+    futures = [pool.submit(probe, host) for host in hosts]
+    try:
+        while stopping is not None and not stopping.is_set():
+            if not wait(futures, timeout=0.1)[1]:
+                break
+        if stopping is not None and stopping.is_set():
+            getattr(probe, 'stop', lambda: None)()
+            return {h: f.result() if f.done() and not f.exception() else
+                    'the launcher is stopping' for h, f in zip(hosts, futures)}
+        return {h: f.result() for h, f in zip(hosts, futures)}
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class HostPool(object):
@@ -108,10 +135,14 @@ class HostPool(object):
     def __init__(self, hosts, probe, say):
         self.hosts, self.probe, self.say = list(hosts), probe, say
         self.down = {}   #: host -> why it did not answer
+        #: Set when the launcher must stop: probes are not waited for.
+        self.stopping = None
 
     def select(self):
         up = []
-        said = probe_all(self.probe, self.hosts)
+        said = probe_all(self.probe, self.hosts, self.stopping)
+        if self.stopping is not None and self.stopping.is_set():
+            return [h for h in self.hosts if said[h] is None]   # unsaid
         for host in self.hosts:
             why = said[host]
             if why is None:
@@ -260,6 +291,8 @@ class ElasticPlan(object):
         self._back, self._answers = None, {}
         deadline, told = time.monotonic() + wait, False
         while len(up) < self.min_nodes:
+            if stopping is not None and stopping.is_set():
+                return None   # the launcher says it is interrupted
             left = deadline - time.monotonic()
             short = '%d of %d hosts answer, fewer than --min-nodes %d' % (
                 len(up), len(self.pool.hosts), self.min_nodes)
@@ -272,6 +305,8 @@ class ElasticPlan(object):
                                              self.pool.why_down()))
             if left <= 0 or (stopping.wait(pause) if stopping is not None
                              else time.sleep(pause)):
+                if stopping is not None and stopping.is_set():
+                    return None
                 self.pool.say('mnopt.launch: %s: not starting the job (%s)%s'
                               % (short, self.pool.why_down(),
                                  ' after waiting %g s (--wait-for-nodes)' %
@@ -300,7 +335,8 @@ class ElasticPlan(object):
     def _answering_again(self):
         back = []
         said = probe_all(self.pool.probe, [
-            h for h in self.pool.hosts if h not in self.hosts])
+            h for h in self.pool.hosts if h not in self.hosts],
+            self.pool.stopping)
         self._cool([h for h, why in said.items() if why is None])
         for host, why in said.items():
             answered = why is None and host not in self._cooling

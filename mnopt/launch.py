@@ -132,7 +132,7 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
     status = 1
     previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     if plan is not None:
-        plan.pool.say = say
+        plan.pool.say, plan.pool.stopping = say, stopping
     try:
         attempt_number = failures = 0
         why = None
@@ -169,6 +169,9 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
                     say)
             finally:
                 running.remove(attempt)
+                # Nothing an attempt started outlives it: a rank MPI's
+                # launcher left behind is killed before the next attempt.
+                attempt.signal_group(signal.SIGKILL)
             missing = launch_attempt.never_started(
                 attempt.started_ranks(), plan.hosts, plan.procs_per_node) \
                 if why == 'never started' else None

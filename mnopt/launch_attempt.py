@@ -152,13 +152,27 @@ class Attempt(object):
 
     def end_within(self, wait_s):
         """Wait up to ``wait_s`` seconds for the job (already signalled)
-        to end, then SIGKILL what is left of its group; its status."""
+        to end, every process of its group (a rank that outlives MPI's
+        launcher too), then SIGKILL what is left of the group; its
+        status."""
+        deadline = time.monotonic() + wait_s
         try:
             status = self.child.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             status = None
+        while status is not None and self.group_alive() and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
         self.signal_group(signal.SIGKILL)   # what outlived the leader too
         return self.child.wait() if status is None else status
+
+    def group_alive(self):
+        """Whether a process of the attempt's group is left."""
+        try:
+            os.killpg(self.child.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def finish(self):
         """The ranks' records (failure_summary.read_folder), once the
@@ -271,11 +285,13 @@ def watch(attempt, plan, stopping, start_timeout, stop_timeout, say):
         if takes_back:
             ticks.append(max(0.0, next_probe - time.monotonic()))
         try:
-            return child.wait(timeout=min(ticks)), None
+            status = child.wait(timeout=min(ticks))
         except subprocess.TimeoutExpired:
-            pass
+            status = None
         now = time.monotonic()
-        if stopping.is_set():
+        if status is not None and not stopping.is_set():
+            return status, None
+        if stopping.is_set():   # the rest of the group ends too, in time
             left = stop_timeout - (now - stopping.at)
             return attempt.end_within(max(0.0, left)), 'signal'
         if expected and len(attempt.started_ranks()) >= expected:

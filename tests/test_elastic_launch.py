@@ -419,12 +419,12 @@ while :; do sleep 0.05; done
 '''
 
 
-def _launch_and_signal(tmp_path, signum, on_term):
+def _launch_and_signal(tmp_path, signum, on_term, script=SIGNALLED):
     import signal
     import subprocess
     import time
     job = tmp_path / 'job.sh'
-    job.write_text(SIGNALLED % {'tmp': tmp_path, 'on_term': on_term})
+    job.write_text(script % {'tmp': tmp_path, 'on_term': on_term})
     job.chmod(0o755)
     launcher = subprocess.Popen(
         [sys.executable, '-m', 'mnopt.launch', '--stop-timeout', '1', '--',
@@ -485,3 +485,41 @@ def _alive_pgid(pid):
         return True
     except OSError:
         return False
+
+
+#: What MPI's launcher would be: it exits at once on SIGTERM, but its rank
+#: (a child in its process group) ignores SIGTERM.
+LEADER_EXITS = '''#!/bin/sh
+sh -c 'trap "" TERM; echo $$ > "%(tmp)s/rank"; while :; do sleep 0.05; done' &
+trap 'exit 143' TERM
+while [ ! -s "%(tmp)s/rank" ]; do sleep 0.05; done
+echo $$ > "%(tmp)s/running"
+while :; do sleep 0.05; done
+'''
+
+
+def test_ranks_that_outlive_mpiexec_at_a_signal_are_killed(tmp_path):
+    import signal
+    import time
+    status, err, pid = _launch_and_signal(tmp_path, signal.SIGTERM, '',
+                                          script=LEADER_EXITS)
+    assert status == 128 + signal.SIGTERM, err
+    rank = (tmp_path / 'rank').read_text().strip()
+    # Killed within --stop-timeout 1 (before the fix: never).
+    deadline = time.monotonic() + 30
+    while _state(rank) not in (None, 'Z'):
+        assert time.monotonic() < deadline, 'rank %s outlived it' % rank
+        time.sleep(0.1)
+
+
+def test_a_signal_kills_a_probe_that_hangs_and_is_not_waited_for():
+    import threading
+    import time
+    stopping = threading.Event()
+    probe = elastic.command_probe('sleep 60', timeout=60)
+    threading.Timer(0.5, stopping.set).start()
+    begun = time.monotonic()
+    said = elastic.probe_all(probe, ['a', 'b'], stopping)
+    assert time.monotonic() - begun < 30
+    assert said == {'a': 'the launcher is stopping',
+                    'b': 'the launcher is stopping'}
