@@ -114,3 +114,19 @@ def test_mode_refusal_finds_the_optimizers_of_any_target(comm, outdir):
     assert optimizers_of(optimizer) == [('', optimizer)]
     assert isinstance(mode_refusal(path, again), ValueError)
     assert mode_refusal(path, written) is None   # a local-steps one
+
+
+def test_another_models_snapshot_in_the_folder_is_named_on_every_rank(
+        comm, outdir):
+    # Another run's snapshot in the same folder (other shapes): an error
+    # naming its file and what to do, on every rank, not a bare NumPy one.
+    written, _ = make_trainer(comm, outdir, 4, 'snapshot')
+    written.run()
+    comm.allgather_obj(None)
+    again, ext = make_trainer(comm, outdir, 8, 'snapshot', autoload=True)
+    model = again.updater.get_optimizer('main').target
+    model.predictor.W.array = numpy.zeros((2, 5), numpy.float32)  # wider
+    with pytest.raises(ValueError, match=r'snapshot snapshot_iter_4 does '
+                       r'not fit this model \(.*snapshot_iter_4\.\d+: '
+                       r'ValueError.*another run'):
+        ext.initialize(again)

@@ -124,10 +124,22 @@ def load_resizing_iterators(path, target, comm, what):
     whose shard changed length rebuilt as the module says.  Collective:
     every rank calls it (with its own file); rank 0 warns, naming each
     rank's rebuilt iterators.  Returns this rank's notes."""
+    problem = None
     with numpy.load(path) as npz:
         replaced, hidden, notes = _rebuilt(npz, target)
-        NpzDeserializer(_Overlay(npz, replaced, hidden)).load(target)
+        try:
+            NpzDeserializer(_Overlay(npz, replaced, hidden)).load(target)
+        except (ValueError, KeyError, TypeError) as e:
+            # Said on every rank below: another job's snapshot in the
+            # folder (other shapes, other names) is no bare NumPy error.
+            problem = '%s: %s: %s' % (path, type(e).__name__, e)
         record = {k: npz[k] for k in npz.files if '/mnopt_epoch' in k}
+    problems = [p for p in comm.everyone(problem, what + ': loaded') if p]
+    if problems:
+        raise ValueError(
+            '%s does not fit this model (%s): is it another run\'s or '
+            'another model\'s snapshot?  Move it out of the folder, or give '
+            'this run a folder of its own' % (what, '; '.join(problems)))
     placed = resume_epochs(record, target, comm, what)
     if placed and comm.rank == 0:
         logger.info('mnopt: %s: %s', what, '; '.join(placed))
