@@ -185,8 +185,9 @@ class ElasticPlan(object):
     """Each attempt's command: the hosts that answer now, at least
     ``min_nodes`` of them, or None (too few: the reasons are said).  A
     host the launcher blamed for a failure (``leave_out``) is left out
-    while at least ``min_nodes`` others answer, until it has answered
-    2**n probes (n: the times it was left out)."""
+    (used only once the wait for ``min_nodes`` others ran out) until it
+    has answered 2**n probes (n: the times it was left out), and is not
+    taken back on purpose by a take-back."""
 
     def __init__(self, pool, min_nodes, procs_per_node, command,
                  mpiexec='mpiexec', flavour=None, rejoin_dir=None,
@@ -210,6 +211,9 @@ class ElasticPlan(object):
         self._strikes = {}   #: host -> times it was left out
         self._cooling = {}   #: host left out -> probes it must answer yet
         self._why_out = {}   #: host left out -> why
+        #: Hosts left out for a failure that have not run since: never
+        #: taken back on purpose (only at a failure's relaunch).
+        self._blamed = set()
         #: The hosts the last relaunch meant to take back but that did
         #: not answer at its own probe (the launcher counts that restart
         #: as a failure).
@@ -228,12 +232,13 @@ class ElasticPlan(object):
         relaunch's own among them (n: the times it was left out), while
         at least ``min_nodes`` others answer."""
         for host in hosts:
+            self._blamed.add(host)
             n = self._strikes[host] = self._strikes.get(host, 0) + 1
             self._cooling[host], self._why_out[host] = 2 ** n, why
             self.pool.say(
                 'mnopt.launch: leaving %s out: %s; it runs again once it '
                 'has answered %d probes (before that, only where fewer than '
-                '--min-nodes %d other hosts answer)'
+                '--min-nodes %d other hosts answer after --wait-for-nodes)'
                 % (host, why, 2 ** n, self.min_nodes))
 
     def _cool(self, answered):
@@ -254,20 +259,23 @@ class ElasticPlan(object):
         return over
 
     def _select(self):
-        """(the hosts that answer, those the attempt would run on)."""
+        """(the hosts that answer, those of them not left out)."""
         up = self.pool.select()
         self._cool(up)
-        use = [h for h in up if h not in self._cooling]
+        return up, [h for h in up if h not in self._cooling]
+
+    def _keep(self, up, use, waited):
+        """``use`` with the hosts left out that --min-nodes needs (said),
+        once --wait-for-nodes brought no other."""
         kept = [h for h in up if h in self._cooling][
             :max(0, self.min_nodes - len(use))]
-        if kept:
-            self.pool.say(
-                'mnopt.launch: running on %s though it was left out (%s): '
-                'without it fewer than --min-nodes %d hosts answer' % (
-                    ','.join(kept), '; '.join(self._why_out[h] for h in kept),
-                    self.min_nodes))
-            use = [h for h in up if h not in self._cooling or h in kept]
-        return up, use
+        self.pool.say(
+            'mnopt.launch: running on %s though it was left out (%s): '
+            'without it fewer than --min-nodes %d hosts answer%s' % (
+                ','.join(kept), '; '.join(self._why_out[h] for h in kept),
+                self.min_nodes, ' after waiting %g s (--wait-for-nodes)'
+                % waited if waited else ''))
+        return [h for h in up if h not in self._cooling or h in kept]
 
     def _note_missed_take_back(self, up):
         self.missed_take_back = [h for h in (self._back or ((), ))[0]
@@ -290,23 +298,29 @@ class ElasticPlan(object):
         self._note_missed_take_back(up)
         self._back, self._answers = None, {}
         deadline, told = time.monotonic() + wait, False
-        while len(up) < self.min_nodes:
+        while len(use) < self.min_nodes:
             if stopping is not None and stopping.is_set():
                 return None   # the launcher says it is interrupted
             left = deadline - time.monotonic()
-            short = '%d of %d hosts answer, fewer than --min-nodes %d' % (
-                len(up), len(self.pool.hosts), self.min_nodes)
+            short = '%d of %d hosts answer%s, fewer than --min-nodes %d' % (
+                len(up), len(self.pool.hosts), ' (%d not left out for a '
+                'failure)' % len(use) if len(use) < len(up) else '',
+                self.min_nodes)
             pause = min(max(self.probe_interval, 1.0), left)
             if not told and left > 0:
                 told = True
                 self.pool.say('mnopt.launch: %s: waiting up to %g s '
                               '(--wait-for-nodes) for more, probing every '
-                              '%g s (%s)' % (short, wait, pause,
-                                             self.pool.why_down()))
+                              '%g s%s' % (short, wait, pause, ' (%s)' %
+                                          self.pool.why_down()
+                                          if self.pool.down else ''))
             if left <= 0 or (stopping.wait(pause) if stopping is not None
                              else time.sleep(pause)):
                 if stopping is not None and stopping.is_set():
                     return None
+                if len(up) >= self.min_nodes:   # a host left out it is
+                    use = self._keep(up, use, wait)
+                    break
                 self.pool.say('mnopt.launch: %s: not starting the job (%s)%s'
                               % (short, self.pool.why_down(),
                                  ' after waiting %g s (--wait-for-nodes)' %
@@ -320,6 +334,7 @@ class ElasticPlan(object):
                               self.procs_per_node,
                               'es' * (self.procs_per_node > 1)))
         self.hosts = use
+        self._blamed -= set(use)
         return mpiexec_command(self.mpiexec, self.flavour, use,
                                self.procs_per_node, self.command)
 
@@ -327,16 +342,22 @@ class ElasticPlan(object):
         """Whether the attempt running now watches for a host to take
         back: one is left out, and snapshots are watched."""
         return self.rejoin_dir is not None and self.hosts is not None and \
-            len(self.hosts) < len(self.pool.hosts)
+            bool(self._takable())
+
+    def _takable(self):
+        """The hosts left out a take-back may take back: not those left
+        out for a failure (they run again only at a failure's relaunch,
+        once they waited: its ranks may fail again at once)."""
+        return [h for h in self.pool.hosts
+                if h not in self.hosts and h not in self._blamed]
 
     def _snapshot_files(self):
         return elastic_snapshots.listing(self.rejoin_dir)
 
     def _answering_again(self):
         back = []
-        said = probe_all(self.pool.probe, [
-            h for h in self.pool.hosts if h not in self.hosts],
-            self.pool.stopping)
+        said = probe_all(self.pool.probe, self._takable(),
+                         self.pool.stopping)
         self._cool([h for h, why in said.items() if why is None])
         for host, why in said.items():
             answered = why is None and host not in self._cooling

@@ -364,7 +364,7 @@ def test_an_attempt_that_never_starts_is_ended_and_counts_as_a_failure(
                                mpiexec=str(fake_mpiexec), flavour='hydra')
     log = io.StringIO()
     status = launcher.run(None, max_restarts=1, delay=0, log=log, plan=plan,
-                          start_timeout=1, stop_timeout=60)
+                          start_timeout=1, stop_timeout=60, wait_for_nodes=0)
     said = log.getvalue()
     # The launcher ended each: its own status, not SIGTERM's.
     assert status == launcher.NEVER_STARTED == 1, said

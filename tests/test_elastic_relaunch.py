@@ -142,7 +142,7 @@ def test_a_host_left_out_runs_again_after_twice_as_many_probes_each_time():
     assert said[-1] == ('mnopt.launch: leaving c out: rank 2 failed first '
                         'there; it runs again once it has answered 2 probes '
                         '(before that, only where fewer than --min-nodes 2 '
-                        'other hosts answer)')
+                        'other hosts answer after --wait-for-nodes)')
     runs = [_hosts(plan.command_for_attempt()) for _ in range(2)]
     assert runs == ['a:1,b:1', 'a:1,b:1,c:1'], said
     assert 'mnopt.launch: c has answered 2 probes since it was left out ' \
@@ -162,15 +162,43 @@ def test_a_host_left_out_still_runs_where_too_few_others_answer():
         'hosts answer' in said[-1], said
 
 
-def test_the_take_back_watch_counts_a_left_out_hosts_probes(tmp_path):
-    plan, said = _plan(['a', 'b', 'c'], 2, rejoin_dir=str(tmp_path),
+def test_a_host_left_out_for_a_failure_is_not_taken_back_on_purpose(
+        tmp_path):
+    down = {'c'}
+    plan, said = _plan(['a', 'b', 'c', 'd'], 2, lambda h: h not in down,
+                       rejoin_dir=str(tmp_path), probe_interval=0)
+    plan.command_for_attempt()
+    plan.leave_out(['b'], 'rank 1 failed first there')
+    assert _hosts(plan.command_for_attempt()) == 'a:1,d:1'  # b: 1 of 2
+    assert plan.takes_back()   # c, which did not answer
+    assert not plan.time_to_take_back()   # b: 2 of 2, not taken back
+    assert not any('answers again' in s for s in said), said
+    down.clear()
+    assert not plan.time_to_take_back()
+    assert 'c answers again: the job restarts to take it back' in said[-1]
+    # Only c: b runs again at a failure's relaunch, once it waited.
+    assert _hosts(plan.command_for_attempt()) == 'a:1,b:1,c:1,d:1'
+
+
+def test_a_host_left_out_for_a_failure_waits_for_the_others_first():
+    down = {'b'}
+    plan, said = _plan(['a', 'b', 'c'], 2, lambda h: h not in down,
                        probe_interval=0)
     plan.command_for_attempt()
     plan.leave_out(['c'], 'rank 2 failed first there')
-    assert _hosts(plan.command_for_attempt()) == 'a:1,b:1'  # 1 of 2
-    assert plan.takes_back()
-    assert not plan.time_to_take_back()   # 2 of 2: it may run again
-    assert 'c answers again: the job restarts to take it back' in said[-1]
+    plan._cooling['c'] = 100   # it would not be done waiting soon
+    import threading
+    threading.Timer(1.5, down.clear).start()
+    assert _hosts(plan.command_for_attempt(wait=120)) == 'a:1,b:1'
+    assert any('2 of 3 hosts answer (1 not left out for a failure)' in s
+               for s in said), said
+    assert not any('though it was left out' in s for s in said), said
+    down.add('b')   # gone for good: after the wait, c runs
+    plan.leave_out(['c'], 'rank 2 failed first there')
+    assert _hosts(plan.command_for_attempt(wait=1)) == 'a:1,c:1'
+    assert 'running on c though it was left out (rank 2 failed first ' \
+        'there): without it fewer than --min-nodes 2 hosts answer after ' \
+        'waiting 1 s (--wait-for-nodes)' in said[-2], said
 
 
 #: A fake MPI launcher: ``-hosts h1:1,h2:1,... -n N CMD``; the ranks on
