@@ -351,3 +351,18 @@ def untagged(err):
     """stderr's lines without the rank mnopt puts before each of its own
     in a job of several ranks ('[rank 1] mnopt: ...')."""
     return [re.sub(r'^\[rank \d+\] ', '', line) for line in err.splitlines()]
+
+
+@pytest.fixture
+def flat_comm():
+    """A ``flat`` communicator of every rank, finalized after the test."""
+    c = mnopt.create_communicator('flat')
+    yield c
+    c.finalize()
+
+
+@pytest.fixture
+def outdir(flat_comm):
+    """One fresh directory shared by every rank (the snapshot tests')."""
+    with shared_directory(flat_comm, 'mnopt-out-') as path:
+        yield path

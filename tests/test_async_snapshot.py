@@ -15,7 +15,7 @@ import numpy
 import pytest
 
 from conftest import (REPO, chainer, mpiexec, needs_chainer, python_path,
-                      run_job, shared_directory)
+                      run_job)
 
 pytestmark = [needs_chainer, pytest.mark.many_ranks]
 
@@ -26,16 +26,8 @@ RETENTION_JOB = os.path.join(REPO, 'tests', 'async_retention_job.py')
 
 
 @pytest.fixture
-def comm():
-    c = mnopt.create_communicator('flat')
-    yield c
-    c.finalize()
-
-
-@pytest.fixture
-def outdir(comm):
-    with shared_directory(comm, 'mnopt-async-') as path:
-        yield path
+def comm(flat_comm):
+    return flat_comm
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ import shutil
 import numpy
 import pytest
 
-from conftest import (chainer, needs_chainer, run_mpi, shared_directory,
-                      warns_on_rank_0)
+from conftest import chainer, needs_chainer, run_mpi, warns_on_rank_0
 
 pytestmark = needs_chainer
 # mnopt.zero is of the Chainer layer: the core stack (no Chainer) skips
@@ -26,17 +25,8 @@ from mnopt import zero  # NOQA
 
 
 @pytest.fixture
-def comm():
-    c = mnopt.create_communicator('flat')
-    yield c
-    c.finalize()
-
-
-@pytest.fixture
-def outdir(comm):
-    """One directory shared by every rank."""
-    with shared_directory(comm, 'mnopt-seams-') as path:
-        yield path
+def comm(flat_comm):
+    return flat_comm
 
 
 def make_trainer(comm, out, iterations):

@@ -8,7 +8,7 @@ import os
 import numpy
 import pytest
 
-from conftest import chainer, needs_chainer, shared_directory, warns_on_rank_0
+from conftest import chainer, needs_chainer, warns_on_rank_0
 from damaged_npz import damage_deflate_stream
 
 # Also under mpiexec -n 3: replica sets, and an autoload from fewer sets.
@@ -18,17 +18,8 @@ import mnopt  # NOQA
 
 
 @pytest.fixture
-def comm():
-    c = mnopt.create_communicator('flat')
-    yield c
-    c.finalize()
-
-
-@pytest.fixture
-def outdir(comm):
-    """One directory shared by every rank."""
-    with shared_directory(comm, 'mnopt-snap-') as path:
-        yield path
+def comm(flat_comm):
+    return flat_comm
 
 
 def make_trainer(comm, out, iterations, replica_sets='each alone',

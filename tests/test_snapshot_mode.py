@@ -7,7 +7,7 @@ model stay as they were.  Serially and under mpiexec -n 2."""
 import numpy
 import pytest
 
-from conftest import chainer, needs_chainer, shared_directory
+from conftest import chainer, needs_chainer
 
 pytestmark = [needs_chainer]
 
@@ -15,17 +15,8 @@ import mnopt  # NOQA
 
 
 @pytest.fixture
-def comm():
-    c = mnopt.create_communicator('flat')
-    yield c
-    c.finalize()
-
-
-@pytest.fixture
-def outdir(comm):
-    """One directory shared by every rank."""
-    with shared_directory(comm, 'mnopt-mode-') as path:
-        yield path
+def comm(flat_comm):
+    return flat_comm
 
 
 def make_trainer(comm, out, iterations, how, autoload=False, **kw):
