@@ -40,12 +40,7 @@ PROBE_TIMEOUT_S = 15.0
 
 
 def _own_names():
-    names = {'localhost', '127.0.0.1', socket.gethostname()}
-    try:
-        names.add(socket.getfqdn())
-    except OSError:
-        pass
-    return names
+    return {'localhost', '127.0.0.1', socket.gethostname(), socket.getfqdn()}
 
 
 def command_probe(template=SSH_PROBE, timeout=PROBE_TIMEOUT_S):
@@ -191,7 +186,7 @@ class ElasticPlan(object):
 
     def __init__(self, pool, min_nodes, procs_per_node, command,
                  mpiexec='mpiexec', flavour=None, rejoin_dir=None,
-                 probe_interval=30.0):
+                 probe_interval=30.0, snapshot_pattern='snapshot*'):
         if rejoin_dir is not None and not os.path.isdir(rejoin_dir):
             raise ValueError(
                 '--take-back-after-snapshot %s: no such folder: give the '
@@ -204,8 +199,10 @@ class ElasticPlan(object):
         self.hosts = None   #: the hosts of the attempt last started
         #: Where snapshots appear (--take-back-after-snapshot), or None.
         self.rejoin_dir = rejoin_dir
-        self.probe_interval = probe_interval
-        self._back = None   #: (hosts answering again, the files then)
+        self.probe_interval, self.pattern = probe_interval, snapshot_pattern
+        self._unknown = 0   #: looks that found new files, no snapshot's
+        #: [hosts answering again, the files then, at the last look]
+        self._back = None
         self._answers = {}   #: host left out -> probes answered in a row
         self._flaps = {}   #: host -> relaunches to take it back it missed
         self._strikes = {}   #: host -> times it was left out
@@ -351,9 +348,6 @@ class ElasticPlan(object):
         return [h for h in self.pool.hosts
                 if h not in self.hosts and h not in self._blamed]
 
-    def _snapshot_files(self):
-        return elastic_snapshots.listing(self.rejoin_dir)
-
     def _answering_again(self):
         back = []
         said = probe_all(self.pool.probe, self._takable(),
@@ -377,7 +371,8 @@ class ElasticPlan(object):
         if self._back is None:
             back = self._answering_again()
             if back:
-                self._back = (back, self._snapshot_files())
+                files = elastic_snapshots.listing(self.rejoin_dir)
+                self._back = [back, files, files]
                 self.pool.say(
                     'mnopt.launch: %s answer%s again: the job restarts to '
                     'take %s back after the next snapshot in %s' % (
@@ -386,7 +381,17 @@ class ElasticPlan(object):
             return False
         new = elastic_snapshots.new_since(
             self.rejoin_dir, self._back[1],
-            len(self.hosts) * self.procs_per_node)
+            len(self.hosts) * self.procs_per_node, self.pattern)
+        self._back[2], unknown = elastic_snapshots.unknown_since(
+            self.rejoin_dir, self._back[2], self.pattern)
+        self._unknown += 1 if unknown else 0
+        if self._unknown == 3:   # said once, at the 3rd look with new files
+            self.pool.say(
+                'mnopt.launch: files keep appearing in %s (%s), none a '
+                'snapshot named as --snapshot-pattern %s: if the job\'s '
+                'snapshots are named otherwise, give their pattern, or no '
+                'take-back comes' % (self.rejoin_dir, ', '.join(
+                    unknown[:3]), self.pattern))
         if new:
             self.pool.say('mnopt.launch: a complete snapshot was written '
                           '(%s): ending the job to relaunch it with %s' % (

@@ -6,7 +6,9 @@ one rank's file of a snapshot whose other files are still being written).
 
 Snapshots are known by the names Chainer and mnopt give them (a name
 that starts with ``snapshot``, as Chainer's default
-``snapshot_iter_{.updater.iteration}``), in three forms:
+``snapshot_iter_{.updater.iteration}``; ``--snapshot-pattern`` another
+glob), the suffixes matched from the right (a name may hold dots), in
+three forms:
 
 - ``NAME``: one file (Chainer's snapshot, written by one rank): complete
   once it is there (Chainer writes into a temporary folder, then moves
@@ -29,6 +31,7 @@ Leaf of the entry points: the standard library, and numpy to read the
 replica sets a file records.
 """
 
+import fnmatch
 import functools
 import os
 import re
@@ -38,9 +41,34 @@ PARTIAL_PREFIX = '.mnopt-partial.'
 #: Where a multi_node_snapshot file records how many replica sets wrote
 #: the snapshot (snapshot_records.N_SETS_KEY).
 N_SETS_KEY = 'multi_node_snapshot/n_replica_sets'
-#: A snapshot's file: its snapshot's name, and which file of it.
-FILE = re.compile(r'^(?P<name>snapshot[^.]*)(?:\.rank(?P<rank>\d+)\.npz|'
+#: The names of snapshots (--snapshot-pattern), without their suffixes.
+PATTERN = 'snapshot*'
+#: A snapshot's file: its snapshot's name, and which file of it, the
+#: suffixes matched from the right (a name may hold dots: epoch 1.5).
+FILE = re.compile(r'^(?P<name>.+?)(?:\.rank(?P<rank>\d+)\.npz|'
                   r'\.(?P<set>\d+)|(?P<npz>\.npz))?$')
+#: A snapshot's whole name (no group but ``name`` matches).
+WHOLE = re.compile(r'^(?P<name>.+)(?P<rank>(?!))?(?P<set>(?!))?'
+                   r'(?P<npz>(?!))?$')
+#: Temporary files (``*.tmpPID``) are no snapshot's.
+TEMPORARY = re.compile(r'\.tmp\w*$')
+
+
+def match(name, pattern=PATTERN, found=(), size=None):
+    """The match of ``name``, a snapshot's file (its ``name``, ``rank``,
+    ``set``, ``npz`` groups), or None.  ``NAME.K`` is replica set K's
+    file only where ``NAME.0`` is there too (``found``), or K is 0, and
+    K is one of the job's ``size`` ranks: else ``NAME.K`` is a snapshot's
+    whole name (Chainer's ``snapshot_epoch_1.5``)."""
+    m = FILE.match(name)
+    if m is None or TEMPORARY.search(name):
+        return None
+    base, k = m.group('name'), m.group('set')
+    if k is not None and (int(k) and base + '.0' not in found and
+                          PARTIAL_PREFIX + base + '.0' not in found or
+                          size is not None and int(k) >= size):
+        m, base = WHOLE.match(name), name
+    return m if fnmatch.fnmatchcase(base, pattern) else None
 
 
 def listing(folder):
@@ -89,21 +117,21 @@ def _files_of(folder, name, files, size, parted):
     return whole or None
 
 
-def complete(folder, size, found=None):
+def complete(folder, size, found=None, pattern=PATTERN):
     """{snapshot name: [its files]} of the complete snapshots in
     ``folder`` (``found``: its ``listing``, taken now where not given),
-    for a job of ``size`` ranks."""
+    for a job of ``size`` ranks, snapshots named as ``pattern``."""
     found = listing(folder) if found is None else found
     snapshots = {}
     for name in found:
-        m = FILE.match(name)
+        m = match(name, pattern, found, size)
         if m:
             snapshots.setdefault(m.group('name'), {})[name] = m
     parted = any(m.group('rank') is not None
                  for files in snapshots.values() for m in files.values())
     writing = set()
     for name, mtime in found.items():
-        m = FILE.match(name[len(PARTIAL_PREFIX):]) \
+        m = match(name[len(PARTIAL_PREFIX):], pattern, found, size) \
             if name.startswith(PARTIAL_PREFIX) else None
         if m and found.get(name[len(PARTIAL_PREFIX):], -1) < mtime:
             writing.add(m.group('name'))
@@ -117,11 +145,23 @@ def complete(folder, size, found=None):
     return done
 
 
-def new_since(folder, before, size):
+def new_since(folder, before, size, pattern=PATTERN):
     """The names of the snapshots complete in ``folder`` now whose every
     file is new or written again since ``before`` (a ``listing``), for a
     job of ``size`` ranks: an earlier run's file of the same name never
     completes one."""
     now = listing(folder)
-    return sorted(name for name, files in complete(folder, size, now).items()
-                  if all(before.get(f) != now[f] for f in files))
+    return sorted(name for name, files in complete(
+        folder, size, now, pattern).items()
+        if all(before.get(f) != now[f] for f in files))
+
+
+def unknown_since(folder, before, pattern=PATTERN):
+    """(``folder``'s ``listing`` now, the files new or written again since
+    ``before`` (a ``listing``) where no file there is a snapshot's named
+    as ``pattern``, else [])."""
+    now = listing(folder)
+    if any(match(f[len(PARTIAL_PREFIX):] if f.startswith(PARTIAL_PREFIX)
+                 else f, pattern, now) for f in now):
+        return now, []
+    return now, sorted(f for f, t in now.items() if before.get(f) != t)

@@ -255,6 +255,11 @@ def main(argv=None):
                    '--probe-interval; once it answers, end the job after '
                    'the next complete snapshot written in DIR (an existing '
                    'folder) and relaunch with it')
+    p.add_argument('--snapshot-pattern', default='snapshot*',
+                   metavar='GLOB',
+                   help='elastic: the names of the snapshots in '
+                   '--take-back-after-snapshot DIR, without their suffixes '
+                   '(.K, .npz, .rankK.npz) (default %(default)s)')
     p.add_argument('--probe-interval', type=cli.nonnegative_float,
                    default=30.0, metavar='S',
                    help='elastic: seconds between probes of the hosts left '
@@ -324,7 +329,8 @@ def _elastic_plan(p, args, command):
         return elastic.ElasticPlan(
             pool, min_nodes, args.procs_per_node or slots or 1, command,
             mpiexec=args.mpiexec, rejoin_dir=args.take_back_after_snapshot,
-            probe_interval=args.probe_interval)
+            probe_interval=args.probe_interval,
+            snapshot_pattern=args.snapshot_pattern)
     except ValueError as e:
         p.error(str(e))
 

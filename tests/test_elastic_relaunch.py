@@ -393,6 +393,36 @@ def test_a_take_back_waits_for_a_complete_snapshot(tmp_path):
     assert 'a complete snapshot was written (snapshot_iter_1)' in said[-1]
 
 
+def test_snapshots_named_as_the_user_picked_and_names_with_dots(tmp_path):
+    d = str(tmp_path)
+    # Chainer's snapshot_epoch_{.updater.epoch_detail}: dots in the name.
+    _touch(d, 'snapshot_epoch_1.5')
+    assert elastic_snapshots.new_since(d, {}, 2) == ['snapshot_epoch_1.5']
+    _touch(d, 'snapshot_1.5.0', 'snapshot_1.5.1')   # multi_node_snapshot
+    assert 'snapshot_1.5' in elastic_snapshots.new_since(d, {}, 2)
+    # Names the user picked: --snapshot-pattern.
+    _touch(d, 'model_iter_8.0', 'model_iter_8.tmp42')
+    assert 'model_iter_8' not in elastic_snapshots.new_since(d, {}, 2)
+    assert elastic_snapshots.new_since(d, {}, 2, 'model_iter_*') == [
+        'model_iter_8']
+
+
+def test_files_but_no_snapshot_named_as_the_pattern_are_said_once(
+        tmp_path):
+    plan, said = _plan(['a', 'b'], 1, lambda h: h == 'a' or len(said) > 1,
+                       rejoin_dir=str(tmp_path), probe_interval=0)
+    assert _hosts(plan.command_for_attempt()) == 'a:1'
+    assert not plan.time_to_take_back()   # b answers: the watch begins
+    assert 'b answers again' in said[-1], said
+    for i in range(5):
+        time.sleep(0.01)
+        _touch(str(tmp_path), 'model_iter_%d' % i)
+        assert not plan.time_to_take_back()
+    warned = [s for s in said if 'files keep appearing' in s]
+    assert len(warned) == 1 and 'none a snapshot named as ' \
+        '--snapshot-pattern snapshot*' in warned[0], said
+
+
 def test_a_take_back_folder_that_is_not_there_is_an_error(tmp_path):
     with pytest.raises(ValueError, match='no such folder'):
         _plan(['a', 'b'], 1, rejoin_dir=str(tmp_path / 'reslt'))
