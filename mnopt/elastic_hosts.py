@@ -9,7 +9,9 @@ file: a host repeated is one host with as many slots), ``host:4``
 (MPICH's Hydra), ``host slots=4 max_slots=8`` (Open MPI; ``max_slots``
 and other settings ignored), ``#`` comments, tabs and CRLF line ends.
 The slots are the processes per host; every host must have the same
-number (the launcher starts as many on each).
+number (the launcher starts as many on each; ``--procs-per-node`` may
+start fewer: slots are a maximum).  A name with more than one colon is
+an IPv6 address (``fe80::1 slots=2``), not ``host:N``.
 """
 
 import os
@@ -42,8 +44,10 @@ def _slots(path, line, text):
 def _host_line(path, line):
     """(name, its slots or None) of one line of a host file."""
     fields = line.split()
-    name, colon, count = fields[0].partition(':')
-    slots = _slots(path, line, count.split(':')[0]) if colon else None
+    # host:N where one colon is: more are an IPv6 address's (fe80::1).
+    name, colon, count = fields[0].partition(':') \
+        if fields[0].count(':') == 1 else (fields[0], '', '')
+    slots = _slots(path, line, count) if colon else None
     for field in fields[1:]:
         key, _, value = field.partition('=')
         if key == 'slots':

@@ -315,9 +315,9 @@ def _elastic_plan(p, args, command):
         hosts, slots = elastic.hosts_and_slots(args.hosts, args.hostfile)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    if slots and args.procs_per_node and slots != args.procs_per_node:
+    if slots and args.procs_per_node and slots < args.procs_per_node:
         p.error('%s gives each host %d slots, and --procs-per-node %d: give '
-                'one of them (or the same number)' % (
+                'at most as many processes per host as slots' % (
                     args.hostfile, slots, args.procs_per_node))
     min_nodes = args.min_nodes or 1
     if min_nodes > len(hosts):

@@ -71,9 +71,13 @@ def test_the_launcher_runs_a_host_files_slots_on_each_host(tmp_path):
     assert '-hosts n1:4,n2:4 -n 8 python train.py' in done.stdout, done
     assert 'starting on 2 hosts (n1,n2), 4 processes each' in done.stderr
     done = launch(*common + ['--procs-per-node', '2', '--', 'python', 'x'])
+    assert '-hosts n1:2,n2:2 -n 4 python x' in done.stdout, done  # fewer
+    done = launch(*common + ['--procs-per-node', '5', '--', 'python', 'x'])
     assert done.returncode == 2
-    assert 'gives each host 4 slots, and --procs-per-node 2: give one of ' \
-        'them' in done.stderr, done.stderr
+    assert 'gives each host 4 slots, and --procs-per-node 5: give at most ' \
+        'as many processes per host as slots' in done.stderr, done.stderr
+    f.write_text('fe80::1 slots=2\nfe80::2 slots=2\n')   # IPv6
+    assert elastic.read_hostfile_slots(str(f)) == (['fe80::1', 'fe80::2'], 2)
     f.write_text('n1 slots=2\nn2 slots=4\n')
     done = launch(*common + ['--', 'python', 'x'])
     assert done.returncode == 2 and 'different numbers of slots' in \
