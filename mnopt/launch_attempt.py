@@ -328,6 +328,8 @@ def blame(plan, attempt, found, why, missing, say):
     (elastic.ElasticPlan.leave_out), or say why none is."""
     if why == 'never started':
         hosts, reason = never_started_hosts(missing, plan.hosts)
+        if not hosts:
+            hosts, reason = in_turn(plan, reason, say)
     else:
         hosts, reason = blamed_hosts(
             found, attempt.ended, attempt.exits, plan.hosts,
@@ -336,3 +338,28 @@ def blame(plan, attempt, found, why, missing, say):
         plan.leave_out(hosts, reason)
     else:
         say('mnopt.launch: no host left out: %s' % reason)
+
+
+def in_turn(plan, reason, say):
+    """``([host], why)`` after an attempt where no rank started on any
+    host: the next host in turn (the one left out so least often, the
+    first of them), as one host whose MPI daemon hangs keeps every rank
+    from starting (Open MPI starts ranks once every daemon called back);
+    the host left out in turn before, without which no rank started
+    either, runs again at once.  ``([], reason)`` where no more than
+    --min-nodes hosts would be left."""
+    turns = plan.__dict__.setdefault('turns', {})
+    innocent = [h for h in turns if h in plan._cooling]
+    for host in innocent:   # not the one: no rank started without it
+        del plan._cooling[host]
+        plan._why_out.pop(host, None)
+        plan._blamed.discard(host)
+        plan._strikes[host] -= 1
+        say('mnopt.launch: %s may run again: without it no rank started '
+            'either' % host)
+    if len(plan.hosts) + len(innocent) <= plan.min_nodes:
+        return [], reason
+    host = min(plan.hosts, key=lambda h: turns.get(h, 0))
+    turns[host] = turns.get(host, 0) + 1
+    return [host], 'no rank started on any host: one host\'s MPI daemon ' \
+        'may hang, so hosts are left out in turn, one per attempt'

@@ -184,6 +184,30 @@ def test_a_host_left_out_for_a_failure_is_not_taken_back_on_purpose(
     assert _hosts(plan.command_for_attempt()) == 'a:1,b:1,c:1,d:1'
 
 
+def test_hosts_are_left_out_in_turn_where_no_rank_started_anywhere():
+    plan, said = _plan(['a', 'b', 'c'], 2)
+
+    def nothing_started():
+        missing = launch_attempt.never_started(set(), plan.hosts, 1)
+        launch_attempt.blame(plan, None, None, 'never started', missing,
+                             said.append)
+    runs = [_hosts(plan.command_for_attempt())]
+    for _ in range(3):
+        nothing_started()
+        runs.append(_hosts(plan.command_for_attempt()))
+    assert runs == ['a:1,b:1,c:1', 'b:1,c:1', 'a:1,c:1', 'a:1,b:1'], said
+    assert 'leaving a out: no rank started on any host: one host\'s MPI ' \
+        'daemon may hang, so hosts are left out in turn, one per attempt' \
+        in said[1], said
+    assert any('a may run again: without it no rank started either' in s
+               for s in said), said
+    plan, said = _plan(['a', 'b'], 2)   # no more than --min-nodes
+    plan.command_for_attempt()
+    nothing_started()
+    assert said[-1] == 'mnopt.launch: no host left out: no rank started ' \
+        'on any host', said
+
+
 def test_a_host_left_out_for_a_failure_waits_for_the_others_first():
     down = {'b'}
     plan, said = _plan(['a', 'b', 'c'], 2, lambda h: h not in down,
