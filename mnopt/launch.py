@@ -57,7 +57,9 @@ import threading
 import time
 
 from mnopt import elastic
-from mnopt.elastic import SSH_PROBE
+from mnopt import elastic_probe
+from mnopt.elastic_probe import SSH_PROBE
+from mnopt import elastic_hosts
 from mnopt import failure_summary
 from mnopt import launch_attempt
 from mnopt import log as _log
@@ -312,7 +314,7 @@ def _elastic_plan(p, args, command):
                 'is each process\'s (python train.py ...): the launcher '
                 'starts %s itself' % args.mpiexec)
     try:
-        hosts, slots = elastic.hosts_and_slots(args.hosts, args.hostfile)
+        hosts, slots = elastic_hosts.hosts_and_slots(args.hosts, args.hostfile)
     except (OSError, ValueError) as e:
         p.error(str(e))
     if slots and args.procs_per_node and slots < args.procs_per_node:
@@ -323,7 +325,7 @@ def _elastic_plan(p, args, command):
     if min_nodes > len(hosts):
         p.error('--min-nodes %d is more than the %d hosts given (%s)'
                 % (min_nodes, len(hosts), ','.join(hosts)))
-    pool = elastic.HostPool(hosts, elastic.command_probe(
+    pool = elastic.HostPool(hosts, elastic_probe.command_probe(
         args.probe, args.probe_timeout), say=None)
     try:
         return elastic.ElasticPlan(

@@ -349,12 +349,9 @@ def in_turn(plan, reason, say):
     either, runs again at once.  ``([], reason)`` where no more than
     --min-nodes hosts would be left."""
     turns = plan.__dict__.setdefault('turns', {})
-    innocent = [h for h in turns if h in plan._cooling]
+    innocent = [h for h in turns if plan.is_left_out(h)]
     for host in innocent:   # not the one: no rank started without it
-        del plan._cooling[host]
-        plan._why_out.pop(host, None)
-        plan._blamed.discard(host)
-        plan._strikes[host] -= 1
+        plan.let_back(host)
         say('mnopt.launch: %s may run again: without it no rank started '
             'either' % host)
     if len(plan.hosts) + len(innocent) <= plan.min_nodes:

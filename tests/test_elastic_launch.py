@@ -13,29 +13,31 @@ import pytest
 from conftest import mpiexec, python_path, run_job
 
 from mnopt import elastic
+from mnopt import elastic_hosts
+from mnopt import elastic_probe
 
 pytestmark = pytest.mark.one_rank
 
 
 def test_slurm_node_lists_expand_as_scontrol_does():
-    assert elastic.expand_slurm_nodelist('node[01-03,07],gpu5') == [
+    assert elastic_hosts.expand_slurm_nodelist('node[01-03,07],gpu5') == [
         'node01', 'node02', 'node03', 'node07', 'gpu5']
-    assert elastic.expand_slurm_nodelist('a1') == ['a1']
-    assert elastic.hosts_from(environ={'SLURM_JOB_NODELIST': 'n[8-10]'}) \
+    assert elastic_hosts.expand_slurm_nodelist('a1') == ['a1']
+    assert elastic_hosts.hosts_from(environ={'SLURM_JOB_NODELIST': 'n[8-10]'}) \
         == ['n8', 'n9', 'n10']
 
 
 def test_node_lists_with_several_brackets_expand_and_bad_ones_are_errors(
         tmp_path):
-    assert elastic.expand_slurm_nodelist('rack[1-2]-node[01-02],x') == [
+    assert elastic_hosts.expand_slurm_nodelist('rack[1-2]-node[01-02],x') == [
         'rack1-node01', 'rack1-node02', 'rack2-node01', 'rack2-node02', 'x']
     for bad in ('node[01-02', 'node[a-b]', 'n]'):
         with pytest.raises(ValueError, match='not a Slurm node list'):
-            elastic.expand_slurm_nodelist(bad)
+            elastic_hosts.expand_slurm_nodelist(bad)
     f = tmp_path / 'hosts'
     f.write_text('h1\n[node4]\n')
     with pytest.raises(ValueError, match="'\\[node4\\]' is no host name"):
-        elastic.read_hostfile(str(f))
+        elastic_hosts.read_hostfile(str(f))
 
 
 def test_hosts_are_probed_at_once_within_the_probe_timeout():
@@ -44,22 +46,22 @@ def test_hosts_are_probed_at_once_within_the_probe_timeout():
     pool = elastic.HostPool(['a', 'b', 'c'],
                             lambda h: (everyone.wait(), None)[1], None)
     assert pool.select() == ['a', 'b', 'c']
-    probe = elastic.command_probe('sleep 60', timeout=0.1)
+    probe = elastic_probe.command_probe('sleep 60', timeout=0.1)
     assert probe('a') == 'the probe took more than 0.1 s'
 
 
 def test_a_hostfile_names_hosts_one_a_line(tmp_path):
     f = tmp_path / 'hosts'
     f.write_text('# the rack\nh1\nh2 # spare\n\nh3\n')
-    assert elastic.read_hostfile(str(f)) == ['h1', 'h2', 'h3']
-    assert elastic.read_hostfile_slots(str(f)) == (['h1', 'h2', 'h3'], None)
+    assert elastic_hosts.read_hostfile(str(f)) == ['h1', 'h2', 'h3']
+    assert elastic_hosts.read_hostfile_slots(str(f)) == (['h1', 'h2', 'h3'], None)
 
 
 def test_no_hosts_or_a_host_twice_is_an_error_saying_what_to_give():
     with pytest.raises(ValueError, match='give --hosts'):
-        elastic.hosts_from(environ={})
+        elastic_hosts.hosts_from(environ={})
     with pytest.raises(ValueError, match='h1 is named twice'):
-        elastic.parse_host_list('h1,h2,h1')
+        elastic_hosts.parse_host_list('h1,h2,h1')
 
 
 def test_the_pool_drops_and_takes_back_hosts_saying_why():
@@ -97,7 +99,7 @@ def test_the_command_runs_procs_per_node_on_each_host(flavour, option):
 
 
 def test_a_command_probe_reports_the_exit_status(tmp_path):
-    probe = elastic.command_probe('test -e %s/{host}' % tmp_path)
+    probe = elastic_probe.command_probe('test -e %s/{host}' % tmp_path)
     (tmp_path / 'up').write_text('')
     assert probe('up') is None
     assert probe('gone') == 'the probe exited with status 1'
@@ -516,10 +518,10 @@ def test_a_signal_kills_a_probe_that_hangs_and_is_not_waited_for():
     import threading
     import time
     stopping = threading.Event()
-    probe = elastic.command_probe('sleep 60', timeout=60)
+    probe = elastic_probe.command_probe('sleep 60', timeout=60)
     threading.Timer(0.5, stopping.set).start()
     begun = time.monotonic()
-    said = elastic.probe_all(probe, ['a', 'b'], stopping)
+    said = elastic_probe.probe_all(probe, ['a', 'b'], stopping)
     assert time.monotonic() - begun < 30
     assert said == {'a': 'the launcher is stopping',
                     'b': 'the launcher is stopping'}

@@ -17,6 +17,8 @@ import pytest
 from conftest import python_path, run_job
 
 from mnopt import elastic
+from mnopt import elastic_hosts
+from mnopt import elastic_probe
 from mnopt import elastic_snapshots
 from mnopt import launch as launcher
 from mnopt import launch_attempt
@@ -42,7 +44,7 @@ def launch(*args, cwd=None):
 def test_a_host_files_slots_are_the_processes_per_host(tmp_path, text):
     f = tmp_path / 'hosts'
     f.write_bytes(text.encode())
-    assert elastic.read_hostfile_slots(str(f)) == (['n1', 'n2'], 4)
+    assert elastic_hosts.read_hostfile_slots(str(f)) == (['n1', 'n2'], 4)
 
 
 @pytest.mark.parametrize('text,message', [
@@ -58,7 +60,7 @@ def test_host_files_the_launcher_cannot_follow_are_errors(tmp_path, text,
     f.write_text(text)
     with pytest.raises(ValueError, match=message.replace('(', r'\(')
                        .replace(')', r'\)')):
-        elastic.read_hostfile_slots(str(f))
+        elastic_hosts.read_hostfile_slots(str(f))
 
 
 def test_the_launcher_runs_a_host_files_slots_on_each_host(tmp_path):
@@ -77,7 +79,7 @@ def test_the_launcher_runs_a_host_files_slots_on_each_host(tmp_path):
     assert 'gives each host 4 slots, and --procs-per-node 5: give at most ' \
         'as many processes per host as slots' in done.stderr, done.stderr
     f.write_text('fe80::1 slots=2\nfe80::2 slots=2\n')   # IPv6
-    assert elastic.read_hostfile_slots(str(f)) == (['fe80::1', 'fe80::2'], 2)
+    assert elastic_hosts.read_hostfile_slots(str(f)) == (['fe80::1', 'fe80::2'], 2)
     f.write_text('n1 slots=2\nn2 slots=4\n')
     done = launch(*common + ['--', 'python', 'x'])
     assert done.returncode == 2 and 'different numbers of slots' in \
@@ -86,25 +88,25 @@ def test_the_launcher_runs_a_host_files_slots_on_each_host(tmp_path):
 
 def test_a_reversed_range_in_a_node_list_is_an_error():
     with pytest.raises(ValueError, match='the range 3-1 is reversed'):
-        elastic.expand_slurm_nodelist('node[3-1]')
-    assert elastic.expand_slurm_nodelist('node[1-1]') == ['node1']
+        elastic_hosts.expand_slurm_nodelist('node[3-1]')
+    assert elastic_hosts.expand_slurm_nodelist('node[1-1]') == ['node1']
 
 
 # -- probes -----------------------------------------------------------------
 
 def test_a_probe_that_leaves_a_child_holding_its_stderr_answers():
-    probe = elastic.command_probe(
+    probe = elastic_probe.command_probe(
         "sh -c 'sleep 30 >/dev/null & exit 0'", timeout=20)
     start = time.monotonic()
     assert probe('a') is None
     assert time.monotonic() - start < 15
-    failing = elastic.command_probe("sh -c 'echo no route >&2; exit 255'")
+    failing = elastic_probe.command_probe("sh -c 'echo no route >&2; exit 255'")
     assert failing('a') == 'the probe exited with status 255: no route'
 
 
 def test_a_probe_that_hangs_is_killed_with_its_children(tmp_path):
     pid = tmp_path / 'pid'
-    probe = elastic.command_probe(
+    probe = elastic_probe.command_probe(
         "sh -c 'sleep 60 & echo $! > %s; wait'" % pid, timeout=1)
     assert probe('a') == 'the probe took more than 1 s'
     child = int(pid.read_text())
@@ -465,7 +467,7 @@ def test_a_take_back_folder_that_is_not_there_is_an_error(tmp_path):
 def test_statuses_are_said_with_signal_names():
     assert launcher.describe(3) == 'exited with status 3'
     assert launcher.describe(-15) == 'was ended by SIGTERM'
-    probe = elastic.command_probe("sh -c 'kill -KILL $$'")
+    probe = elastic_probe.command_probe("sh -c 'kill -KILL $$'")
     assert probe('a') == 'the probe was ended by SIGKILL'
 
 
