@@ -17,7 +17,6 @@ from mnopt.transport import allreduce
 from mnopt.transport import buffers
 from mnopt import grad_buffer as gb
 from mnopt.transport import ring
-from mnopt.transport import ring_scratch
 from conftest import WORLD, run_mpi, slack
 
 # Also under mpiexec -n 3: ring segments and neighbours differ at 3 ranks.
@@ -530,70 +529,3 @@ def test_dividing_at_first_use_gives_the_bits_of_dividing_first(wire,
     assert [p.tobytes() for p in lazy] == [p.tobytes() for p in first]
     assert sum(calls) == sum(n for n, done in zip(sizes, divided)
                              if not done)
-
-
-def on_a_new_thread(work):
-    """``work()``'s result, run on a thread of its own (a thread's own
-    ring scratch, none kept at its start)."""
-    import threading
-    got = []
-    t = threading.Thread(target=lambda: got.append(work()))
-    t.start()
-    t.join(slack(120))
-    assert not t.is_alive() and got
-    return got[0]
-
-
-def test_the_scratch_is_the_threads_until_a_ring_fails_to_give_it_back():
-    def work():
-        memory, arrays = ring_scratch.take(3, 10, numpy.float32)
-        assert [(a.dtype, a.size) for a in arrays] == \
-            [(numpy.dtype(numpy.float32), 10)] * 3
-        for k, a in enumerate(arrays):
-            a[...] = k
-        assert [float(a.sum()) for a in arrays] == [0, 10, 20]  # apart
-        ring_scratch.give_back(memory)
-        # Kept: a ring of other dtype and size that fits takes the same.
-        again, arrays = ring_scratch.take(2, 5, numpy.float64)
-        assert again is memory and arrays[0].dtype == numpy.float64
-        # Not given back (a ring that raised): the next ring gets new.
-        fresh, _ = ring_scratch.take(2, 5, numpy.float64)
-        assert fresh is not memory
-        ring_scratch.give_back(fresh)
-        assert ring_scratch.take(1, 1, numpy.uint8)[0] is fresh
-        assert ring_scratch.take(0, 10, numpy.float32) == (None, [])
-        huge, _ = ring_scratch.take(1, ring_scratch.KEEP_MAX_BYTES + 1,
-                                    numpy.uint8)
-        ring_scratch.give_back(huge)   # too large to keep
-        return ring_scratch.take(1, 1, numpy.uint8)[0] is huge
-    assert on_a_new_thread(work) is False
-
-
-@pytest.mark.parametrize('wire', ['float32', 'float16'])
-def test_rings_on_one_thread_sum_in_the_same_scratch(wire, segments,
-                                                     monkeypatch):
-    """The second ring of a thread receives into the first's scratch (no
-    allocation per bucket), with the bits of a ring on fresh scratch."""
-    if N == 1:
-        pytest.skip('one rank: no ring runs')
-    taken, take = [], ring_scratch.take
-
-    def recording(*args):
-        memory, arrays = take(*args)
-        taken.append(memory)
-        return memory, arrays
-    monkeypatch.setattr(ring_scratch, 'take', recording)
-    mine = to_wire(rank_values(30001, WORLD.rank), wire)
-    first, second = mine.copy(), mine.copy()
-
-    def work():
-        ring.allreduce_sum(WORLD, first, wire)
-        ring.allreduce_sum(WORLD, second, wire)
-    on_a_new_thread(work)
-    assert len(taken) == 2 and taken[1] is taken[0]
-    assert first.tobytes() == second.tobytes()
-    fresh = mine.copy()
-    monkeypatch.setattr(ring_scratch, 'take', lambda count, elems, dtype: (
-        None, [numpy.empty(elems, dtype) for _ in range(count)]))
-    on_a_new_thread(lambda: ring.allreduce_sum(WORLD, fresh, wire))
-    assert fresh.tobytes() == first.tobytes()

@@ -49,7 +49,6 @@ from mnopt.transport import cpu_phases
 from mnopt.transport import reduce
 from mnopt.transport import ring_checks
 from mnopt.transport import ring_drain
-from mnopt.transport import ring_scratch
 from mnopt.transport import waiting
 
 #: Largest segment (bytes): one message of the ring.
@@ -307,11 +306,10 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     recv_req = [None] * n_recvs
     recv_status = [None] * n_recvs
     sent = MPI.Status()   # where waits put the sends' statuses
-    # Sums arrive in scratch buffers (at most WINDOW are posted ahead):
-    # the thread's from its last ring (mnopt/transport/ring_scratch.py).
-    memory, scratch = ring_scratch.take(
-        min(WINDOW, sum(recv_sum)), max([v.size for v in recvs], default=0),
-        parts[0].dtype)
+    # Sums arrive in scratch buffers (at most WINDOW are posted ahead).
+    scratch = [numpy.empty(max([v.size for v in recvs], default=0),
+                           parts[0].dtype)
+               for _ in range(min(WINDOW, sum(recv_sum)))]
     scratch_of = {}
     posted_sends = posted_recvs = recvs_done = sends_done = 0
     by_yield = waits_by_yielding()
@@ -381,7 +379,6 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                                       [s for _, s in pending],
                                       max_nap=waiting.PROMPT.max_nap,
                                       by_yield=by_yield)
-        ring_scratch.give_back(memory)   # not after an exception: see there
     except MPI.Exception as e:
         if e.Get_error_class() == MPI.ERR_TRUNCATE:
             raise RuntimeError(
