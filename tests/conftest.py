@@ -335,6 +335,16 @@ def warns_on_rank_0(comm, match):
         assert any(re.search(match, m) for m in said), said
 
 
+
+def process_state(pid):
+    """The state letter of process ``pid`` in /proc ('R', 'S', 'Z', ...),
+    None where it is gone."""
+    try:
+        with open('/proc/%s/stat' % pid) as f:
+            return f.read().rsplit(')', 1)[1].split()[0]
+    except OSError:
+        return None
+
 @contextlib.contextmanager
 def shared_directory(comm, prefix):
     """A fresh directory every rank of ``comm`` uses, removed after the

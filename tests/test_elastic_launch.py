@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import mpiexec, python_path, run_job
+from conftest import mpiexec, process_state, python_path, run_job
 
 from mnopt import elastic
 from mnopt import elastic_hosts
@@ -23,8 +23,8 @@ def test_slurm_node_lists_expand_as_scontrol_does():
     assert elastic_hosts.expand_slurm_nodelist('node[01-03,07],gpu5') == [
         'node01', 'node02', 'node03', 'node07', 'gpu5']
     assert elastic_hosts.expand_slurm_nodelist('a1') == ['a1']
-    assert elastic_hosts.hosts_from(environ={'SLURM_JOB_NODELIST': 'n[8-10]'}) \
-        == ['n8', 'n9', 'n10']
+    assert elastic_hosts.hosts_from(
+        environ={'SLURM_JOB_NODELIST': 'n[8-10]'}) == ['n8', 'n9', 'n10']
 
 
 def test_node_lists_with_several_brackets_expand_and_bad_ones_are_errors(
@@ -54,7 +54,8 @@ def test_a_hostfile_names_hosts_one_a_line(tmp_path):
     f = tmp_path / 'hosts'
     f.write_text('# the rack\nh1\nh2 # spare\n\nh3\n')
     assert elastic_hosts.read_hostfile(str(f)) == ['h1', 'h2', 'h3']
-    assert elastic_hosts.read_hostfile_slots(str(f)) == (['h1', 'h2', 'h3'], None)
+    assert elastic_hosts.read_hostfile_slots(str(f)) == (
+        ['h1', 'h2', 'h3'], None)
 
 
 def test_no_hosts_or_a_host_twice_is_an_error_saying_what_to_give():
@@ -385,15 +386,7 @@ def test_an_attempt_that_never_starts_is_ended_and_counts_as_a_failure(
     assert sorted(probes) == ['a', 'a', 'b', 'b']   # probed again
     for pid in (tmp_path / 'mpiexecs').read_text().split():
         assert not os.path.exists('/proc/%s' % pid) or \
-            _state(pid) == 'Z'
-
-
-def _state(pid):
-    try:
-        with open('/proc/%s/stat' % pid) as f:
-            return f.read().rsplit(')', 1)[1].split()[0]
-    except OSError:
-        return None
+            process_state(pid) == 'Z'
 
 
 def test_the_launcher_sees_the_start_a_rank_notes_at_import(tmp_path):
@@ -473,12 +466,12 @@ def test_a_job_that_ignores_sigterm_is_killed_after_the_stop_timeout(
     assert not (tmp_path / 'signalled').exists()
     # Nothing of its process group is left (its sleeps, reaped by init).
     deadline = time.monotonic() + 60
-    while any(_state(p) not in (None, 'Z') and os.getpgid(int(p)) == pid
+    while any(process_state(p) not in (None, 'Z') and os.getpgid(int(p)) == pid
               for p in os.listdir('/proc') if p.isdigit()
               if _alive_pgid(p)):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert _state(pid) in (None, 'Z')
+    assert process_state(pid) in (None, 'Z')
 
 
 def _alive_pgid(pid):
@@ -509,7 +502,7 @@ def test_ranks_that_outlive_mpiexec_at_a_signal_are_killed(tmp_path):
     rank = (tmp_path / 'rank').read_text().strip()
     # Killed within --stop-timeout 1 (before the fix: never).
     deadline = time.monotonic() + 30
-    while _state(rank) not in (None, 'Z'):
+    while process_state(rank) not in (None, 'Z'):
         assert time.monotonic() < deadline, 'rank %s outlived it' % rank
         time.sleep(0.1)
 

@@ -14,7 +14,7 @@ import time
 import numpy
 import pytest
 
-from conftest import python_path, run_job
+from conftest import process_state, python_path, run_job
 
 from mnopt import elastic
 from mnopt import elastic_hosts
@@ -79,7 +79,8 @@ def test_the_launcher_runs_a_host_files_slots_on_each_host(tmp_path):
     assert 'gives each host 4 slots, and --procs-per-node 5: give at most ' \
         'as many processes per host as slots' in done.stderr, done.stderr
     f.write_text('fe80::1 slots=2\nfe80::2 slots=2\n')   # IPv6
-    assert elastic_hosts.read_hostfile_slots(str(f)) == (['fe80::1', 'fe80::2'], 2)
+    assert elastic_hosts.read_hostfile_slots(str(f)) == (
+        ['fe80::1', 'fe80::2'], 2)
     f.write_text('n1 slots=2\nn2 slots=4\n')
     done = launch(*common + ['--', 'python', 'x'])
     assert done.returncode == 2 and 'different numbers of slots' in \
@@ -100,7 +101,8 @@ def test_a_probe_that_leaves_a_child_holding_its_stderr_answers():
     start = time.monotonic()
     assert probe('a') is None
     assert time.monotonic() - start < 15
-    failing = elastic_probe.command_probe("sh -c 'echo no route >&2; exit 255'")
+    failing = elastic_probe.command_probe(
+        "sh -c 'echo no route >&2; exit 255'")
     assert failing('a') == 'the probe exited with status 255: no route'
 
 
@@ -111,17 +113,9 @@ def test_a_probe_that_hangs_is_killed_with_its_children(tmp_path):
     assert probe('a') == 'the probe took more than 1 s'
     child = int(pid.read_text())
     deadline = time.monotonic() + 30
-    while os.path.exists('/proc/%d' % child) and _state(child) != 'Z':
+    while os.path.exists('/proc/%d' % child) and process_state(child) != 'Z':
         assert time.monotonic() < deadline, 'the probe\'s child lives on'
         time.sleep(0.05)
-
-
-def _state(pid):
-    try:
-        with open('/proc/%s/stat' % pid) as f:
-            return f.read().rsplit(')', 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 # -- the host a failure names is left out -----------------------------------
