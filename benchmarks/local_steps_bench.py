@@ -219,22 +219,10 @@ class TorchPostLocalSGD(Case):
             post_localSGD_hook as plsgd
         from torch.distributed.algorithms.model_averaging import averagers
         from torch.nn.parallel import DistributedDataParallel as DDP
+        from powersgd_bench import torch_model
         self.label, self.window, self.compute_s = name, period, compute_s
-
-        class Params(torch.nn.Module):
-            def __init__(self):
-                super(Params, self).__init__()
-                self.ps = torch.nn.ParameterList(
-                    [torch.nn.Parameter(torch.from_numpy(w))
-                     for w in weights])
-                self.consts = [torch.from_numpy(c) for c in consts]
-
-            def forward(self):
-                return sum((p * c).sum() for p, c in zip(self.ps,
-                                                         self.consts))
-
         self.warmup, self.averager = 0, None
-        self.model = Params()
+        self.model = torch_model(weights, consts)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR,
                                          momentum=MOMENTUM)
         if alone:     # torch's own compute: no DDP, no averaging

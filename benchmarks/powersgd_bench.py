@@ -194,6 +194,25 @@ def chainer_model(weights, consts):
     return Params()
 
 
+def torch_model(weights, consts):
+    """``chainer_model``'s twin in PyTorch: a Module whose parameters
+    share the arrays ``weights`` and whose loss is sum((p * C).sum())."""
+    import torch
+
+    class Params(torch.nn.Module):
+        def __init__(self):
+            super(Params, self).__init__()
+            self.ps = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.from_numpy(w)) for w in weights])
+            # Not buffers: DDP would broadcast them every forward.
+            self.consts = [torch.from_numpy(c) for c in consts]
+
+        def forward(self):
+            return sum((p * c).sum() for p, c in zip(self.ps, self.consts))
+
+    return Params()
+
+
 class MnoptCase(object):
     """One mnopt training setup: model, communicator, multi-node
     optimizer; ``step()`` is one update, and keeps what the communicator
@@ -287,28 +306,14 @@ class TorchCase(object):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         self.label, self.hook = label, hook
-
-        class Params(torch.nn.Module):
-            def __init__(self):
-                super(Params, self).__init__()
-                self.ps = torch.nn.ParameterList(
-                    [torch.nn.Parameter(torch.from_numpy(w))
-                     for w in weights])
-                # Not buffers: DDP would broadcast them every forward.
-                self.consts = [torch.from_numpy(c) for c in consts]
-
-            def forward(self):
-                return sum((p * c).sum() for p, c in zip(self.ps,
-                                                         self.consts))
-
         # init_sync=False: the parameters start alike (zeros) everywhere,
         # and DDP's broadcast of 102 MB at start-up would cost a minute at
         # 100 Mbit/s and 8 nodes.
         # One bucket: ``bucket_cap_mb`` above the model's size (then the
         # first bucket is no smaller either: DDP's _BucketCapacityConfig).
         # local: no DDP, no averaging (the step's own compute).
-        self.model = Params() if local else DDP(
-            Params(), init_sync=False,
+        self.model = torch_model(weights, consts) if local else DDP(
+            torch_model(weights, consts), init_sync=False,
             bucket_cap_mb=1 << 20 if one_bucket else None)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR,
                                          momentum=MOMENTUM)
