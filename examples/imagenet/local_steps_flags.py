@@ -17,8 +17,9 @@ import types
 
 import numpy
 
-import mnopt
-from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY
+import mnopt  # before Chainer: NumPy 2 names for it
+import chainer  # NOQA: E402
+from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY, saved_values
 
 #: Where the example's shared snapshot file holds the local-steps state.
 SAVED = 'updater/optimizer:main/%s/' % SNAPSHOT_KEY
@@ -143,16 +144,10 @@ def saved_flags(path):
     was written with ({flag's dest: value}), or None: written without
     --local-steps.  Read from the file, before anything is loaded."""
     with numpy.load(path) as f:
-        if SAVED + 'settings' not in f.files:
-            return None
-        settings = [int(v) for v in f[SAVED + 'settings']]
-        delay = int(f[SAVED + 'fragment_sync_delay']) \
-            if SAVED + 'fragment_sync_delay' in f.files else None
-    flags = {'local_steps': settings[0], 'fragments': settings[1]}
-    if len(settings) > 2:
-        flags['sync_warmup_steps'] = settings[2]
-    if delay is not None:
-        flags['fragment_sync_delay'] = delay
+        flags = saved_values(chainer.serializers.NpzDeserializer(
+            f, path=SAVED))
+    if flags is not None:
+        flags.pop('outer_optimizer', None)   # no flag: --outer-* only
     return flags
 
 

@@ -41,19 +41,35 @@ def settings_said(local_steps, fragments, fragment_sync_delay,
         ('outer_optimizer', outer_optimizer)) if value is not None]
 
 
-def saved_settings(group):
-    """``settings_said`` of the snapshot's local-steps ``group`` (those an
-    older snapshot lacks left out); [] where it holds none (a snapshot of
+def saved_values(group):
+    """{setting: value} the snapshot's local-steps ``group`` recorded
+    (those an older snapshot lacks left out; ``outer_optimizer``: its
+    class's module.name), or None where it holds none (a snapshot of
     another mode)."""
     settings = read(group, 'settings')
     if settings is None:
-        return []
-    steps, fragments, warmup = (int(v) for v in settings)
+        return None
+    values = dict(zip(('local_steps', 'fragments', 'sync_warmup_steps'),
+                      (int(v) for v in settings)))
     delay, outer = read(group, 'fragment_sync_delay'), \
         read(group, 'outer_optimizer')
+    if delay is not None:
+        values['fragment_sync_delay'] = int(delay)
+    if outer is not None:
+        values['outer_optimizer'] = str(numpy.asarray(outer).item())
+    return values
+
+
+def saved_settings(group):
+    """``settings_said`` of the snapshot's local-steps ``group`` (those an
+    older snapshot lacks left out); [] where it holds none."""
+    values = saved_values(group)
+    if values is None:
+        return []
     return settings_said(
-        steps, fragments, None if delay is None else int(delay), warmup,
-        None if outer is None else str(numpy.asarray(outer).item()))
+        values['local_steps'], values['fragments'],
+        values.get('fragment_sync_delay'), values.get('sync_warmup_steps'),
+        values.get('outer_optimizer'))
 
 
 def read(serializer, key):
