@@ -4,13 +4,13 @@ reduce-scatter)."""
 
 import numpy
 
-from mnopt import _sched
+from mnopt.common import _sched
 from mnopt.transport import ring
 
 
 def thread_setup():
     """The background thread's initializer.  It is latency-bound
-    (mnopt/_sched.py): a short scheduler slice, and with it the ring's
+    (mnopt/common/_sched.py): a short scheduler slice, and with it the ring's
     Python waits (MNOPT_WAIT=python) yield the core instead of napping
     (mnopt/transport/ring.py)."""
     ring.yield_while_waiting(_sched.prefer_low_latency())

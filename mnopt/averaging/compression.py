@@ -1,15 +1,15 @@
 """Sign compression in a communicator: the sign-compressed mean of a
-gradient set (majority vote times the mean scale, mnopt/sign.py) and the
+gradient set (majority vote times the mean scale, mnopt/codecs/sign.py) and the
 state a snapshot keeps of it (the error-feedback residuals)."""
 
 import weakref
 
 import numpy
 
-from mnopt import log
-from mnopt import sign
-from mnopt import timeline as timelines
-from mnopt.arrays import to_host
+from mnopt.common import log
+from mnopt.codecs import sign
+from mnopt.timeline import recorder as timelines
+from mnopt.common.arrays import to_host
 
 #: The logger of mnopt.communicators.base, where this was said before.
 logger = log.get('mnopt.communicators.base')

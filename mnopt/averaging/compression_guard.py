@@ -21,10 +21,12 @@ import logging
 
 from mpi4py import MPI
 
-from mnopt import log
+from mnopt.common import log
 
-#: Each choice, at INFO on rank 0 ($MNOPT_LOG_LEVEL=INFO).
-_logger = log.get(__name__)
+#: Each choice, at INFO on rank 0 ($MNOPT_LOG_LEVEL=INFO), on logger
+#: mnopt.communicators.compression_guard: its name before averaging/
+#: (docs/debugging.md).
+_logger = log.get('mnopt.communicators.compression_guard')
 
 #: The two ways a gradient set is averaged.
 PLAIN, COMPRESSED = 'plain', 'compressed'

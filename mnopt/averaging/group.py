@@ -14,12 +14,12 @@ import logging
 
 from mpi4py import MPI
 
-from mnopt import log
+from mnopt.common import log
 from mnopt.transport import cpu_phases
 from mnopt.transport import layouts
-from mnopt import grad_buffer
-from mnopt import sign
-from mnopt.communicators.devices import device_of
+from mnopt.codecs import grad_buffer
+from mnopt.codecs import sign
+from mnopt.averaging.devices import device_of
 
 
 class Group(object):
@@ -41,7 +41,7 @@ class Group(object):
         #: compression='sign': the sign codec used last.
         self.sign_codec = None
         #: GPU id -> the stream of background work on that GPU
-        #: (mnopt/communicators/background.py).
+        #: (mnopt/averaging/background.py).
         self.side_streams = {}
         #: The sharded collectives' state (sharded.ShardState), made at
         #: their first use on this group.
@@ -129,8 +129,10 @@ class Group(object):
 
 
 #: Each new bucket layout, at DEBUG ($MNOPT_LOG_LEVEL=DEBUG), on every
-#: rank: ranks whose layouts differ show it side by side.
-_logger = log.get(__name__)
+#: rank: ranks whose layouts differ show it side by side.  Logger
+#: mnopt.communicators.group, its name before averaging/
+#: (docs/debugging.md).
+_logger = log.get('mnopt.communicators.group')
 
 
 def _log_layout(buffer, named):

@@ -3,7 +3,7 @@ a gradient set's mean as two averagings of the communicator's own, the
 state kept per gradient set and per parameter, and what a snapshot keeps
 of it.
 
-The arithmetic is mnopt/powersgd.py's.  What travels goes through the
+The arithmetic is mnopt/codecs/powersgd.py's.  What travels goes through the
 communicator's own averaging (``mean_of``: its packing, wire dtype, sum
 and layout check), so the Ps and the Qs are summed by the ring, MPI, NCCL
 or the reduction servers alike: first the Ps together with the arrays
@@ -29,13 +29,12 @@ import time
 
 import numpy
 
-from mnopt import log
-from mnopt import powersgd
-from mnopt.arrays import array_module, to_host
-from mnopt.communicators.compression import (
-    read_optional, why_residuals_restart)
-from mnopt.communicators.compression_guard import CompressionGuard
-from mnopt.communicators.compression_guard import COMPRESSED, PLAIN
+from mnopt.common import log
+from mnopt.codecs import powersgd
+from mnopt.common.arrays import array_module, to_host
+from mnopt.averaging.compression import read_optional, why_residuals_restart
+from mnopt.averaging.compression_guard import CompressionGuard
+from mnopt.averaging.compression_guard import COMPRESSED, PLAIN
 
 #: The logger of mnopt.communicators.base, where compression speaks.
 logger = log.get('mnopt.communicators.base')

@@ -6,14 +6,14 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from mnopt import timeline as timelines
+from mnopt.timeline import recorder as timelines
 
 
 class MeanHandle(object):
     """An averaging in progress; ``wait()`` returns when it is done and
     raises any exception it ended with.  ``timeline``: where a ``wait()``
     that blocks is recorded ('wait': exposed communication); ``stats``
-    (a StepStats, mnopt/step_stats.py): where the time ``wait()`` took
+    (a StepStats, mnopt/timeline/step_stats.py): where the time ``wait()`` took
     is counted as exposed ('waited')."""
 
     def __init__(self, future: Future[Any] | None = None,

@@ -23,23 +23,23 @@ from typing import Any
 import numpy
 from mpi4py import MPI
 
-from mnopt import grad_buffer
-from mnopt import sign
-from mnopt import step_stats
-from mnopt import timeline as timelines
+from mnopt.codecs import grad_buffer
+from mnopt.codecs import sign
+from mnopt.timeline import step_stats
+from mnopt.timeline import recorder as timelines
 from mnopt.transport import agreement
 from mnopt.transport import cpu_phases
 from mnopt.transport import waiting
-from mnopt.arrays import array_module
+from mnopt.common.arrays import array_module
 from mnopt.communicators.arguments import named_pairs
-from mnopt.communicators.background import caller_ready, on_side_stream
-from mnopt.communicators.background import thread_setup
-from mnopt.communicators.devices import device_of
-from mnopt.communicators.group import Group
+from mnopt.averaging.background import caller_ready, on_side_stream
+from mnopt.averaging.background import thread_setup
+from mnopt.averaging.devices import device_of
+from mnopt.averaging.group import Group
 from mnopt.communicators.janitor import release_collected
-from mnopt.communicators.mean_handle import MeanHandle
-from mnopt.communicators.wires import Wires, current_wires
-from mnopt.stall import watched
+from mnopt.averaging.mean_handle import MeanHandle
+from mnopt.averaging.wires import Wires, current_wires
+from mnopt.stall.monitor import watched
 
 
 class Averaging(object):
@@ -73,11 +73,12 @@ class Averaging(object):
         self.seconds = 0.0
         #: Where the averagings are recorded (the communicator's timeline).
         self.timeline = timelines.NULL
-        #: The tuning of 'auto' settings (mnopt/communicators/tuning.py),
+        #: The tuning of 'auto' settings (mnopt/averaging/tuning.py),
         #: set by the communicator: the values each averaging runs with.
         self.tuner = None
         #: The communication figures since they were last taken
-        #: (mnopt/step_stats.py): kept whether or not there is a timeline.
+        #: (mnopt/timeline/step_stats.py): kept whether or not there is a
+        #: timeline.
         self.stats = step_stats.StepStats(mpi_comm.size)
         #: ZeRO's parameter all-gathers and the agreements so far (naming
         #: each in ``stats``).
@@ -375,7 +376,7 @@ class AveragingPipeline(object):
         alone = self.size == 1 and self.skip_single_rank
         # 'auto' settings: while a group tunes, its averagings run with a
         # candidate (the tuner's current values, which the hooks read) and
-        # are timed (mnopt/communicators/tuning.py).
+        # are timed (mnopt/averaging/tuning.py).
         tuner = averaging.tuner
         ticket = tuner.begin(named, averaging.label(group))
         buffer = group.buffer_for(named, self.allreduce_grad_dtype, xp,

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy
 
-from mnopt.arrays import to_host
+from mnopt.common.arrays import to_host
 from mnopt.communicators.comm_hooks import GradBucket, HookCollectives
 
 HOOKS_PAGE = 'docs/hooks.md'

@@ -1,6 +1,6 @@
 """ShardLayout: where each rank's share of a set of arrays laid out by
 owner lies, and the check that every rank passes the same set and shares
-(mnopt/communicators/sharded.py's collectives run over these)."""
+(mnopt/averaging/sharded.py's collectives run over these)."""
 
 import hashlib
 

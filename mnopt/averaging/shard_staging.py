@@ -7,7 +7,7 @@ packed reduce-scatter.  The scratch is kept on the group (``ShardState``)."""
 import numpy
 from mpi4py import MPI
 
-from mnopt import grad_buffer
+from mnopt.codecs import grad_buffer
 from mnopt.transport import waiting
 
 

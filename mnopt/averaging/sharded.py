@@ -40,9 +40,9 @@ Every call first checks, in one 16-byte Allgather, that every rank passes
 the same layout (names, shapes, dtypes, wire dtype) and the same
 ``arrays_per_rank``, and that no rank found its arguments bad: otherwise
 the same error is raised on every rank, never a hang
-(mnopt/communicators/shard_layout.py).  Both operations are stall-watched
+(mnopt/averaging/shard_layout.py).  Both operations are stall-watched
 like every other communicator operation.  The packed path is
-mnopt/communicators/shard_staging.py.
+mnopt/averaging/shard_staging.py.
 """
 
 from __future__ import annotations
@@ -52,19 +52,19 @@ from typing import Any
 
 import numpy
 
-from mnopt import grad_buffer
-from mnopt.arrays import array_module
-from mnopt.communicators.wires import Wires
-from mnopt.communicators.background import caller_ready, on_side_stream
-from mnopt.communicators.devices import on_device
-from mnopt.communicators.mean_handle import MeanHandle
-from mnopt.communicators.shard_layout import ShardLayout, agree
-from mnopt.communicators.shard_layout import arguments_problem
-from mnopt.communicators.shard_staging import ShardState
-from mnopt.communicators.shard_staging import allgather_packed
-from mnopt.communicators.shard_staging import check_overflow
-from mnopt.communicators.shard_staging import reduce_scatter_packed
-from mnopt.stall import watched
+from mnopt.codecs import grad_buffer
+from mnopt.common.arrays import array_module
+from mnopt.averaging.wires import Wires
+from mnopt.averaging.background import caller_ready, on_side_stream
+from mnopt.averaging.devices import on_device
+from mnopt.averaging.mean_handle import MeanHandle
+from mnopt.averaging.shard_layout import ShardLayout, agree
+from mnopt.averaging.shard_layout import arguments_problem
+from mnopt.averaging.shard_staging import ShardState
+from mnopt.averaging.shard_staging import allgather_packed
+from mnopt.averaging.shard_staging import check_overflow
+from mnopt.averaging.shard_staging import reduce_scatter_packed
+from mnopt.stall.monitor import watched
 
 #: Wires on which numpy gradients of that dtype are summed where they are.
 _IN_PLACE_WIRES = ('float32', 'float64')

@@ -33,9 +33,9 @@ the values it ran with gives (tests/test_tune.py).
 import logging
 import threading
 
-from mnopt import grad_buffer
-from mnopt import log
-from mnopt import server_protocol
+from mnopt.codecs import grad_buffer
+from mnopt.common import log
+from mnopt.server import protocol as server_protocol
 
 AUTO = 'auto'
 
@@ -66,7 +66,9 @@ TUNABLE = {'flat': ('bucket_bytes', 'segment_bytes'),
            'hierarchical': ('bucket_bytes', 'segment_bytes'),
            'reduction_server': ('chunk_bytes', 'window')}
 
-_logger = log.get(__name__)
+#: The choice, on rank 0 at INFO: logger mnopt.communicators.tuning, its
+#: name before averaging/ (docs/debugging.md, docs/tuning.md).
+_logger = log.get('mnopt.communicators.tuning')
 
 
 def max_steps():

@@ -4,7 +4,7 @@ bucket where the transport sums bucket by bucket, else one for it all."""
 import contextlib
 import threading
 
-from mnopt import timeline as timelines
+from mnopt.timeline import recorder as timelines
 
 #: The timeline's Wires of the collective each thread is in.
 _current = threading.local()

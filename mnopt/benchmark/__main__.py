@@ -18,42 +18,15 @@ import json
 
 from mpi4py import MPI
 
-from mnopt import cli
-from mnopt.benchmarking import cases, harness, sizes, training
-
-
-#: Where the library names this module had before 0.1.0's layers live now
-#: (mnopt.benchmarking); ``mnopt.benchmark.NAME`` still finds them, with a
-#: DeprecationWarning, for scripts written against it.
-MOVED = {
-    'resnet50_grad_shapes': 'workloads', 'grad_list': 'workloads',
-    'grad_model': 'workloads', 'spread': 'harness', 'run_cases': 'harness',
-    'bus_bandwidth': 'harness', 'link_tx_bytes': 'harness',
-    'counting_link_bytes': 'harness', 'gather_link_bytes': 'harness',
-    'build_cases': 'cases', 'SIGN_COMMS': 'cases', 'sweep': 'sizes',
-    'print_sweep': 'sizes', 'plot_sweep': 'sizes', 'SWEEP_SIZES': 'sizes',
-    'double_buffering': 'training', 'scaling': 'training',
-    'STEPS_PER_BLOCK': 'training'}
-
-
-def __getattr__(name):
-    if name not in MOVED:
-        raise AttributeError('module %r has no attribute %r'
-                             % (__name__, name))
-    import importlib
-    import warnings
-    where = 'mnopt.benchmarking.' + MOVED[name]
-    warnings.warn('mnopt.benchmark.%s is %s.%s now (mnopt.benchmark is the '
-                  'command line only)' % (name, where, name),
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(where), name)
+from mnopt.common import cli
+from mnopt.benchmark import cases, harness, sizes, training
 
 
 def parser():
     """The command line: every option with its help, bad values refused by
     argparse (usage and an ``error:`` line, exit status 2)."""
     from mnopt import communicators
-    from mnopt import grad_buffer
+    from mnopt.codecs import grad_buffer
     p = argparse.ArgumentParser(
         prog='python -m mnopt.benchmark',
         description=__doc__.split('\n')[0],
@@ -130,7 +103,7 @@ def main(argv=None):
         args.reps = min(args.reps, 5)
         args.dtypes = args.dtypes[:2]
     world = MPI.COMM_WORLD
-    from mnopt import server_job
+    from mnopt.server import job as server_job
     if server_job.job().servers:
         # Servers take no part in the timing: time over the workers, with
         # the reduction_server communicator and, where asked for, the

@@ -8,10 +8,10 @@ import os
 import numpy
 from mpi4py import MPI
 
-from mnopt.benchmarking import harness
-from mnopt.benchmarking.harness import bus_bandwidth, print_heading, print_row
-from mnopt.benchmarking.workloads import (grad_list, link_holding,
-                                          resnet50_grad_shapes)
+from mnopt.benchmark import harness
+from mnopt.benchmark.harness import bus_bandwidth, print_heading, print_row
+from mnopt.benchmark.workloads import (grad_list, link_holding,
+                                       resnet50_grad_shapes)
 
 
 def _limit_case(comm, n_elements, chunk):
@@ -93,7 +93,7 @@ def _averaging(comm, grads, link, through_model):
 
 def _chainermn_cases(link, world):
     """ChainerMN's naive communicator, where ChainerMN can run here."""
-    from mnopt import server_job
+    from mnopt.server import job as server_job
     try:
         if server_job.job().servers:
             raise RuntimeError('a job with reduction servers')

@@ -4,8 +4,8 @@ one raw Allreduce; its table and figure."""
 import numpy
 from mpi4py import MPI
 
-from mnopt.benchmarking import harness
-from mnopt.benchmarking.harness import bus_bandwidth, print_heading, print_row
+from mnopt.benchmark import harness
+from mnopt.benchmark.harness import bus_bandwidth, print_heading, print_row
 
 
 SWEEP_SIZES = [1 << k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB

@@ -5,8 +5,8 @@ import time
 
 import numpy
 
-from mnopt.benchmarking import harness
-from mnopt.benchmarking.workloads import grad_model, resnet50_grad_shapes
+from mnopt.benchmark import harness
+from mnopt.benchmark.workloads import grad_model, resnet50_grad_shapes
 
 
 STEPS_PER_BLOCK = 16

@@ -1,6 +1,6 @@
-/* Sign-compression loops (mnopt/sign.py): signs into packed bits with the
- * error-feedback residual, packed bits back into +-scale, and the counting
- * ring's bit-plane counts.
+/* Sign-compression loops (mnopt/codecs/sign.py): signs into packed bits
+ * with the error-feedback residual, packed bits back into +-scale, and the
+ * counting ring's bit-plane counts.
  *
  * numpy needs several passes and temporaries for each of these (a byte per
  * element, fancy indexing, unpackbits); these are one pass each.  Results
@@ -334,7 +334,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_signbits",
-    "Sign-compression loops for mnopt/sign.py", -1, methods
+    "Sign-compression loops for mnopt/codecs/sign.py", -1, methods
 };
 
 PyMODINIT_FUNC PyInit__signbits(void)

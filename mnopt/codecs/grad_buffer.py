@@ -8,7 +8,7 @@ Every communicator averages gradients the same way:
    every partial sum of those fit the wire dtype, as they do whenever the
    gradients agree in sign (ChainerMN's FP16 path sums first and returns
    inf for gradients of 60000 on 2 ranks); mixed signs can still overflow
-   a partial sum (mnopt/overflow.py).
+   a partial sum (mnopt/codecs/overflow.py).
 2. the communicator sums the buffer across ranks, bucket by bucket.
 3. ``unpack``: the summed buffer is cast back into each gradient's own dtype.
 
@@ -31,11 +31,11 @@ import weakref
 
 import numpy
 
-from mnopt.wire_dtypes import WIRE_DTYPES  # NOQA: re-exported
-from mnopt.wire_dtypes import bfloat16_bits_to_float32  # NOQA: re-exported
-from mnopt.wire_dtypes import float32_to_bfloat16_bits  # NOQA: re-exported
-from mnopt.wire_dtypes import halfcast as _halfcast
-from mnopt.wire_dtypes import storage_dtype  # NOQA: re-exported
+from mnopt.wire.dtypes import WIRE_DTYPES  # NOQA: re-exported
+from mnopt.wire.dtypes import bfloat16_bits_to_float32  # NOQA: re-exported
+from mnopt.wire.dtypes import float32_to_bfloat16_bits  # NOQA: re-exported
+from mnopt.wire.dtypes import halfcast as _halfcast
+from mnopt.wire.dtypes import storage_dtype  # NOQA: re-exported
 
 #: Default bucket: 1 MiB of wire data.  Measured (docs/benchmarks.md): on
 #: 1 Gbit/s links between 4 nodes, MPICH reduces 1 MiB pieces 18-25% faster
@@ -421,7 +421,7 @@ class HostCodec(object):
             compute = numpy.promote_types(
                 numpy.promote_types(src.dtype, self.storage), numpy.float32)
             # Overflow into a 16-bit wire is counted and reported by mnopt
-            # (mnopt/overflow.py), not warned about by numpy.
+            # (mnopt/codecs/overflow.py), not warned about by numpy.
             with numpy.errstate(over='ignore'):
                 numpy.divide(src, divisor, out=dst, dtype=compute,
                              casting='unsafe')

@@ -24,16 +24,16 @@ together (one small allgather, only when some mean is not finite).
 ``on_overflow``: 'warn' (default: rank 0 warns, at most once every
 ``WARNING_INTERVAL_S``, with a count of what it did not say), 'error'
 (every rank raises GradientOverflowError) or 'ignore'.  The warning is a
-WARNING record of logger ``mnopt.overflow`` (mnopt/log.py), by default on
-stderr.
+WARNING record of logger ``mnopt.overflow`` (mnopt/common/log.py), by
+default on stderr.
 """
 
 import time
 
 from mnopt.transport import agreement
-from mnopt import log
+from mnopt.common import log
 
-logger = log.get(__name__)
+logger = log.get('mnopt.overflow')   # mnopt/common/log.py's list
 
 CHOICES = ('warn', 'error', 'ignore')
 WARNING_INTERVAL_S = 60.0

@@ -36,7 +36,7 @@ import math
 
 import numpy
 
-from mnopt.arrays import array_module, to_host
+from mnopt.common.arrays import array_module, to_host
 
 #: One array of a plan: its index in the gradient list, its shape, and for
 #: a compressed array its matrix shape (n, m) and rank (else None, 0).
@@ -151,7 +151,7 @@ class PowerSGDState(object):
     step) and ``epsilon`` (orthogonalization_epsilon).  The state is
     ``iteration`` (steps taken), ``errors`` and ``qs`` ({plan index:
     array}, the arrays on the gradients' device; a communicator keeps the
-    residuals per parameter: mnopt/communicators/low_rank.py)."""
+    residuals per parameter: mnopt/averaging/low_rank.py)."""
 
     def __init__(self, shapes, rank=1, start_iter=1000,
                  min_compression_rate=2.0, use_error_feedback=True,

@@ -27,15 +27,15 @@ How the vote travels is the communicator's business:
   per element and 2 message rounds for any N, but every rank talks to
   every other, so a slow link between two halves of the job carries
   O(N K) bits where the ring's two crossings carry O(K log N).
-- the reduction server (mnopt/server.py, wire 'sign'): workers push their
-  packed bits, servers count and push back the majority bits.
+- the reduction server (mnopt/server/process.py, wire 'sign'): workers
+  push their packed bits, servers count and push back the majority bits.
 
 Bits are packed 8 elements per byte (numpy/cupy ``packbits``, big-endian
 bit order within a byte), so buffers of K elements are ceil(K/8) bytes.
 
 One idea, over 400 lines: sign compression, the codec that turns
 gradients into sign bits and back and the votes that combine every
-worker's bits (mnopt/communicators/compression.py calls them).
+worker's bits (mnopt/averaging/compression.py calls them).
 """
 
 import math
@@ -43,11 +43,11 @@ import math
 import numpy
 from mpi4py import MPI
 
-from mnopt import grad_buffer
+from mnopt.codecs import grad_buffer
 from mnopt.transport import waiting
 
-try:  # optional one-pass C loops (mnopt/_signbits.c), bit-identical
-    from mnopt import _signbits
+try:  # optional one-pass C loops (mnopt/codecs/_signbits.c), bit-identical
+    from mnopt.codecs import _signbits
 except ImportError:  # pragma: no cover - built without a C compiler
     _signbits = None
 

@@ -26,7 +26,7 @@ import functools
 import platform
 import sys
 
-from mnopt import _env
+from mnopt.common import _env
 
 #: Requested slice of mnopt's communication threads, microseconds; the
 #: kernel accepts 100 to 100000.  MNOPT_THREAD_SLICE_US overrides it (0: leave

@@ -21,7 +21,7 @@ NumPy was imported); without threadpoolctl nothing changes.
 
 import os
 
-from mnopt import _env
+from mnopt.common import _env
 
 #: Set by the user, these settle the BLAS threads: mnopt leaves them be.
 USER_SETTINGS = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS',

@@ -23,7 +23,7 @@ other over MPI's COMM_WORLD where MPI runs (``_world_claims``, bounded by
 ``WORLD_WAIT_S``); before MPI starts, nothing can be heard, so each rank
 that fails then writes its own block.
 
-Leaf module: imports only the standard library and mnopt.log.
+Leaf module: imports only the standard library and mnopt.common.log.
 """
 
 import json
@@ -32,9 +32,9 @@ import os
 import socket
 import time
 
-from mnopt import log
+from mnopt.common import log
 
-logger = log.get(__name__)
+logger = log.get('mnopt.failure_summary')   # its name before common/
 
 #: The folder a launcher gives the ranks for their records.
 FOLDER_VARIABLE = 'MNOPT_FAILURE_DIR'

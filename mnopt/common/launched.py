@@ -17,7 +17,7 @@ Two more things only the process a launcher started has to know:
   ``subprocess``) inherits the launcher's variables but is no rank, and
   must neither start MPI nor abort the job;
 - how long it waits in MPI's start (``start_mpi``), which holds Python's
-  GIL until every rank has started it: a C thread (mnopt/_startwatch.c)
+  GIL until every rank has started it: a C thread (mnopt/common/_startwatch.c)
   warns at the stall warning and ends the process at the timeout, so
   that a rank that exited before it does not leave the others waiting
   for ever.
@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 
-from mnopt import log
+from mnopt.common import log
 
 #: The variables in which launchers give the number of processes of the
 #: job: MPICH's and Intel MPI's Hydra, Open MPI,
@@ -74,7 +74,7 @@ def problem(environ, world_size):
 
 def warn_if_alone(world_size, environ=None):
     """Log ``problem`` as a warning on logger 'mnopt' (once a process;
-    by default on stderr, mnopt/log.py)."""
+    by default on stderr, mnopt/common/log.py)."""
     import os
     global _warned
     said = problem(os.environ if environ is None else environ, world_size)
@@ -119,7 +119,7 @@ def mark_launched_process():
 
 # ------------------------------------------------------------ MPI's start
 try:
-    from mnopt import _startwatch
+    from mnopt.common import _startwatch
 except ImportError:   # not built (no C compiler): see _start_unwatched
     _startwatch = None
 
@@ -129,8 +129,8 @@ _start_entered = False
 
 
 def exit_watch():
-    """The C watch of a failing exit (mnopt/_startwatch.c), or None where
-    it is not built."""
+    """The C watch of a failing exit (mnopt/common/_startwatch.c), or None
+    where it is not built."""
     return _startwatch
 
 
@@ -159,7 +159,7 @@ def start_mpi(where, stall_warning=None, timeout=None):
     global _start_entered
     mpi = _mpi_module()
     if mpi is None:
-        from mnopt import stall_settings
+        from mnopt.stall import settings as stall_settings
         warning, limit = stall_settings.settings_or_defaults(stall_warning,
                                                              timeout)
         _start_entered = True

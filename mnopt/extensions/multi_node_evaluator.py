@@ -4,7 +4,7 @@ import types
 
 import numpy
 
-from mnopt import any_communicator
+from mnopt.communicators import any_communicator
 
 
 def _check_same_keys(results):

@@ -17,7 +17,7 @@ Elastic (``--hosts h1,h2,...``, ``--hostfile F``, or inside a Slurm
 allocation, with ``--min-nodes K --procs-per-node P``): the command after
 ``--`` is each process's (``python train.py --resume auto``), and the
 launcher starts mpiexec itself, on the hosts that answer a short probe
-(mnopt/elastic.py), before every attempt: a failure is relaunched on the
+(mnopt/launch/elastic.py), before every attempt: a failure is relaunched on the
 hosts still answering, as long as at least K do (waiting up to
 ``--wait-for-nodes`` seconds for them), the host the failure names (its
 ranks failed first, or never started) is left out for a while where K
@@ -30,7 +30,7 @@ back, and why.
 It stops at the first success, at ``--max-restarts`` failures in a row, or
 when interrupted: SIGINT/SIGTERM (SIGHUP/SIGQUIT too, passed on as
 SIGTERM) are passed to every process of the attempt's process group (its
-own: mnopt/launch_attempt.py), which is killed if it has not ended
+own: mnopt/launch/attempt.py), which is killed if it has not ended
 ``--stop-timeout`` seconds later, and the launcher exits with 128 + the
 signal's number (with the last attempt's status where the signal came
 between attempts).  Otherwise its exit status is the last attempt's (128
@@ -41,7 +41,7 @@ failure (an MPI launcher waits for ever for a host that died after its
 probe).
 
 After each failed attempt it prints one failure summary
-(mnopt/failure_summary.py): which rank failed first, how, its traceback,
+(mnopt/common/failure_summary.py): which rank failed first, how, its traceback,
 and what the other ranks were doing.  The ranks write their records to a
 folder it gives them in ``MNOPT_FAILURE_DIR`` (made in the current
 directory, which a cluster's nodes usually share; removed after the
@@ -56,13 +56,13 @@ import sys
 import threading
 import time
 
-from mnopt import elastic
-from mnopt import elastic_probe
-from mnopt.elastic_probe import SSH_PROBE
-from mnopt import elastic_hosts
-from mnopt import failure_summary
-from mnopt import launch_attempt
-from mnopt import log as _log
+from mnopt.launch import elastic
+from mnopt.launch import probe as elastic_probe
+from mnopt.launch.probe import SSH_PROBE
+from mnopt.launch import hosts as elastic_hosts
+from mnopt.common import failure_summary
+from mnopt.launch import attempt as launch_attempt
+from mnopt.common import log as _log
 
 logger = _log.get('mnopt.launch')   # also when run as __main__
 
@@ -110,7 +110,7 @@ def run(command, max_restarts=3, delay=1.0, log=None, plan=None,
     whole process group, which is killed ``stop_timeout`` seconds later.
 
     Each failure and an interruption are reported as WARNING records of
-    logger ``mnopt.launch`` (mnopt/log.py: by default on stderr), or
+    logger ``mnopt.launch`` (mnopt/common/log.py: by default on stderr), or
     written to ``log`` (a text stream) where one is given."""
     def say(text):
         if log is None:
@@ -225,7 +225,7 @@ def main(argv=None):
               '       %(prog)s [--hosts H1,H2,... | --hostfile F] '
               '--min-nodes K --procs-per-node P [--probe CMD] -- '
               'python train.py ...')
-    from mnopt import cli
+    from mnopt.common import cli
     p.add_argument('--max-restarts', type=cli.nonnegative_int, default=3,
                    metavar='N', help='restarts after failures (default 3)')
     p.add_argument('--delay', type=cli.nonnegative_float, default=1.0,

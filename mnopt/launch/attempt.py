@@ -7,7 +7,7 @@ failed elastic attempt, the host it names (``blame``): where the first
 failure was, or where ranks never started.
 
 Its start: every rank of a job of several notes its start in the folder
-``MNOPT_FAILURE_DIR`` when it imports mnopt (mnopt/failure_summary.py,
+``MNOPT_FAILURE_DIR`` when it imports mnopt (mnopt/common/failure_summary.py,
 ``note_start``: ``rank-N.start``), so the launcher, which made the folder,
 knows which ranks started without asking MPI, which may itself hang (an
 MPI launcher waits for ever for the proxy of a host that died before the
@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from mnopt import failure_summary
+from mnopt.common import failure_summary
 
 #: What MPI's launchers say of a rank that a signal ended: MPICH's Hydra
 #: (its pid and host, then the signal), Open MPI's (all on one line).

@@ -1,6 +1,6 @@
 """Which hosts an elastic relaunch runs on (``python -m mnopt.launch
 --hosts ... --min-nodes K --procs-per-node P -- python train.py ...``):
-the hosts given (mnopt/elastic_hosts.py: a list, a host file or Slurm's
+the hosts given (mnopt/launch/hosts.py: a list, a host file or Slurm's
 node list), a short probe of each before every attempt, the ones that
 answer, and the mpiexec command that starts the job on them.
 
@@ -9,17 +9,17 @@ at the first attempt where it answers again; a host the launcher blamed
 for a failure (its ranks failed first, or never started) is left out
 while enough others answer, until it has answered more probes each time
 (``ElasticPlan.leave_out``); each change is said with its reason.  The
-probe is mnopt/elastic_probe.py's.  With ``--take-back-after-snapshot
+probe is mnopt/launch/probe.py's.  With ``--take-back-after-snapshot
 DIR`` a running job is ended to take a host back once a complete
-snapshot is in DIR (mnopt/elastic_snapshots.py).
+snapshot is in DIR (mnopt/launch/snapshots.py).
 """
 
 import os
 import subprocess
 import time
 
-from mnopt import elastic_snapshots
-from mnopt.elastic_probe import probe_all
+from mnopt.launch import snapshots as elastic_snapshots
+from mnopt.launch.probe import probe_all
 
 
 class HostPool(object):
@@ -277,7 +277,7 @@ class ElasticPlan(object):
         the hosts left out; once one has answered enough probes in a row
         (``answers_needed``, after its wait if it was left out), True as
         soon as a snapshot is complete in ``rejoin_dir`` whose every file
-        was written since (mnopt/elastic_snapshots.py), however often
+        was written since (mnopt/launch/snapshots.py), however often
         snapshots come."""
         if self._back is None:
             back = self._answering_again()

@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from mnopt.failure_summary import signal_name
+from mnopt.common.failure_summary import signal_name
 
 #: The default probe: a host answers if ssh can run ``true`` on it.
 SSH_PROBE = 'ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true'

@@ -1,12 +1,12 @@
 """``python -m mnopt.report TRACE...``: where each step's time went.
 
-Reads the timelines a job wrote (``MNOPT_TIMELINE``, mnopt/timeline.py:
-one file per rank, or one merged file) and prints, per rank and over all
-ranks, the mean step and its compute, exposed communication (the main
-thread blocked on it), hidden communication (behind compute) and idle
-time; the ranks that arrive last at the collectives; the bandwidth the
-collectives reach; and which setting would have helped, with the
-evidence (mnopt/report_rules.py)::
+Reads the timelines a job wrote (``MNOPT_TIMELINE``,
+mnopt/timeline/recorder.py: one file per rank, or one merged file) and prints,
+per rank and over all ranks, the mean step and its compute, exposed
+communication (the main thread blocked on it), hidden communication (behind
+compute) and idle time; the ranks that arrive last at the collectives; the
+bandwidth the collectives reach; and which setting would have helped, with the
+evidence (mnopt/report/rules.py)::
 
     MNOPT_TIMELINE=trace.json mpiexec -n 4 python train.py
     python -m mnopt.report trace.json    # the value of MNOPT_TIMELINE
@@ -17,7 +17,7 @@ evidence (mnopt/report_rules.py)::
     python -m mnopt.report --merge all.json trace.rank*.json  # for Perfetto
     python -m mnopt.report --plot steps.png trace.rank*.json  # a picture
 
-How the numbers are computed: mnopt/trace_analysis.py.
+How the numbers are computed: mnopt/report/trace_analysis.py.
 """
 
 import argparse
@@ -28,12 +28,13 @@ import re
 import sys
 import textwrap
 
-from mnopt import report_rules as rules
-from mnopt import report_plot, step_stats, timeline, trace_analysis
-from mnopt import timeline_window
+from mnopt.report import rules
+from mnopt.report import plot as report_plot, trace_analysis
+from mnopt.timeline import step_stats, recorder as timeline
+from mnopt.timeline import window as timeline_window
 
 #: '1gbit', '250mbit', '10Gbit/s', '1e9'... -> bits per second (shared
-#: with the CommunicationReport: mnopt/step_stats.py).
+#: with the CommunicationReport: mnopt/timeline/step_stats.py).
 parse_rate = step_stats.parse_rate
 
 
@@ -132,7 +133,7 @@ def format_text(a):
                              b['bucket_bytes']) if b['bucket_bytes'] else '',
                          rules.pct(b['idle_share'])))
     lines += ['', 'Advice:' if a['advice'] else 'Advice: none (no rule '
-              'applies; see mnopt/report_rules.py).']
+              'applies; see mnopt/report/rules.py).']
     for x in a['advice']:
         lines += ['  - ' + x['advice'], '    because ' + x['evidence']]
     return '\n'.join(_wrapped(line) if len(line) > WIDTH else line
@@ -163,13 +164,13 @@ def merge(paths, out, how='auto'):
 
 
 def rank_files(given):
-    """The trace files ``given`` names: the file itself, else the value
-    given to MNOPT_TIMELINE (``trace.json``, ``t{rank}.json``), whose ranks
-    wrote ``trace.rank0.json``, ``trace.rank1.json``... (mnopt/timeline.py:
-    ``trace_path``): those, rank 0 on until the first missing.  [] where
-    there are none.  A folder: the per-rank files in it (``NAME.rankN.json``),
-    where they are of one name; ValueError where they are of several or
-    none, saying what to pass."""
+    """The trace files ``given`` names: the file itself, else the value given
+    to MNOPT_TIMELINE (``trace.json``, ``t{rank}.json``), whose ranks wrote
+    ``trace.rank0.json``, ``trace.rank1.json``... (mnopt/timeline/recorder.py:
+    ``trace_path``): those, rank 0 on until the first missing.  [] where there
+    are none.  A folder: the per-rank files in it (``NAME.rankN.json``), where
+    they are of one name; ValueError where they are of several or none, saying
+    what to pass."""
     if os.path.isdir(given):
         return rank_files_in(given)
     if os.path.isfile(given):

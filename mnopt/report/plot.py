@@ -11,7 +11,7 @@ that a report on a headless cluster node can include it.
 Needs matplotlib (``pip install matplotlib``; the examples' extra has it).
 """
 
-from mnopt import trace_analysis
+from mnopt.report import trace_analysis
 
 #: Phase -> colour; phases not named here are drawn in the last one.
 COLOURS = {

@@ -1,6 +1,6 @@
 """The report's advice: which setting would have helped, and the evidence.
 
-Each rule reads what ``mnopt.trace_analysis.analyze`` measured and returns
+Each rule reads what ``trace_analysis.analyze`` measured and returns
 advice (a dict: ``rule``, ``advice``, ``evidence``) or None.  The
 thresholds are the constants below; a rule speaks only past them.
 

@@ -1,4 +1,5 @@
-"""Reading mnopt timelines (mnopt/timeline.py): where each step's time goes.
+"""Reading mnopt timelines (mnopt/timeline/recorder.py): where each step's
+time goes.
 
 What ``python -m mnopt.report`` prints, computed from the phases the
 timeline's docstring names (one idea, the report's numbers: over 400
@@ -24,9 +25,9 @@ the wire's start), late by that less the others' median arrival; bus
 bandwidth as nccl-tests, from the last wire start to the end.  A server
 process (no step, no collective) is no worker.
 
-Imports only the standard library, mnopt.timeline, mnopt.step_stats (the
-bus factors and who arrived last, shared with the communicator's per-step
-figures) and mnopt.report_rules.
+Imports only the standard library, the timeline's recorder and step_stats
+(the bus factors and who arrived last, shared with the communicator's
+per-step figures) and the report's rules.
 """
 
 import bisect
@@ -34,13 +35,14 @@ import collections
 import itertools
 import statistics
 
-from mnopt import report_rules, step_stats, timeline
+from mnopt.report import rules as report_rules
+from mnopt.timeline import step_stats, recorder as timeline
 
 COMPUTE = ('forward', 'backward', 'update')
 COMM = ('pack', 'cast', 'wire', 'sum', 'unpack')
 #: Bytes on the busiest link per byte of payload, by the 'op' of a 'wire'
 #: (nccl-tests' bus bandwidth factors): shared with the communicator's own
-#: per-step figures (mnopt/step_stats.py).
+#: per-step figures (mnopt/timeline/step_stats.py).
 BUS_FACTOR = step_stats.BUS_FACTOR
 
 

@@ -8,9 +8,9 @@ import atexit
 import numpy
 from mpi4py import MPI
 
-from mnopt.server_protocol import HEADER_FIELDS, KIND_BYE, TAG_HEADER
-from mnopt.stall import Monitor
-from mnopt.stall_settings import settings_or_defaults
+from mnopt.server.protocol import HEADER_FIELDS, KIND_BYE, TAG_HEADER
+from mnopt.stall.monitor import Monitor
+from mnopt.stall.settings import settings_or_defaults
 from mnopt.transport import waiting
 from mnopt.transport.stall_wait import wait_or_abort
 

@@ -16,13 +16,13 @@ import numpy
 from mpi4py import MPI
 
 from mnopt.transport import waiting
-from mnopt import _sched
-from mnopt import grad_buffer
-from mnopt import sign
-from mnopt.server_protocol import (
-    DEFAULT_MEMORY, HEADER_FIELDS, KIND_BYE, KIND_REDUCE, STATUS_BYTES,
-    TAG_DATA, TAG_HEADER, TAG_RESULT, TAG_STATUS, WIRES, check_headers,
-    chunk_slices, wire_storage)
+from mnopt.common import _sched
+from mnopt.codecs import grad_buffer
+from mnopt.codecs import sign
+from mnopt.server.protocol import (DEFAULT_MEMORY, HEADER_FIELDS, KIND_BYE,
+                                   KIND_REDUCE, STATUS_BYTES, TAG_DATA,
+                                   TAG_HEADER, TAG_RESULT, TAG_STATUS, WIRES,
+                                   check_headers, chunk_slices, wire_storage)
 
 
 class Stats(object):
@@ -76,13 +76,13 @@ def serve(chan, workers, my_index, n_servers, memory=DEFAULT_MEMORY,
     between averagings the thread sleeps instead of polling MPI.
     ``on_headers()`` runs once each round's headers are all in (the
     colocated server forgets its cue there: that exchange is this one).
-    ``timeline`` (mnopt/timeline.py), where on: per chunk a 'wire' (op
+    ``timeline`` (mnopt/timeline/recorder.py), where on: per chunk a 'wire' (op
     'recv': waiting for every worker's share) and a 'sum' (the reduction),
     then a 'wire' (op 'send') until the results have left, with bytes.
     ``pace``: how its waits poll (mnopt/transport/waiting.py): PATIENT in
     a server process, PROMPT for a colocated server's threads.
     """
-    _sched.prefer_low_latency()   # it waits on the network: mnopt/_sched.py
+    _sched.prefer_low_latency()   # it waits on the network: common/_sched.py
     n = len(workers)
     headers = numpy.empty((n, HEADER_FIELDS), dtype=numpy.int64)
     byes = set()
@@ -194,7 +194,8 @@ class _MeanOfWorkers(object):
 
 class _MajorityOfWorkers(object):
     """Count the workers' packed sign bits, return the majority bits (ties
-    by the coin of mnopt/sign.py, from each element's index and the step)."""
+    by the coin of mnopt/codecs/sign.py, from each element's index and the
+    step)."""
 
     def __init__(self, n, step):
         self.n, self.step = n, step

@@ -22,9 +22,10 @@ worth of slots is always available, so any bound makes progress.
 Launched without servers, the communicator runs this same loop on a thread
 in every worker (colocated, as Fairring does).
 
-This module is the server process (``python -m mnopt.server``); beside it:
-the protocol (mnopt/server_protocol.py), the job's roles and channels
-(mnopt/server_job.py) and the loop (mnopt/server_loop.py).
+This module is the server process (``python -m mnopt.server``, run by
+mnopt/server/__main__.py; ``mnopt.server.main()`` in a script that wraps
+it); beside it: the protocol (protocol.py), the job's roles and channels
+(job.py) and the loop (loop.py).
 """
 
 import argparse
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 
-from mnopt import launched
+from mnopt.common import launched
 
 # MPI's start waits for every rank (a worker that exited before it would
 # keep the servers there for ever): under the stall warning and timeout.
@@ -40,19 +41,19 @@ launched.start_mpi('python -m mnopt.server')
 
 from mpi4py import MPI
 
-from mnopt import log
-from mnopt import stall_settings
-from mnopt import timeline as timelines
-from mnopt.server_job import CHANNEL_NAMES, job
-from mnopt.server_loop import Stats, serve
-from mnopt.server_protocol import DEFAULT_MEMORY
+from mnopt.common import log
+from mnopt.stall import settings as stall_settings
+from mnopt.timeline import recorder as timelines
+from mnopt.server.job import CHANNEL_NAMES, job
+from mnopt.server.loop import Stats, serve
+from mnopt.server.protocol import DEFAULT_MEMORY
 from mnopt.transport import waiting
 
-logger = log.get('mnopt.server')   # also when run as __main__
+logger = log.get('mnopt.server')   # the name of the command
 
 
 def main(argv=None):
-    from mnopt import cli
+    from mnopt.common import cli
     p = argparse.ArgumentParser(prog='python -m mnopt.server',
                                 description=__doc__.split('\n')[0])
     p.add_argument('--memory', type=cli.positive_int, default=DEFAULT_MEMORY,
@@ -85,7 +86,7 @@ def main(argv=None):
     stats = Stats() if args.stats else None
 
     def report(problem):
-        # An ERROR record of logger mnopt.server (mnopt/log.py): the
+        # An ERROR record of logger mnopt.server (mnopt/common/log.py): the
         # worker that sent it fails; the server goes on serving.
         logger.error('mnopt.server %d: refused a reduction: %s', index,
                      problem)
@@ -116,6 +117,3 @@ def main(argv=None):
         print('server %d: %.1f MB moved, %.3f GB/s over the job' % (
             index, stats.bytes / 1e6, stats.bytes / max(elapsed, 1e-9) / 1e9))
 
-
-if __name__ == '__main__':
-    main()

@@ -9,12 +9,12 @@ every worker at once, which the server also reports."""
 
 import numpy
 
-from mnopt import grad_buffer
+from mnopt.codecs import grad_buffer
 
 #: 3: workers send their gradients divided by W; the server only sums.
 PROTOCOL_VERSION = 3
 # Wires: the gradient dtypes, and 'sign' (packed sign bits; the servers
-# count the votes and return the majority bits, see mnopt/sign.py).
+# count the votes and return the majority bits, see mnopt/codecs/sign.py).
 WIRES = tuple(grad_buffer.WIRE_DTYPES) + ('sign',)
 WIRE_CODES = {name: i for i, name in enumerate(WIRES)}
 TAG_HEADER, TAG_STATUS, TAG_DATA, TAG_RESULT = 0x3A0, 0x3A1, 0x3A2, 0x3A3

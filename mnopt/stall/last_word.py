@@ -11,16 +11,16 @@ come; MPI keeps one sender's messages in order (all are received with any
 tag), so then nothing sent to it is left unreceived.  A freed monitor's
 communicator is freed after that; an exiting process waits for it (every
 rank exits, and MPI_Finalize waits for every rank anyway).  The watchdog
-(mnopt/stall_watchdog.py) runs the protocol."""
+(mnopt/stall/watchdog.py) runs the protocol."""
 
 import logging
 import time
 
 from mpi4py import MPI
 
-from mnopt import log
-from mnopt import stall_report
-from mnopt.stall_settings import DEFAULT_TIMEOUT_S
+from mnopt.common import log
+from mnopt.stall import report as stall_report
+from mnopt.stall.settings import DEFAULT_TIMEOUT_S
 
 logger = log.get(stall_report.LOGGER_NAME)
 

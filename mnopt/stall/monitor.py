@@ -27,13 +27,14 @@ timeout=...)``, else the environment variables ``MNOPT_STALL_WARNING`` and
 The watchdog needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default);
 with a lower thread level stall detection is off, with a warning.
 
-The reports are records of logger ``mnopt.stall`` (mnopt/log.py): WARNING
-while the job goes on, ERROR when it is aborted; by default on stderr.
+The reports are records of logger ``mnopt.stall`` (mnopt/common/log.py):
+WARNING while the job goes on, ERROR when it is aborted; by default on
+stderr.
 
 This module is the Monitor and ``watched``; beside it: the settings
-(mnopt/stall_settings.py), the watchdog thread (mnopt/stall_watchdog.py),
-the last-word protocol at exit (mnopt/stall_last_word.py), the report's
-text and the abort (mnopt/stall_report.py), and waiting outside a Monitor
+(mnopt/stall/settings.py), the watchdog thread (mnopt/stall/watchdog.py),
+the last-word protocol at exit (mnopt/stall/last_word.py), the report's
+text and the abort (mnopt/stall/report.py), and waiting outside a Monitor
 (mnopt/transport/stall_wait.py).
 """
 
@@ -46,8 +47,8 @@ from typing import Any, TypeVar
 
 from mpi4py import MPI
 
-from mnopt.stall_settings import settings
-from mnopt.stall_watchdog import the_watchdog
+from mnopt.stall.settings import settings
+from mnopt.stall.watchdog import the_watchdog
 
 
 class _Operation(object):

@@ -5,9 +5,9 @@ import time
 
 from mpi4py import MPI
 
-from mnopt import log
+from mnopt.common import log
 
-#: The stall reports' logger (mnopt/log.py), whichever module says them.
+#: The stall reports' logger (mnopt/common/log.py), whichever module says them.
 LOGGER_NAME = 'mnopt.stall'
 
 

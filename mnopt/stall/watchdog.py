@@ -1,8 +1,8 @@
 """The stall watchdog: the one thread per process that looks after every
-Monitor (mnopt/stall.py): asks the other ranks what they do when an
+Monitor (mnopt/stall/monitor.py): asks the other ranks what they do when an
 operation is late, reports, aborts at the timeout, and runs the last-word
-protocol (mnopt/stall_last_word.py), also at exit; for a failing rank's
-summary (mnopt/failure_summary.py) it asks the others what they do, and
+protocol (mnopt/stall/last_word.py), also at exit; for a failing rank's
+summary (mnopt/common/failure_summary.py) it asks the others what they do, and
 hears whether another rank reports an earlier failure."""
 
 import atexit
@@ -13,10 +13,10 @@ import warnings
 
 from mpi4py import MPI
 
-from mnopt import failure_summary
-from mnopt import log
-from mnopt import stall_last_word
-from mnopt import stall_report
+from mnopt.common import failure_summary
+from mnopt.common import log
+from mnopt.stall import last_word as stall_last_word
+from mnopt.stall import report as stall_report
 
 logger = log.get(stall_report.LOGGER_NAME)
 
@@ -36,7 +36,7 @@ CLAIM_WAIT_S = 2.5 * TICK_S
 
 class Watchdog(object):
     """The one thread per process that looks after every Monitor, and the
-    last-word protocol on them (mnopt/stall_last_word.py)."""
+    last-word protocol on them (mnopt/stall/last_word.py)."""
 
     def __init__(self):
         self._monitors = []
@@ -68,7 +68,7 @@ class Watchdog(object):
 
     def stop(self):
         """At exit: end the thread, say this process's last word on every
-        monitor, and hear the others' (mnopt/stall_last_word.py): a rank
+        monitor, and hear the others' (mnopt/stall/last_word.py): a rank
         still waiting for this one (sys.exit on one rank, a script that
         ends early) aborts the job at once instead of at the timeout, and
         a healthy job leaves no message unreceived."""
@@ -151,7 +151,7 @@ class Watchdog(object):
                 stall_last_word.hear(m, source, content)
 
     def failing(self, claim, wait_s, question=True):
-        """This rank reports a failure (mnopt/failure_summary.py):
+        """This rank reports a failure (mnopt/common/failure_summary.py):
         ``claim`` ((priority, how, line)) it on every monitor, ask the
         other ranks what they do (where ``question``), and listen up to
         ``wait_s`` for their answers, and at least CLAIM_WAIT_S for their
@@ -204,7 +204,7 @@ class Watchdog(object):
 
     def reported(self):
         """This rank has reported its failure: the others, if they fail
-        too, leave theirs unsaid (mnopt/failure_summary.py)."""
+        too, leave theirs unsaid (mnopt/common/failure_summary.py)."""
         here = threading.current_thread() is self._thread
         if not here:
             self._lock.acquire()

@@ -52,7 +52,7 @@ arguments).
 
 One idea, the trace file: writing it and reading it back (over 400
 lines with both).  Leaf module: imports only the standard library and
-mnopt.log.
+mnopt.common.log.
 """
 
 import atexit
@@ -63,10 +63,10 @@ import socket
 import threading
 import time
 
-from mnopt import log
-from mnopt import timeline_window
+from mnopt.common import log
+from mnopt.timeline import window as timeline_window
 
-logger = log.get(__name__)
+logger = log.get('mnopt.timeline')   # docs/observability.md
 
 #: The clock every timestamp is read on (seconds), and its origin.
 clock = time.perf_counter
@@ -288,7 +288,7 @@ class Timeline(object):
         if not self._closed and self.window.recording:
             self._events.append(('C', name, None, clock(), None, 0, values))
 
-    # -- the window (mnopt/timeline_window.py) -------------------------------
+    # -- the window (mnopt/timeline/window.py) -------------------------------
 
     def begin_step(self, owner, kind='averaging', number=None):
         """A step of ``owner`` begins ('optimizer': an update, 'averaging':

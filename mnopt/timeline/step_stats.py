@@ -1,8 +1,8 @@
 """Where each step's communication time went, kept by the communicator as
 it runs, timeline or no timeline: ``StepStats``, and what the online
 report (mnopt/extensions/communication_report.py) and the offline one
-(mnopt/trace_analysis.py) share: the bus bandwidth factors, the link rate
-(``MNOPT_LINK_RATE``) and who arrived last at a collective.
+(mnopt/report/trace_analysis.py) share: the bus bandwidth factors, the
+link rate (``MNOPT_LINK_RATE``) and who arrived last at a collective.
 
 A communicator holds one StepStats (``comm.step_stats``) and adds to it
 at a few places of every averaging; ``comm.communication_stats()``

@@ -16,13 +16,13 @@ optimizer takes the count over from a communicator's averagings.
 cap): past it the timeline records nothing more and says so, in the file
 (an ``mnopt_truncated`` metadata event) and once in the log.
 
-Leaf module: imports only the standard library and mnopt._env.
+Leaf module: imports only the standard library and mnopt.common._env.
 """
 
 import os
 import weakref
 
-from mnopt import _env
+from mnopt.common import _env
 
 #: The environment variables: the window, the cap.
 STEPS_ENV = 'MNOPT_TIMELINE_STEPS'

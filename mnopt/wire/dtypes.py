@@ -3,20 +3,20 @@
 The wire dtypes are float16, bfloat16, float32 and float64.  NumPy has no
 bfloat16, so bfloat16 travels as its raw bits in uint16 storage, rounded to
 nearest-even from float32.  ``halfcast`` is the optional C loops
-(mnopt/_halfcast.c), None where they were not built.  A leaf: the codecs
-(mnopt/grad_buffer.py) and the transport (mnopt/transport/) build on it.
+(mnopt/wire/_halfcast.c), None where they were not built.  A leaf: the codecs
+(mnopt/codecs/grad_buffer.py) and the transport (mnopt/transport/) build on it.
 """
 
 import numpy
 
-try:  # optional C loops for float16/bfloat16 (mnopt/_halfcast.c)
-    from mnopt import _halfcast as halfcast
+try:  # optional C loops for float16/bfloat16 (mnopt/wire/_halfcast.c)
+    from mnopt.wire import _halfcast as halfcast
 except ImportError:  # no compiler at install time: numpy does it, slower
     halfcast = None
 if halfcast is not None and getattr(halfcast, 'API', 1) != 2:
     import warnings
-    warnings.warn('mnopt/_halfcast was built from older sources; using numpy '
-                  'instead (pip install -e . rebuilds it)')
+    warnings.warn('mnopt/wire/_halfcast was built from older sources; using '
+                  'numpy instead (pip install -e . rebuilds it)')
     halfcast = None
 
 WIRE_DTYPES = ('float16', 'bfloat16', 'float32', 'float64')
