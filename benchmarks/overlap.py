@@ -229,6 +229,10 @@ def main(argv=None):
     p.add_argument('--ddp', action='store_true',
                    help="PyTorch DDP on gloo in the same rounds "
                    "(benchmarks/ddp_peer.py; needs torch)")
+    p.add_argument('--only', choices=('mnopt', 'ddp'),
+                   help="one framework only, as a user runs it (--only ddp "
+                   "implies --ddp); default: mnopt, and DDP too with --ddp, "
+                   "in the same processes")
     p.add_argument('--json')
     args = p.parse_args(argv)
     if args.plot:
@@ -238,11 +242,15 @@ def main(argv=None):
 
     comm = mnopt.create_communicator(args.communicator,
                                      bucket_bytes=args.bucket_bytes)
+    with_mnopt = args.only != 'ddp'
+    with_ddp = args.ddp or args.only == 'ddp'
+    if args.only == 'mnopt':
+        with_ddp = False
     rng = numpy.random.RandomState(comm.rank)
     x = rng.standard_normal((args.batch, args.width)).astype(numpy.float32)
     t = rng.randint(0, 10, args.batch).astype(numpy.int32)
     runs = {}
-    for mode in MODES:
+    for mode in MODES if with_mnopt else ():
         numpy.random.seed(0)
         model = MLP(args.width, args.layers)
         opt = mnopt.create_multi_node_optimizer(
@@ -254,16 +262,16 @@ def main(argv=None):
         if hasattr(opt, 'wait'):
             opt.wait()
         runs[mode] = (model, opt)
-    model = runs['sync'][0]
-    n_params = sum(p.size for p in model.params())
+    n_params = args.layers * (args.width + 1) * args.width \
+        + (args.width + 1) * 10
     nbytes = 4 * n_params   # averaged each step (float32 gradients)
-    modes = MODES
+    modes = MODES if with_mnopt else ()
     peer = None
-    if args.ddp:
+    if with_ddp:
         import ddp_peer
         peer = ddp_peer.DDPPeer(comm.mpi_comm, args.width, args.layers,
                                 args.batch, args.bucket_bytes, comm.rank)
-        modes = MODES + ddp_peer.MODES
+        modes = modes + ddp_peer.MODES
 
     times = {m: [] for m in modes}
     blocked = {m: [] for m in MODES}   # waiting for averagings, per step
@@ -311,7 +319,10 @@ def main(argv=None):
             for k, v in zip(('forward', 'backward', 'average'), peer.parts(
                     time.perf_counter, comm.mpi_comm.Barrier)):
                 peer_parts[k].append(v)
+        if not with_mnopt:
+            continue
         # The parts, on their own (no averaging in flight).
+        model = runs['sync'][0]
         comm.mpi_comm.Barrier()
         t0 = time.perf_counter()
         loss = model(x, t)
@@ -337,8 +348,9 @@ def main(argv=None):
               # MNOPT_THREAD_SLICE_US: the averaging thread's slice
               'thread_slice_us': _sched.slice_us(),
               'step_s': {m: spread(v) for m, v in times.items()},
-              'blocked_s': {m: spread(v) for m, v in blocked.items()},
-              'parts_s': {k: spread(v) for k, v in parts.items()},
+              'blocked_s': {m: spread(v) for m, v in blocked.items()
+                            if v},
+              'parts_s': {k: spread(v) for k, v in parts.items() if v},
               'cpu_idle': {m: spread(v) for m, v in idle.items()},
               # MNOPT_WAIT: how the averaging thread waits
               'wait': waiting.kind() if waiting else 'python',
@@ -347,11 +359,11 @@ def main(argv=None):
               'averaging_thread_s': {
                   m: spread_by_key(v) for m, v in costs.items()
                   if v and v[0]}}
-    hidden = {}
-    for mode in MODES[1:]:
-        per_round = [(s - o) / min(b, a) for s, o, b, a in zip(
+    hidden, hidden_rounds = {}, {}
+    for mode in MODES[1:] if with_mnopt else ():
+        hidden_rounds[mode] = [(s - o) / min(b, a) for s, o, b, a in zip(
             times['sync'], times[mode], parts['backward'], parts['average'])]
-        hidden[mode] = spread(per_round)
+        hidden[mode] = spread(hidden_rounds[mode])
     if peer is not None:
         result['ddp_parts_s'] = {k: spread(v) for k, v in peer_parts.items()}
         # The threads torch.distributed started: (name, what started it).
@@ -361,10 +373,20 @@ def main(argv=None):
                 'cpu_per_mb': spread([c['cpu_per_mb'] for c in v]),
                 'by_comm': spread_by_key([c['by_comm'] for c in v])}
             for m, v in ddp_costs.items() if v}
-        hidden['ddp'] = spread([(s - o) / min(b, a) for s, o, b, a in zip(
+        hidden_rounds['ddp'] = [(s - o) / min(b, a) for s, o, b, a in zip(
             times['ddp sync'], times['ddp'], peer_parts['backward'],
-            peer_parts['average'])])
+            peer_parts['average'])]
+        hidden['ddp'] = spread(hidden_rounds['ddp'])
     result['hidden'] = hidden
+    # Round by round, and each rank's own: where a run's swings come from.
+    result['rounds_of_rank'] = comm.mpi_comm.gather({
+        'step_s': times, 'blocked_s': blocked, 'cpu_idle': idle,
+        'parts_s': parts, 'ddp_parts_s': peer_parts,
+        'hidden': hidden_rounds,
+        'averaging_thread_cpu_s': {m: [c['cpu'] for c in v]
+                                   for m, v in costs.items() if v},
+        'ddp_thread_cpu_s': {m: [c['cpu'] for c in v]
+                             for m, v in ddp_costs.items() if v}}, root=0)
     comm.finalize()
     if comm.rank == 0:
         print(json.dumps(result, indent=1))

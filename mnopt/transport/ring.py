@@ -41,6 +41,7 @@ on every rank.
 
 import os
 import threading
+import time
 
 import numpy
 from mpi4py import MPI
@@ -49,6 +50,7 @@ from mnopt.transport import cpu_phases
 from mnopt.transport import reduce
 from mnopt.transport import ring_checks
 from mnopt.transport import ring_drain
+from mnopt.transport import ring_pace
 from mnopt.transport import waiting
 
 #: Largest segment (bytes): one message of the ring.
@@ -313,6 +315,9 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     scratch_of = {}
     posted_sends = posted_recvs = recvs_done = sends_done = 0
     by_yield = waits_by_yielding()
+    window = WINDOW * seg_elems * parts[0].itemsize
+    nap, busy = ring_pace.pace(comm, window)
+    started = time.perf_counter()
     try:
         while recvs_done < n_recvs or sends_done < n_sends:
             moved = False
@@ -372,13 +377,11 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                             send_req[sends_done:posted_sends]
                             if r != MPI.REQUEST_NULL]
                 if pending:
-                    # PROMPT's naps: progress happens only inside MPI
-                    # calls, and a nap longer than a socket buffer takes to
-                    # drain idles the link (256 KiB at 1 Gbit/s: 2 ms).
                     waiting.wait_some([r for r, _ in pending],
-                                      [s for _, s in pending],
-                                      max_nap=waiting.PROMPT.max_nap,
-                                      by_yield=by_yield)
+                                      [s for _, s in pending], max_nap=nap,
+                                      busy_poll=busy, by_yield=by_yield)
+        ring_pace.measured(comm, sum(v.nbytes for v in recvs),
+                           time.perf_counter() - started)
     except MPI.Exception as e:
         if e.Get_error_class() == MPI.ERR_TRUNCATE:
             raise RuntimeError(

@@ -1,0 +1,94 @@
+"""mnopt/transport/ring_pace.py: how long the ring's waits nap, from the
+rate its last ring over the same communicator measured; and a ring that
+waits at a measured pace still sums to the same bits.
+
+Runs serially and under mpiexec -n 2, -n 3."""
+
+import numpy
+import pytest
+from mpi4py import MPI
+
+from mnopt.transport import ring
+from mnopt.transport import ring_pace
+from mnopt.transport import waiting
+from conftest import WORLD
+
+pytestmark = pytest.mark.many_ranks
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    ring_pace.forget()
+    yield
+    ring_pace.forget()
+
+
+def test_before_any_ring_the_pace_is_prompts():
+    assert ring_pace.pace(WORLD, 1 << 20) == waiting.PROMPT
+
+
+def test_naps_are_half_the_window_at_the_measured_rate():
+    # 1 Gbit/s: 8 ns a byte; a 2 MiB window takes 16.8 ms, half is
+    # beyond LONGEST; a 64 KiB one takes 0.52 ms, half 0.26 ms.
+    ring_pace.measured(WORLD, 125 << 20, 1.05)
+    nap, busy = ring_pace.pace(WORLD, 2 << 20)
+    assert nap == ring_pace.LONGEST and busy is None
+    nap, busy = ring_pace.pace(WORLD, 64 << 10)
+    assert nap == pytest.approx(0.5 * (64 << 10) * 1.05 / (125 << 20))
+    assert busy is None
+
+
+def test_a_fast_link_keeps_the_naps_short():
+    ring_pace.measured(WORLD, 1 << 30, 0.01)   # 100 GB/s
+    assert ring_pace.pace(WORLD, 2 << 20)[0] == ring_pace.SHORTEST
+
+
+def test_a_small_ring_says_nothing_about_the_rate():
+    ring_pace.measured(WORLD, ring_pace.MIN_BYTES - 1, 10.0)
+    ring_pace.measured(WORLD, 1 << 20, 0.0)
+    assert ring_pace.pace(WORLD, 1 << 20) == waiting.PROMPT
+
+
+def test_each_communicator_keeps_its_own_rate():
+    other = WORLD.Dup()
+    try:
+        ring_pace.measured(WORLD, 1 << 20, 1.0)
+        assert ring_pace.pace(other, 1 << 20) == waiting.PROMPT
+        assert ring_pace.pace(WORLD, 1 << 20)[0] == ring_pace.LONGEST
+    finally:
+        other.Free()
+
+
+def test_each_thread_keeps_its_own_rate():
+    import threading
+    ring_pace.measured(WORLD, 1 << 20, 1.0)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(
+        ring_pace.pace(WORLD, 1 << 20)))
+    t.start()
+    t.join()
+    assert seen == [waiting.PROMPT]
+
+
+def test_a_ring_measures_its_rate_and_sums_the_same_at_any_pace():
+    comm = WORLD.Dup()
+    try:
+        n, rank = comm.size, comm.rank
+        parts = [numpy.arange(300000, dtype=numpy.float32) * (rank + 1),
+                 numpy.full(7, rank + 1, numpy.float32)]
+        want = [numpy.arange(300000, dtype=numpy.float32) * sum(
+            range(1, n + 1)), numpy.full(7, sum(range(1, n + 1)),
+                                          numpy.float32)]
+        first = [p.copy() for p in parts]
+        ring.allreduce_sum_parts(comm, first, 'float32')
+        if n > 1:   # the ring moved 1.2 MB: a rate is known
+            assert ring_pace.pace(comm, 1 << 20)[1] is None
+        # The slowest pace there is: naps of LONGEST throughout.
+        ring_pace.measured(comm, 1 << 20, 100.0)
+        second = [p.copy() for p in parts]
+        ring.allreduce_sum_parts(comm, second, 'float32')
+        for a, b, w in zip(first, second, want):
+            assert a.tobytes() == b.tobytes()
+            numpy.testing.assert_array_equal(a, w)
+    finally:
+        comm.Free()
