@@ -45,21 +45,26 @@ if editable_wheel is not None:
 
     cmdclass['editable_wheel'] = editable_wheel_with_pth
 
+#: mnopt's C extensions, each beside the module that loads it; all
+#: optional: without a C compiler mnopt computes the same in numpy or Python.
+#: - mnopt/wire/_halfcast.c: fast float16/bfloat16 casts (numpy fallback:
+#:   bit-identical, about 10x slower: 100 MB to float16,
+#:   docs/results/halfcast.md).
+#: - mnopt/codecs/_signbits.c: the sign codec's one-pass loops likewise
+#:   (numpy fallback, bit-exact).
+#: - mnopt/transport/_mpiwait.c: MPI waits that hold neither the GIL nor a
+#:   core (fallback: polling from Python).
+#: - mnopt/common/_startwatch.c: the watch of MPI's start and of an early
+#:   failing exit (fallback: Python's fault handler ends a wait in MPI's
+#:   start at the timeout, with no warning before it).
+C_EXTENSIONS = ('mnopt/wire/_halfcast', 'mnopt/codecs/_signbits',
+                'mnopt/transport/_mpiwait', 'mnopt/common/_startwatch')
+
 # Everything declarative (name, version, dependencies, extras, packages)
 # is in pyproject.toml; here only what needs code.
 setup(
     cmdclass=cmdclass,
-    # Fast float16/bfloat16 casts; optional: without a C compiler mnopt
-    # falls back to numpy (bit-identical, about 10x slower: 100 MB to
-    # float16, docs/results/halfcast.md).
-    # The sign codec's one-pass loops likewise (numpy fallback, bit-exact).
-    # MPI waits that hold neither the GIL nor a core (mnopt/_mpiwait.c;
-    # fallback: polling from Python).
-    # The watch of MPI's start and of an early failing exit
-    # (mnopt/_startwatch.c; fallback: Python's fault handler ends a wait
-    # in MPI's start at the timeout, with no warning before it).
-    ext_modules=[Extension('mnopt.' + name, ['mnopt/%s.c' % name],
+    ext_modules=[Extension(path.replace('/', '.'), [path + '.c'],
                            extra_compile_args=['-O3'], optional=True)
-                 for name in ('_halfcast', '_signbits', '_mpiwait',
-                              '_startwatch')],
+                 for path in C_EXTENSIONS],
 )

@@ -20,8 +20,8 @@ import numpy
 from mpi4py import MPI
 
 import mnopt
-from mnopt.benchmarking.harness import spread
-from mnopt.benchmarking.workloads import grad_model, resnet50_grad_shapes
+from mnopt.benchmark.harness import spread
+from mnopt.benchmark.workloads import grad_model, resnet50_grad_shapes
 try:
     from mnopt.transport import waiting
 except ImportError:  # a tree from before the C waits

@@ -239,7 +239,7 @@ def sign_vote_bits_across(vote, n):
     rank's whole send.  All-to-all: the (n/2)^2 pairs across each send
     1/n of the bits; then the all-gather (MPICH: a ring) like the ring's
     second half."""
-    from mnopt.sign import count_bits
+    from mnopt.codecs.sign import count_bits
     gather = (n - 1) / n
     if vote == 'ring':
         return sum(count_bits(i) for i in range(1, n)) / n + gather

@@ -70,7 +70,8 @@ print('rank %d done' % comm.rank, flush=True)
 SERVER_FAULT = r'''
 import os, signal, sys, time
 how = sys.argv.pop(1)
-from mnopt import server, server_loop
+from mnopt import server
+from mnopt.server import loop as server_loop
 serve_one = server_loop._reduce
 calls = [0]
 def serve_then_fail(*args, **kwargs):

@@ -94,8 +94,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 import mnopt  # NOQA
 from mnopt import netsim  # NOQA
 from mnopt.transport import allreduce  # NOQA
-from mnopt.benchmarking.workloads import (grad_list,  # NOQA
-                                          resnet50_grad_shapes)
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes  # NOQA
 from ring_bench import raw_mpi, run_cases, spread  # NOQA
 
 FIRST_BUCKET_BYTES = 1 << 20   # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES

@@ -33,9 +33,9 @@ import traceback
 import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
-from mnopt import grad_buffer
-from mnopt.benchmarking.harness import spread
-from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes
+from mnopt.codecs import grad_buffer
+from mnopt.benchmark.harness import spread
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes
 from mnopt.transport.nccl import nccl_allreduce_sum, nccl_communicator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,7 +243,7 @@ def powersgd_arithmetic(cp, rounds, reps, rank=4):
     """Seconds per PowerSGD step of ResNet-50's gradients, the sums left
     out (identity, one rank): the projections, orthogonalization and
     reconstruction a step computes, on the GPU and on the host."""
-    from mnopt import powersgd
+    from mnopt.codecs import powersgd
     shapes = resnet50_grad_shapes()
     host = [g for _, g in grad_list(shapes, 0)]
     device = [cp.asarray(g) for g in host]

@@ -50,9 +50,10 @@ python3 - <<'EOF' || exit 1
 import glob, subprocess, sys, sysconfig
 suffix = sysconfig.get_config_var('EXT_SUFFIX')
 include = sysconfig.get_paths()['include']
-for name in ('_halfcast', '_signbits', '_mpiwait', '_startwatch'):
+for path in ('mnopt/wire/_halfcast', 'mnopt/codecs/_signbits',
+             'mnopt/transport/_mpiwait', 'mnopt/common/_startwatch'):
     subprocess.check_call(['gcc', '-O3', '-fPIC', '-shared', '-I' + include,
-                           'mnopt/%s.c' % name, '-o', 'mnopt/%s%s' % (name, suffix)])
+                           path + '.c', '-o', path + suffix])
 EOF
 {
     nvidia-smi -L

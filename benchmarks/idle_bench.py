@@ -27,10 +27,13 @@ import numpy
 from mpi4py import MPI
 
 try:
-    from mnopt.benchmarking import cases, harness
-except ImportError:  # a tree from before the library (rerun.py --code)
-    import mnopt.benchmark as cases
-    harness = cases
+    from mnopt.benchmark import cases, harness
+except ImportError:  # a tree from before the folders (rerun.py --code)
+    try:
+        from mnopt.benchmarking import cases, harness
+    except ImportError:  # a tree from before the library
+        import mnopt.benchmark as cases
+        harness = cases
 
 IDLE = {}   # case label -> idle shares of its repetitions (last run_cases)
 
@@ -48,7 +51,7 @@ def cpu_times():
 
 
 def run_cases(cases, world, reps, warmup=2, progress=''):
-    """mnopt.benchmarking.harness.run_cases, recording CPU idle per
+    """mnopt.benchmark.harness.run_cases, recording CPU idle per
     repetition."""
     times = numpy.zeros((len(cases), reps))
     idle = numpy.zeros((len(cases), reps))

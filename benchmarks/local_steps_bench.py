@@ -38,7 +38,7 @@ One job by hand (what --all runs for each line):
         --rate-mbit 100 --json out.json
 
 The model: a Chainer Link with ResNet-50's 161 parameter shapes (102.2 MB
-of float32; mnopt/benchmarking/workloads.py) and the loss sum over
+of float32; mnopt/benchmark/workloads.py) and the loss sum over
 parameters of (parameter * C).sum(), C a fixed standard normal array per
 parameter and rank (benchmarks/powersgd_bench.py's model): real dense
 gradients of those shapes, different on every rank.  A step's *compute*
@@ -350,7 +350,7 @@ def spread(values):
 
 def measure(args):
     from mpi4py import MPI
-    from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes
+    from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes
     from powersgd_bench import cut_shapes, ring_factor
     world = MPI.COMM_WORLD
     n = world.size

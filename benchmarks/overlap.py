@@ -30,9 +30,12 @@ import time
 import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
-from mnopt import _sched
 try:
-    from mnopt.benchmarking.harness import spread
+    from mnopt.common import _sched
+except ImportError:  # a tree from before the folders (rerun.py --code)
+    from mnopt import _sched
+try:
+    from mnopt.benchmark.harness import spread
 except ImportError:  # a tree from before the library (rerun.py --code)
     from mnopt.benchmark import spread
 try:

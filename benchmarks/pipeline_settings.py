@@ -35,8 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..'))
 import mnopt  # NOQA
 from mnopt.transport import ring  # NOQA
-from mnopt.benchmarking.workloads import (grad_list,  # NOQA
-                                          resnet50_grad_shapes)
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes  # NOQA
 from ring_bench import run_cases, spread  # NOQA
 
 

@@ -126,9 +126,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..'))
 import mnopt  # NOQA
-from mnopt import powersgd  # NOQA
-from mnopt.benchmarking.workloads import (grad_list,  # NOQA
-                                          resnet50_grad_shapes)
+from mnopt.codecs import powersgd  # NOQA
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes  # NOQA
 from gloo_bench import gloo_here  # NOQA
 from ring_bench import run_cases, spread  # NOQA
 
@@ -242,11 +241,11 @@ class MnoptCase(object):
     def warmup_steps(self):
         """Updates until the steady state: the first broadcasts, then
         warmup_steps plain averagings, then 'auto''s 4 trial averagings
-        (mnopt/communicators/compression_guard.py: ROUNDS of each way)."""
+        (mnopt/averaging/compression_guard.py: ROUNDS of each way)."""
         compression = self.comm_args.get('compression')
         n = 1 + self.comm_args.get('warmup_steps', 0)
         if compression == 'auto':
-            from mnopt.communicators.compression_guard import ROUNDS
+            from mnopt.averaging.compression_guard import ROUNDS
             n += 2 * ROUNDS
         return n + 1   # and one in the steady state
 

@@ -8,7 +8,7 @@ Why: on the simulated cluster 8 ranks share 2 cores, so a compressed
 step's compute can cost more than the bytes it saves.  This times, on
 ResNet-50's gradient shapes, one thread:
 
-- mnopt (mnopt/powersgd.py, the calls low_rank.py makes per step):
+- mnopt (mnopt/codecs/powersgd.py, the calls low_rank.py makes per step):
   ``project`` (M = grad + residual, P = M Q), ``reproject`` (Gram-Schmidt
   of P, Q = M^T P), ``reconstruct`` (M_hat = P Q^T by rank-one terms,
   residual M - M_hat, warm Qs kept, dead columns checked) and the copy of
@@ -34,9 +34,8 @@ import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..'))
-from mnopt import powersgd  # NOQA
-from mnopt.benchmarking.workloads import (grad_list,  # NOQA
-                                          resnet50_grad_shapes)
+from mnopt.codecs import powersgd  # NOQA
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes  # NOQA
 
 
 def timed(fn, reps):

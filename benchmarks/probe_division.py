@@ -20,7 +20,7 @@ import mnopt
 from mnopt.transport import allreduce, ring
 from ring_bench import run_cases, spread
 import gloo_bench
-from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes
 world = MPI.COMM_WORLD
 base = grad_list(resnet50_grad_shapes(), world.rank)
 grads = [(n, g.copy()) for n, g in base]

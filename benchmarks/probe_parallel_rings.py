@@ -20,7 +20,7 @@ from mpi4py import MPI
 from mnopt.transport import ring
 from ring_bench import run_cases, spread
 import gloo_bench
-from mnopt.benchmarking.workloads import grad_list, resnet50_grad_shapes
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes
 world = MPI.COMM_WORLD
 n = 25557096
 buf = numpy.ones(n, numpy.float32)

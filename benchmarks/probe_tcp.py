@@ -26,8 +26,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, '..'))
 import mnopt  # NOQA
 from mnopt.transport import ring  # NOQA
-from mnopt.benchmarking.workloads import (grad_list,  # NOQA
-                                          resnet50_grad_shapes)
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes  # NOQA
 import gloo_bench  # NOQA
 from ring_bench import (COUNTERS, run_cases, spread,  # NOQA
                         tcp_and_scheduling)

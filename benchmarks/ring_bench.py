@@ -37,8 +37,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
 import mnopt  # NOQA
 from mnopt.transport import ring, waiting  # NOQA
-from mnopt.benchmarking.workloads import (grad_list,  # NOQA
-                                          resnet50_grad_shapes)
+from mnopt.benchmark.workloads import grad_list, resnet50_grad_shapes  # NOQA
 
 
 def cpu_times():

@@ -14,8 +14,8 @@ import time
 
 import numpy
 
-from mnopt import grad_buffer, sign
-from mnopt.benchmarking.workloads import resnet50_grad_shapes
+from mnopt.codecs import grad_buffer, sign
+from mnopt.benchmark.workloads import resnet50_grad_shapes
 
 
 def main():
@@ -23,7 +23,8 @@ def main():
     p.add_argument('--reps', type=int, default=5)
     args = p.parse_args()
     if sign._signbits is None:
-        raise SystemExit('mnopt._signbits is not built (pip install -e .)')
+        raise SystemExit('mnopt.codecs._signbits is not built '
+                         '(pip install -e .)')
     rng = numpy.random.RandomState(0)
     grads = [rng.standard_normal(s).astype(numpy.float32)
              for s in resnet50_grad_shapes()]

@@ -1,5 +1,5 @@
 """How close the in-job tuning (``bucket_bytes='auto'``, ...;
-mnopt/communicators/tuning.py) lands to the best hand-picked setting:
+mnopt/averaging/tuning.py) lands to the best hand-picked setting:
 a Chainer link with ResNet-50's gradient shapes averaged by
 ``multi_node_mean_grad``, on a grid of fixed settings and on tuned
 communicators (after their tuning), round-robin in one run.  For
@@ -48,9 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 '..'))
 import mnopt  # NOQA
-from mnopt.communicators import tuning  # NOQA
-from mnopt.benchmarking.workloads import grad_model  # NOQA
-from mnopt.benchmarking.workloads import resnet50_grad_shapes  # NOQA
+from mnopt.averaging import tuning  # NOQA
+from mnopt.benchmark.workloads import grad_model  # NOQA
+from mnopt.benchmark.workloads import resnet50_grad_shapes  # NOQA
 from ring_bench import run_cases, spread  # NOQA
 
 
@@ -136,7 +136,7 @@ def main():
     p.add_argument('--json', help='write the results here')
     args = p.parse_args()
     world = MPI.COMM_WORLD
-    from mnopt import server_job
+    from mnopt.server import job as server_job
     if server_job.job().servers:
         # A job with server processes (netsim run --servers N): time over
         # the workers only (the servers are in COMM_WORLD too).

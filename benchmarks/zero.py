@@ -61,8 +61,8 @@ import numpy
 
 import mnopt  # before Chainer: NumPy 2 names for it
 from mnopt.transport import ring
-from mnopt.benchmarking.harness import spread
-from mnopt.benchmarking.workloads import resnet50_grad_shapes
+from mnopt.benchmark.harness import spread
+from mnopt.benchmark.workloads import resnet50_grad_shapes
 import chainer  # NOQA
 from mnopt import zero  # NOQA
 import chainer.functions as F  # NOQA
@@ -81,7 +81,7 @@ def make_model(width, layers, model='mlp'):
     numpy.random.seed(0)
     if model == 'resnet50':
         # ResNet-50's parameters
-        # (mnopt.benchmarking.workloads.resnet50_grad_shapes: Chainer's
+        # (mnopt.benchmark.workloads.resnet50_grad_shapes: Chainer's
         # ImageNet example's), without its forward: the update sees
         # arrays, not layers.
         link = chainer.Link()

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from mnopt.datasets import create_empty_dataset as create_empty_dataset
     from mnopt.datasets import scatter_dataset as scatter_dataset
     from mnopt.datasets import scatter_index as scatter_index
-    from mnopt.evaluator import (
+    from mnopt.extensions.multi_node_evaluator import (
         create_multi_node_evaluator as create_multi_node_evaluator)
     from mnopt.extensions import (
         create_multi_node_checkpointer as create_multi_node_checkpointer)
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from mnopt.optimizers import join as join
     from mnopt.optimizers import (
         create_multi_node_optimizer as create_multi_node_optimizer)
-    from mnopt.overflow import GradientOverflowError as GradientOverflowError
+    from mnopt.codecs.overflow import (
+        GradientOverflowError as GradientOverflowError)
 
 
 __version__ = '0.1.0'
@@ -68,7 +69,7 @@ def _set_log_level() -> None:
     (a bad value is create_communicator's ValueError, on every rank:
     importing mnopt must not fail for it)."""
     import logging
-    from mnopt import _env
+    from mnopt.common import _env
     try:
         level = _env.log_level()
     except ValueError:
@@ -87,7 +88,7 @@ _CORE = {
     'create_communicator': 'mnopt.communicators',
     'CommunicatorBase': 'mnopt.communicators.base',
     'LayoutMismatchError': 'mnopt.transport.layouts',
-    'GradientOverflowError': 'mnopt.overflow',
+    'GradientOverflowError': 'mnopt.codecs.overflow',
 }
 
 #: The Chainer layer: name -> the module that defines it (a module name
@@ -103,7 +104,7 @@ _CHAINER_LAYER = {
     'OuterNesterov': 'mnopt.optimizers',
     'join': 'mnopt.optimizers',
     'UnevenInputsError': 'mnopt.optimizers',
-    'create_multi_node_evaluator': 'mnopt.evaluator',
+    'create_multi_node_evaluator': 'mnopt.extensions.multi_node_evaluator',
     'scatter_dataset': 'mnopt.datasets',
     'scatter_index': 'mnopt.datasets',
     'create_empty_dataset': 'mnopt.datasets',
@@ -149,7 +150,7 @@ def __dir__() -> list[str]:
     # The API only: the lazy names, the documented modules imported so far
     # and the module's dunders (__version__); not what this file imports
     # for itself (importlib, TYPE_CHECKING, annotations), nor the internal
-    # modules other imports bring in (mnopt.log, mnopt.arrays, ...).
+    # modules other imports bring in (mnopt.common, mnopt.codecs, ...).
     shown = {name for name in globals() if name in _PUBLIC_MODULES or
              (name.startswith('__') and name.endswith('__'))}
     return sorted(shown | set(_CORE) | set(_CHAINER_LAYER))

@@ -30,12 +30,12 @@ import textwrap
 
 import numpy
 
-from mnopt import cli
+from mnopt.common import cli
 
 #: Output lines stay within a terminal's 80 columns.
 WIDTH = 79
 
-#: mnopt's C loops: (module, what it is, what runs without it).  setup.py
+#: mnopt's C loops: (name, what it is, what runs without it).  setup.py
 #: compiles them where it finds a C compiler and skips them silently
 #: where it does not; mnopt then computes the same in numpy or Python.
 C_LOOPS = (
@@ -49,6 +49,11 @@ C_LOOPS = (
      "a rank's failing exit before MPI starts leaves the others waiting "
      'until MNOPT_TIMEOUT; Ctrl-C in MPI\'s start waits for every rank'),
 )
+#: Where each C loop lives: beside the module that loads it.
+C_LOOP_MODULES = {'_halfcast': 'mnopt.wire._halfcast',
+                  '_signbits': 'mnopt.codecs._signbits',
+                  '_mpiwait': 'mnopt.transport._mpiwait',
+                  '_startwatch': 'mnopt.common._startwatch'}
 HOW_TO_BUILD = ('pip builds them where it finds a C compiler: install one '
                 '(gcc: apt install build-essential, or dnf install gcc) and '
                 "reinstall mnopt from its source without pip's cache (pip "
@@ -82,11 +87,11 @@ def thread_level_name(level):
 def c_loop_state(name):
     """(in use, what the check says) for C loop ``name`` of C_LOOPS."""
     try:
-        importlib.import_module('mnopt.' + name)
+        importlib.import_module(C_LOOP_MODULES[name])
     except ImportError:
         return False, 'not built'
     if name == '_halfcast':
-        from mnopt import wire_dtypes
+        from mnopt.wire import dtypes as wire_dtypes
         if wire_dtypes.halfcast is None:
             return False, 'built from older sources: unused'
     if name == '_mpiwait':
@@ -315,7 +320,7 @@ def main(argv=None):
     cli.parse_args(parser(), argv)
     from mpi4py import MPI
     import mnopt
-    from mnopt import launched
+    from mnopt.common import launched
     world = MPI.COMM_WORLD
     comm = mnopt.create_communicator('flat')
     info = describe_process()

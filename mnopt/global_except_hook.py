@@ -3,7 +3,7 @@
 Without it, the other ranks wait forever in their next collective.  This
 does what ``python -m mpi4py script.py`` does, for scripts launched as
 plain ``python script.py``.  Before the abort the failing rank reports
-the failure once (mnopt/failure_summary.py): its traceback, and what the
+the failure once (mnopt/common/failure_summary.py): its traceback, and what the
 other ranks were doing.
 
 ``import mnopt`` installs it in a process that an MPI launcher started as
@@ -20,9 +20,9 @@ import sys
 import time
 import traceback
 
-from mnopt import failure_summary
-from mnopt import launched
-from mnopt import log
+from mnopt.common import failure_summary
+from mnopt.common import launched
+from mnopt.common import log
 
 logger = log.get(__name__)
 
@@ -91,7 +91,7 @@ def _multiprocessing_child():
 def install_at_import(environ=None):
     """Install the hook (``add_hook``) where ``environ`` (os.environ) says
     that a launcher started this process as one of several (MPI's
-    variables: mnopt/launched.py), unless multiprocessing or a rank
+    variables: mnopt/common/launched.py), unless multiprocessing or a rank
     started it (a helper inherits the variables: ``os.system``,
     ``subprocess``), and watch for a failing exit before MPI starts.
     Starts nothing: MPI starts only if an exception reaches the hook."""
@@ -111,7 +111,7 @@ def _watch_exit():
     """End the job when this process exits with a non-zero status before
     MPI started (sys.exit(3), raise SystemExit, argparse's errors: no
     exception reaches sys.excepthook), by a signal, as a launcher needs
-    (the C watch: mnopt/_startwatch.c; where it is not built, such an
+    (the C watch: mnopt/common/_startwatch.c; where it is not built, such an
     exit leaves the others waiting until their timeout in MPI's start).
     Once MPI runs, a rank that exits is the communicators' to report."""
     watch = launched.exit_watch()
@@ -166,7 +166,7 @@ def abort_before_mpi(why, code=1, failure=None):
 def abort(why, code=1, failure=None):
     """Abort the whole MPI job (where MPI runs with more than one
     process), saying ``why`` first, then reporting ``failure`` ((what,
-    traceback): mnopt/failure_summary.py); nothing said or failed here
+    traceback): mnopt/common/failure_summary.py); nothing said or failed here
     stops the abort."""
     try:
         from mpi4py import MPI

@@ -237,8 +237,8 @@ def hydra_mpiexec():
 def blas_threads_env(processes):
     """The simulated nodes share this machine's cores, which MPI cannot
     see (each node has its own hostname): each process gets its share of
-    BLAS threads (mnopt/cores.py), unless the user set them."""
-    from mnopt import cores
+    BLAS threads (mnopt/common/cores.py), unless the user set them."""
+    from mnopt.common import cores
     if any(os.environ.get(name) for name in
            cores.USER_SETTINGS + ('MNOPT_BLAS_THREADS',)):
         return []
@@ -324,7 +324,7 @@ VERBS = {
 def parser():
     """The command line: every option with its help, bad values refused by
     argparse (usage and an ``error:`` line, exit status 2)."""
-    from mnopt import cli
+    from mnopt.common import cli
     p = argparse.ArgumentParser(
         prog='python -m mnopt.netsim',
         description='A simulated cluster of nodes with shaped links.',

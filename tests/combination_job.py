@@ -24,7 +24,7 @@ import numpy
 from mpi4py import MPI
 
 import mnopt  # before Chainer: Chainer's NumPy 2 names
-import mnopt.timeline
+from mnopt.timeline import recorder as timelines
 import chainer
 import chainer.links as L
 
@@ -191,7 +191,7 @@ def window_missed(path, first, calls):
     recorded outside the window, or its steps (of the ``calls``
     update() calls this process made from the job's step ``first`` on,
     at least) not recorded."""
-    events = mnopt.timeline.load(path)
+    events = timelines.load(path)
     steps = sorted(e['args']['step'] for e in events
                    if e.get('name') == 'step' and e.get('ph') == 'X')
     want = list(range(max(WINDOW[0], first),
@@ -308,15 +308,15 @@ def train(case, out, stop, snapshots):
             c.finalize()
     if case['observe'] == 'timeline' and resumed < stop:
         # Complete once the communicators are finalized.
-        path = mnopt.timeline.trace_path(os.path.join(out, 'trace.json'),
+        path = timelines.trace_path(os.path.join(out, 'trace.json'),
                                          WORLD.rank)
-        names = {e.get('name') for e in mnopt.timeline.load(path)}
+        names = {e.get('name') for e in timelines.load(path)}
         expected = set(PHASES)
         if not averages_within(case, resumed, stop):
             expected.discard('wire')
         missed += sorted(expected - names)
     if case['observe'] == 'window' and resumed < stop:
-        missed += window_missed(mnopt.timeline.trace_path(
+        missed += window_missed(timelines.trace_path(
             os.path.join(out, 'trace.json'), WORLD.rank), first_step, calls)
     return resumed, digest.hexdigest(), recorder.twice(), moved, missed
 

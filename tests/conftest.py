@@ -312,7 +312,7 @@ def snapshot_models_equal(path_a, path_b):
 @contextlib.contextmanager
 def mnopt_records():
     """The records said on mnopt's loggers ('mnopt' and its children,
-    mnopt/log.py) while the block runs, as a list."""
+    mnopt/common/log.py) while the block runs, as a list."""
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -327,7 +327,8 @@ def mnopt_records():
 @contextlib.contextmanager
 def warns_on_rank_0(comm, match):
     """Rank 0 reports what autoload skipped (a WARNING record of logger
-    'mnopt', mnopt/log.py, matching ``match``); the others stay quiet."""
+    'mnopt', mnopt/common/log.py, matching ``match``); the others stay
+    quiet."""
     with mnopt_records() as records:
         yield
     said = [r.getMessage() for r in records if r.levelno == logging.WARNING]

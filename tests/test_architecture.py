@@ -1,7 +1,10 @@
-"""mnopt's shape holds: imports run down the layers of docs/architecture.md,
-no module is in an import circle, none imports another's private name, the
-Chainer layer reaches MPI only through the communicator, files stay one
-idea each, and the architecture page names every file.
+"""mnopt's shape holds: each folder of mnopt/ is one layer of
+docs/architecture.md and says so, the top of mnopt/ is its public face
+only, imports run down the layers, no module is in an import circle, none
+imports another's private name, the Chainer layer reaches MPI only through
+the communicator, each C extension lies beside the module that loads it,
+files stay one idea each, and the architecture page draws the folders of
+each layer and names every file.
 
 Read from the source with ``ast`` (every import, also those inside
 functions), so the check needs nothing installed and runs anywhere."""
@@ -20,47 +23,39 @@ pytestmark = pytest.mark.one_rank
 PACKAGE = os.path.join(REPO, 'mnopt')
 ARCHITECTURE = os.path.join(REPO, 'docs', 'architecture.md')
 
-#: The layers, bottom first.  A module belongs to the layer of the longest
-#: prefix below that matches its dotted name; it may import its own layer
-#: and those below.  docs/architecture.md draws the same table.
+#: The layers, bottom first: (name, its folders of mnopt/, the modules at
+#: the top of mnopt/ that belong to it).  A module's layer is its folder's
+#: (the folder right under mnopt/); the top of mnopt/ holds only the public
+#: face (the package, ``python -m mnopt``, the ChainerMN and documented
+#: modules, and the one-file commands), each listed here.  A module may
+#: import its own layer and those below.  docs/architecture.md draws the
+#: same table.
 LAYERS = [
-    ('leaves', ['mnopt._env', 'mnopt._sched', 'mnopt.log', 'mnopt.cores',
-                'mnopt.stall', 'mnopt.stall_settings', 'mnopt.stall_report',
-                'mnopt.stall_last_word',
-                'mnopt.stall_watchdog', 'mnopt.arrays', 'mnopt.cli',
-                'mnopt.launched',
-                'mnopt.wire_dtypes', 'mnopt.timeline', 'mnopt.timeline_window',
-                'mnopt.step_stats',
-                'mnopt.global_except_hook', 'mnopt.failure_summary']),
-    ('gpu', ['mnopt.gpu']),
-    ('transport', ['mnopt.transport']),
-    ('codecs', ['mnopt.grad_buffer', 'mnopt.sign', 'mnopt.overflow',
-                'mnopt.powersgd']),
-    ('server', ['mnopt.server', 'mnopt.server_protocol', 'mnopt.server_job',
-                'mnopt.server_loop']),
-    ('communicators', ['mnopt.communicators', 'mnopt.any_communicator']),
-    ('chainer', ['mnopt.optimizers', 'mnopt.zero', 'mnopt.extensions',
-                 'mnopt.links', 'mnopt.functions', 'mnopt.iterators',
-                 'mnopt.datasets', 'mnopt.evaluator']),
-    ('entry points', ['mnopt', 'mnopt.__main__', 'mnopt.check',
-                      'mnopt.benchmark', 'mnopt.benchmarking',
-                      'mnopt.netsim', 'mnopt.launch', 'mnopt.elastic',
-                      'mnopt.elastic_hosts', 'mnopt.elastic_probe',
-                      'mnopt.elastic_snapshots',
-                      'mnopt.launch_attempt',
-                      'mnopt.report',
-                      'mnopt.report_rules', 'mnopt.report_plot',
-                      'mnopt.trace_analysis',
-                      'mnopt.tune']),
+    ('leaves', ['common', 'stall', 'timeline', 'wire'],
+     ['mnopt.global_except_hook']),
+    ('gpu', ['gpu'], []),
+    ('transport', ['transport'], []),
+    ('codecs', ['codecs'], []),
+    ('server', ['server'], []),
+    ('communicators', ['communicators', 'averaging'], []),
+    ('chainer', ['optimizers', 'extensions', 'links', 'functions',
+                 'iterators', 'datasets'], ['mnopt.zero']),
+    ('entry points', ['benchmark', 'launch', 'report'],
+     ['mnopt', 'mnopt.__main__', 'mnopt.check', 'mnopt.netsim']),
 ]
+#: folder -> its layer; top-level module -> its layer.
+FOLDER_LAYER = {f: i for i, (_, folders, _) in enumerate(LAYERS)
+                for f in folders}
+TOP_LAYER = {m: i for i, (_, _, tops) in enumerate(LAYERS) for m in tops}
 CHAINER_LAYER = 'chainer'
 #: What the Chainer layer may not import: it talks to the communicator.
 BELOW_THE_COMMUNICATOR = ('mpi4py', 'mnopt.transport', 'mnopt.gpu',
                           'mnopt.server')
 MAX_LINES = 400
-#: mnopt's C extensions: leaves (they import nothing of mnopt).
-C_EXTENSIONS = ('mnopt._halfcast', 'mnopt._signbits', 'mnopt._mpiwait',
-                'mnopt._startwatch')
+#: mnopt's C extensions, each beside the module that loads it: leaves
+#: (they import nothing of mnopt).
+C_EXTENSIONS = ('mnopt.wire._halfcast', 'mnopt.codecs._signbits',
+                'mnopt.transport._mpiwait', 'mnopt.common._startwatch')
 
 
 def _modules():
@@ -121,15 +116,14 @@ def _owner(name):
 
 
 def layer_of(module):
-    best = None
-    for index, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            # The package itself ('mnopt') is its __init__ only.
-            if module == prefix or (prefix != 'mnopt' and
-                                    module.startswith(prefix + '.')):
-                if best is None or len(prefix) > best[1]:
-                    best = (index, len(prefix))
-    return None if best is None else best[0]
+    """The layer of ``module`` (an index of LAYERS): its folder's, or for a
+    module at the top of mnopt/ its own; None where it has none."""
+    if module in TOP_LAYER:
+        return TOP_LAYER[module]
+    parts = module.split('.')
+    if len(parts) > 1 and os.path.isdir(os.path.join(PACKAGE, parts[1])):
+        return FOLDER_LAYER.get(parts[1])
+    return None
 
 
 def _edges():
@@ -219,22 +213,155 @@ def test_files_stay_one_idea():
     assert long == []
 
 
+def _c_files():
+    """{dotted name: path} of every C extension's source in mnopt/."""
+    found = {}
+    for directory, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith('.c'):
+                path = os.path.join(directory, name)
+                found[os.path.relpath(path[:-2], REPO).replace(
+                    os.sep, '.')] = path
+    return found
+
+
+def _folders():
+    """The folders right under mnopt/ (packages)."""
+    return sorted(name for name in os.listdir(PACKAGE) if os.path.isfile(
+        os.path.join(PACKAGE, name, '__init__.py')))
+
+
+def test_each_folder_is_in_one_layer():
+    listed = [f for _, folders, _ in LAYERS for f in folders]
+    assert sorted(listed) == sorted(set(listed)), 'a folder in two layers'
+    assert sorted(listed) == _folders()
+
+
+def test_the_top_of_mnopt_is_its_public_face_only():
+    """Every module at the top of mnopt/ is one LAYERS lists by name."""
+    top = sorted(m for m in MODULES if m.count('.') <= 1 and
+                 not _is_package(m) or m == 'mnopt')
+    assert top == sorted(TOP_LAYER)
+    assert [n for n in os.listdir(PACKAGE) if n.endswith('.c')] == []
+
+
+def _prefix(name):
+    return name.lstrip('_').split('_')[0]
+
+
+def test_no_three_top_level_names_share_a_prefix():
+    """stall, stall_report, stall_settings... at the top is a folder
+    missing (the names at the top of mnopt/: modules and folders)."""
+    names = [n[:-3] if n.endswith('.py') else n
+             for n in os.listdir(PACKAGE)
+             if (n.endswith('.py') or n in _folders()) and
+             not n.startswith('__')]
+    by_prefix = {}
+    for name in names:
+        by_prefix.setdefault(_prefix(name), []).append(name)
+    assert [sorted(v) for v in by_prefix.values() if len(v) >= 3] == []
+
+
+@pytest.mark.parametrize('folder', sorted(FOLDER_LAYER))
+def test_each_folder_says_its_concern_and_its_layer(folder):
+    """Its __init__'s docstring names its layer: 'Layer N (name)'."""
+    index = FOLDER_LAYER[folder]
+    doc = _docstring('mnopt.' + folder)
+    assert re.search(r'\bLayer %d \(%s\)' % (index, LAYERS[index][0]),
+                     ' '.join(doc.split())), doc
+
+
+def test_each_c_extension_lies_beside_the_module_that_loads_it():
+    assert sorted(_c_files()) == sorted(C_EXTENSIONS)
+    loaders = {}
+    for module in MODULES:
+        for target, _, line in _imports(module):
+            if target in C_EXTENSIONS:
+                loaders.setdefault(target, []).append(module)
+    away = ['%s loaded by %s' % (c, m) for c, ms in loaders.items()
+            for m in ms if m.rsplit('.', 1)[0] != c.rsplit('.', 1)[0]]
+    assert away == []
+    assert sorted(loaders) == sorted(C_EXTENSIONS)
+
+
+def test_setup_builds_every_c_extension():
+    setup = open(os.path.join(REPO, 'setup.py')).read()
+    assert [c for c in C_EXTENSIONS if "'%s'" % c.replace('.', '/')
+            not in setup] == []
+
+
+#: The class paths snapshots record (local_steps' outer optimizer, by its
+#: module path, compared at a resume): they stay where they are, so that a
+#: snapshot written before a move still loads.
+SNAPSHOT_CLASS_PATHS = ('mnopt.optimizers.outer_nesterov.OuterNesterov',)
+
+
+def test_the_class_paths_snapshots_record_stay():
+    for path in SNAPSHOT_CLASS_PATHS:
+        module, name = path.rsplit('.', 1)
+        tree = ast.parse(open(MODULES[module]).read())
+        assert name in [n.name for n in tree.body
+                        if isinstance(n, ast.ClassDef)], path
+
+
 def test_the_architecture_page_names_every_file():
     page = open(ARCHITECTURE).read()
-    missing = [os.path.relpath(path, REPO) for path in MODULES.values()
+    paths = list(MODULES.values()) + list(_c_files().values())
+    missing = [os.path.relpath(path, REPO) for path in paths
                if os.path.relpath(path, REPO) not in page]
     assert missing == []
 
 
-@pytest.mark.parametrize('name', [layer for layer, _ in LAYERS])
+@pytest.mark.parametrize('name', [layer for layer, _, _ in LAYERS])
 def test_the_architecture_page_draws_every_layer(name):
     assert name in open(ARCHITECTURE).read()
 
 
+def drawn_layers(page):
+    """{layer index: (folders, top-level files)} as the page's picture (its
+    first code block) draws them: a layer's rows run from its number to the
+    next; a folder is written ``name/``, a top-level module ``name.py``."""
+    picture = page.split('```', 2)[1]
+    drawn, current = {}, None
+    for row in picture.splitlines():
+        m = re.match(r'\s{1,3}(\d)\s{2}', row)
+        if m:
+            current = int(m.group(1))
+            drawn[current] = (set(), set())
+        if current is None:
+            continue
+        drawn[current][0].update(re.findall(r'(?<![\w./])(\w+)/', row))
+        drawn[current][1].update(re.findall(r'(?<![\w./])(\w+)\.py\b', row))
+    return drawn
+
+
+def test_the_architecture_page_draws_each_layers_folders():
+    """The picture and LAYERS tell the same story: each layer's folders,
+    and its modules at the top of mnopt/, in its rows."""
+    drawn = drawn_layers(open(ARCHITECTURE).read())
+    assert sorted(drawn) == list(range(len(LAYERS)))
+    for index, (name, folders, tops) in enumerate(LAYERS):
+        files = {'__init__' if m == 'mnopt' else m.split('.', 1)[1]
+                 for m in tops}
+        assert drawn[index][0] == set(folders), name
+        assert files <= drawn[index][1], name
+
+
 def test_the_checks_can_fail(tmp_path, monkeypatch):
-    """An upward import, a circle and a private import are each found."""
+    """An upward import, a circle and a private import are each found;
+    so are a folder's module in the wrong layer and loose modules at the
+    top sharing a prefix."""
     assert layer_of('mnopt.transport.ring') < layer_of('mnopt.communicators')
     assert layer_of('mnopt.optimizers.factory') == [
-        n for n, _ in LAYERS].index(CHAINER_LAYER)
-    fake = [('mnopt.stall', 'mnopt.optimizers', None, 1)]
+        n for n, _, _ in LAYERS].index(CHAINER_LAYER)
+    assert layer_of('mnopt.stall.watchdog') == 0
+    assert layer_of('mnopt.averaging.pipeline') == \
+        layer_of('mnopt.communicators.base')
+    assert layer_of('mnopt.no_such_module') is None
+    fake = [('mnopt.stall.monitor', 'mnopt.optimizers', None, 1)]
     assert [e for e in fake if layer_of(e[1]) > layer_of(e[0])] == fake
+    assert _prefix('stall_report') == _prefix('stall') == \
+        _prefix('stall_settings')
+    drawn = drawn_layers('```\n  1  gpu   gpu/: kernels, extra/\n'
+                         '        |\n  0  leaves   common/, a.py\n```\n')
+    assert drawn == {1: ({'gpu', 'extra'}, set()), 0: ({'common'}, {'a'})}

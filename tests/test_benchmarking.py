@@ -1,4 +1,4 @@
-"""The benchmark library (mnopt/benchmarking/) in process: what its
+"""The benchmark library (mnopt/benchmark/) in process: what its
 training modes hand to mnopt is what mnopt accepts."""
 
 import types
@@ -22,7 +22,7 @@ def test_the_progress_counts_the_repetitions_the_table_reports(
         capsys, monkeypatch):
     """The progress line once said 'repetition 1/7' for a table of '5
     repetitions': the 2 warm-up rounds are named as such."""
-    from mnopt.benchmarking import harness
+    from mnopt.benchmark import harness
     monkeypatch.setattr(harness, 'shows_progress', lambda: True)
     ran = []
     times = harness.run_cases([('case', 'kind', lambda: ran.append(1))],
@@ -37,7 +37,7 @@ def test_the_progress_counts_the_repetitions_the_table_reports(
 def test_no_progress_line_where_stderr_is_no_terminal(capsys):
     """Piped or written to a file, the carriage returns of the progress
     line were kept among the output: it is drawn on a terminal only."""
-    from mnopt.benchmarking import harness
+    from mnopt.benchmark import harness
     assert not harness.shows_progress()   # capsys: no terminal
     harness.run_cases([('case', 'kind', lambda: None)], MPI.COMM_SELF, 3)
     said = capsys.readouterr()
@@ -50,7 +50,7 @@ LONG_LABEL = 'mnopt hierarchical bfloat16 (alltoall vote), checks off'
 
 def test_the_averaging_table_says_its_repetitions_and_fits_80_columns(
         capsys):
-    from mnopt.benchmarking import cases, harness
+    from mnopt.benchmark import cases, harness
     timed = [('limit: Allreduce, 16 MiB chunks', 'limit', None),
              ('mnopt flat float16', 'flat', None),
              (LONG_LABEL, 'hierarchical', None)]
@@ -68,7 +68,7 @@ def test_the_averaging_table_says_its_repetitions_and_fits_80_columns(
 
 
 def test_the_size_sweep_table_fits_80_columns(capsys):
-    from mnopt.benchmarking import sizes
+    from mnopt.benchmark import sizes
     rows = [{'bytes': b, 'case': c, 'median_s': 0.5, 'min_s': 0.4,
              'max_s': 0.6, 'algbw_GBps': 1.5, 'busbw_GBps': 1.5}
             for b in (1024, 256 << 20)
@@ -85,7 +85,7 @@ def test_the_simulated_optimizer_is_a_chainer_optimizer(double_buffering):
     """--double-buffering and --scaling wrap it: create_multi_node_optimizer
     refuses what is not a chainer.Optimizer (it once was not)."""
     import chainer
-    from mnopt.benchmarking.training import simulated_update
+    from mnopt.benchmark.training import simulated_update
     comm = mnopt.create_communicator('flat')
     try:
         link = chainer.links.Linear(3, 2)
@@ -104,14 +104,14 @@ def test_the_simulated_optimizer_is_a_chainer_optimizer(double_buffering):
 
 
 def test_the_old_library_names_of_mnopt_benchmark_still_resolve():
-    """Scripts written against mnopt.benchmark's library names (before it
-    became the command line only) find them, warned."""
+    """Scripts written against mnopt.benchmark's library names (from when
+    it was one module) find them, warned."""
     import importlib
-    import mnopt.benchmark as command
-    for name, module in command.MOVED.items():
+    import mnopt.benchmark as package
+    for name, module in package.MOVED.items():
         with pytest.warns(DeprecationWarning, match=name):
-            found = getattr(command, name)
+            found = getattr(package, name)
         assert found is getattr(importlib.import_module(
-            'mnopt.benchmarking.' + module), name)
+            'mnopt.benchmark.' + module), name)
     with pytest.raises(AttributeError):
-        command.no_such_name
+        package.no_such_name

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, WORLD, python_path
-from mnopt import cli
+from mnopt.common import cli
 
 # The commands run as processes of their own, outside any MPI job (a
 # rank's environment would make MPI_Init in them wait for a process

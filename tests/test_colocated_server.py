@@ -68,7 +68,7 @@ def test_a_goodbye_under_way_keeps_its_channels(monkeypatch):
     -n 2: the janitor's Send on a freed channel)."""
     if WORLD.size == 1:
         pytest.skip('one rank says goodbye to itself only')
-    from mnopt import server_job
+    from mnopt.server import job as server_job
     comm = mnopt.create_communicator('reduction_server')
     servers = comm._colocated
     go, errors = threading.Event(), []

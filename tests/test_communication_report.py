@@ -1,10 +1,10 @@
-"""The communicator's per-step communication figures (mnopt/step_stats.py,
-``comm.communication_stats()``) and the CommunicationReport extension
-that puts them in the trainer's observations: exposed and hidden time
-consistent with the wire time, bytes by the algorithm's formula, the rank
-that arrives late found with its lateness, the keys in the LogReport in
-every optimizer mode, and no collective per step for any of it.  Runs
-serially (the averaging run at one rank: MNOPT_SINGLE_RANK_AVERAGING=1)
+"""The communicator's per-step communication figures
+(mnopt/timeline/step_stats.py, ``comm.communication_stats()``) and the
+CommunicationReport extension that puts them in the trainer's observations:
+exposed and hidden time consistent with the wire time, bytes by the algorithm's
+formula, the rank that arrives late found with its lateness, the keys in the
+LogReport in every optimizer mode, and no collective per step for any of it.
+Runs serially (the averaging run at one rank: MNOPT_SINGLE_RANK_AVERAGING=1)
 and under mpiexec -n 2 and -n 3."""
 
 import time
@@ -15,7 +15,7 @@ import pytest
 from conftest import WORLD, needs_chainer, slack
 
 import mnopt
-from mnopt import step_stats, timeline
+from mnopt.timeline import step_stats, recorder as timeline
 
 pytestmark = pytest.mark.many_ranks
 

@@ -1,5 +1,5 @@
 """Each rank's share of the node's cores for NumPy's BLAS threads
-(mnopt/cores.py).  Runs serially and under mpiexec -n 2/3."""
+(mnopt/common/cores.py).  Runs serially and under mpiexec -n 2/3."""
 
 import os
 
@@ -7,7 +7,8 @@ import pytest
 from mpi4py import MPI
 
 import mnopt
-from mnopt import cores, netsim
+from mnopt.common import cores
+from mnopt import netsim
 from mnopt.transport import buffers
 
 threadpoolctl = pytest.importorskip('threadpoolctl')

@@ -303,7 +303,7 @@ def test_pack_divides_in_the_host_codecs_precision(name, types):
 def kernel_pack(x, wire, divisor):
     """What the pack kernels compute (mnopt/gpu/kernels.py _SCALED and the
     bfloat16 body)."""
-    from mnopt import grad_buffer
+    from mnopt.codecs import grad_buffer
     with numpy.errstate(over='ignore', invalid='ignore'):
         if wire == 'bfloat16':
             return grad_buffer.float32_to_bfloat16_bits(
@@ -314,7 +314,7 @@ def kernel_pack(x, wire, divisor):
 
 
 def kernel_unpack(w, wire, grad_dtype):
-    from mnopt import grad_buffer
+    from mnopt.codecs import grad_buffer
     if wire == 'bfloat16':
         w = grad_buffer.bfloat16_bits_to_float32(w)
     with numpy.errstate(over='ignore'):
@@ -363,7 +363,7 @@ DIVISORS = (1, 2, 3, 7, 1000, 2049, 65537)
                                   'float64'])
 @pytest.mark.parametrize('grad_dtype', ['float16', 'float32', 'float64'])
 def test_emulated_kernel_arithmetic_is_the_host_codecs(grad_dtype, wire):
-    from mnopt import grad_buffer
+    from mnopt.codecs import grad_buffer
     x = _values(grad_dtype, DIVISORS)
     codec = grad_buffer.HostCodec(wire)
     for d in DIVISORS:
@@ -381,7 +381,7 @@ def test_dividing_float32_in_float64_would_not_be_the_hosts():
     """Why the kernels divide float32 gradients in float32: the float64
     quotient rounded straight to float16 differs from the host's for some
     world sizes (65537 here); the float32 one is the host's for all."""
-    from mnopt import grad_buffer
+    from mnopt.codecs import grad_buffer
     x = _values('float32', (65537,))
     host = numpy.empty(x.size, numpy.float16)
     grad_buffer.HostCodec('float16').encode(x, host, 65537)

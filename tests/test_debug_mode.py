@@ -14,7 +14,7 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt.communicators import compression_guard
+from mnopt.averaging import compression_guard
 from mnopt.transport import collective_check
 from mnopt.transport.collective_check import CollectiveMismatchError
 from conftest import WORLD, chainer, needs_chainer, python_path

@@ -154,7 +154,7 @@ def test_the_halfcast_figure_agrees():
     """One figure for the C codec loops' speed-up over numpy, everywhere."""
     figures = {}
     for f in _doc_pages() + [os.path.join(ROOT, 'setup.py'),
-                             os.path.join(ROOT, 'mnopt', 'cores.py')]:
+                             os.path.join(ROOT, 'mnopt', 'common', 'cores.py')]:
         text = _read(f)
         for m in re.finditer(r'about\s+(\d+(?:\.\d+)?)x\s+slower', text):
             window = text[max(0, m.start() - 300):m.end()]

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import mpiexec, process_state, python_path, run_job
 
-from mnopt import elastic
-from mnopt import elastic_hosts
-from mnopt import elastic_probe
+from mnopt.launch import elastic
+from mnopt.launch import hosts as elastic_hosts
+from mnopt.launch import probe as elastic_probe
 
 pytestmark = pytest.mark.one_rank
 
@@ -314,7 +314,7 @@ done
 
 def test_a_host_that_flaps_does_not_restart_the_job_forever(tmp_path):
     import io
-    from mnopt import launch as launcher
+    from mnopt.launch import __main__ as launcher
     job, fake_mpiexec = tmp_path / 'job.sh', tmp_path / 'mpiexec'
     job.write_text(FLAPPING_JOB)
     fake_mpiexec.write_text('#!/bin/sh\nshift 4\nexec "$@"\n')
@@ -354,7 +354,7 @@ exec sleep 600
 def test_an_attempt_that_never_starts_is_ended_and_counts_as_a_failure(
         tmp_path, started):
     import io
-    from mnopt import launch as launcher
+    from mnopt.launch import __main__ as launcher
     fake_mpiexec = tmp_path / 'mpiexec'
     fake_mpiexec.write_text(NEVER_STARTS % {'tmp': tmp_path,
                                             'rank': started})
@@ -390,7 +390,7 @@ def test_an_attempt_that_never_starts_is_ended_and_counts_as_a_failure(
 
 
 def test_the_launcher_sees_the_start_a_rank_notes_at_import(tmp_path):
-    from mnopt import launch_attempt
+    from mnopt.launch import attempt as launch_attempt
     import subprocess
     attempt = launch_attempt.Attempt(None, None)
     attempt.folder = str(tmp_path)

@@ -16,12 +16,12 @@ import pytest
 
 from conftest import process_state, python_path, run_job
 
-from mnopt import elastic
-from mnopt import elastic_hosts
-from mnopt import elastic_probe
-from mnopt import elastic_snapshots
-from mnopt import launch as launcher
-from mnopt import launch_attempt
+from mnopt.launch import elastic
+from mnopt.launch import hosts as elastic_hosts
+from mnopt.launch import probe as elastic_probe
+from mnopt.launch import snapshots as elastic_snapshots
+from mnopt.launch import __main__ as launcher
+from mnopt.launch import attempt as launch_attempt
 
 pytestmark = pytest.mark.one_rank
 

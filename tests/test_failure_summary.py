@@ -1,5 +1,5 @@
-"""One failure summary (mnopt/failure_summary.py): a job that fails by an
-exception, an exit, a stall or a signal shows one block, once, at the
+"""One failure summary (mnopt/common/failure_summary.py): a job that fails
+by an exception, an exit, a stall or a signal shows one block, once, at the
 end, naming the first failing rank and how, with its traceback once and
 what the other ranks were doing; under a plain mpiexec the job writes
 it, under python -m mnopt.launch the launcher, for each failed attempt.
@@ -244,7 +244,7 @@ def test_a_signal_on_a_rank_no_start_record_matches_is_said_of_rank_unknown():
     found = {'failure': {}, 'fault': {},
              'start': {0: {'pid': 11, 'host': 'localhost'}}}
     ended = {'pid': 99, 'host': '127.0.0.1', 'signal': 9}
-    from mnopt import failure_summary
+    from mnopt.common import failure_summary
     rec = failure_summary.first_failure(found, ended)
     assert rec['who'] == 'rank ?'
     assert rec['what'].startswith('killed by SIGKILL'), rec

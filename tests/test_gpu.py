@@ -16,7 +16,7 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import grad_buffer
+from mnopt.codecs import grad_buffer
 from mnopt.communicators import pure_nccl
 from conftest import (REPO, WORLD, chainer, expected_mean, make_model,
                       needs_chainer, rank_grads, run_mpi,

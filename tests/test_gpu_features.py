@@ -295,7 +295,7 @@ def test_the_tuner_on_hierarchical_takes_cupy_gradients(cupy, monkeypatch,
     the settings it ran with, given NumPy gradients, and every rank ends
     with the same choice."""
     from test_tune import SMALL, budget_of, grads
-    from mnopt.communicators import tuning
+    from mnopt.averaging import tuning
     from mnopt.transport import agreement
     monkeypatch.setattr(tuning, 'CANDIDATES', dict(SMALL))
     monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', '1')

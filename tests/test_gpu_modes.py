@@ -149,7 +149,7 @@ TIMELINE_PHASES = {'step', 'forward', 'backward', 'update', 'wire'}
 @pytest.mark.parametrize('mode', ['sync', 'double_buffering', 'overlap'])
 def test_a_gpu_step_is_in_the_timeline(cupy, tmp_path, monkeypatch, name,
                                        mode):
-    from mnopt import timeline
+    from mnopt.timeline import recorder as timeline
     if name == 'pure_nccl':
         one_gpu_per_rank(cupy)
     monkeypatch.setenv('MNOPT_SINGLE_RANK_AVERAGING', '1')

@@ -3,7 +3,7 @@
 import numpy
 import pytest
 
-from mnopt import grad_buffer as gb
+from mnopt.codecs import grad_buffer as gb
 
 # The same at any number of ranks: the serial pass only (see the Makefile).
 pytestmark = pytest.mark.one_rank

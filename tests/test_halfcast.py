@@ -4,13 +4,13 @@ on the F16C path and on the portable one."""
 import numpy
 import pytest
 
-from mnopt import grad_buffer as gb
+from mnopt.codecs import grad_buffer as gb
 
 # The same at any number of ranks: the serial pass only (see the Makefile).
 pytestmark = pytest.mark.one_rank
 
 halfcast = pytest.importorskip(
-    'mnopt._halfcast', reason='the optional C extension was not built')
+    'mnopt.wire._halfcast', reason='the optional C extension was not built')
 
 
 @pytest.fixture(params=['f16c', 'portable'])

@@ -38,7 +38,7 @@ def test_importing_the_core_does_not_start_mpi():
 @needs_chainer
 def test_importing_the_chainer_layer_does_not_start_mpi():
     layer = ('import mnopt.links, mnopt.functions, mnopt.iterators, '
-             'mnopt.datasets, mnopt.optimizers, mnopt.evaluator, '
+             'mnopt.datasets, mnopt.optimizers, '
              'mnopt.extensions')
     done = _run(NOT_STARTED % layer)
     assert done.returncode == 0, done.stderr

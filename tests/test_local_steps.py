@@ -20,7 +20,7 @@ import chainer.functions as F   # noqa: E402
 import chainer.links as L   # noqa: E402
 
 import mnopt   # noqa: E402
-import mnopt.timeline as timelines   # noqa: E402
+from mnopt.timeline import recorder as timelines  # noqa: E402
 from mnopt.optimizers.fragments import split_by_bytes, starting   # noqa
 from conftest import WORLD, imagenet_example_module   # noqa: E402
 
@@ -594,7 +594,7 @@ def test_a_tuning_with_more_fragments_than_it_waits_is_refused():
     """The tuning times one gradient set and gives it up after
     REKEY_AFTER averagings of others: with more fragments it would never
     end."""
-    from mnopt.communicators.tuning import REKEY_AFTER
+    from mnopt.averaging.tuning import REKEY_AFTER
     comm = mnopt.create_communicator('flat', bucket_bytes='auto')
     try:
         fragments = REKEY_AFTER + 1
@@ -738,7 +738,7 @@ def test_the_tuner_tunes_across_the_syncs(settings):
     syncs' averagings (one every H/F updates, a fragment each): the
     tuning ends with the same choice on every rank, and the synced
     parameters agree throughout."""
-    from mnopt.communicators.tuning import max_steps
+    from mnopt.averaging.tuning import max_steps
     comm = mnopt.create_communicator('flat', bucket_bytes='auto',
                                      segment_bytes='auto')
     try:

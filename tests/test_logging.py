@@ -1,8 +1,9 @@
-"""mnopt's runtime warnings and reports go through logging (mnopt/log.py):
-a user's handler on 'mnopt' captures them, a level silences them, and with
-nothing configured they reach stderr with the text mnopt always wrote.
-The stall report and the overflow warning as whole mpiexec jobs; the
-default handler's rules and the flush before an abort in this process."""
+"""mnopt's runtime warnings and reports go through logging
+(mnopt/common/log.py): a user's handler on 'mnopt' captures them, a level
+silences them, and with nothing configured they reach stderr with the text
+mnopt always wrote.  The stall report and the overflow warning as whole
+mpiexec jobs; the default handler's rules and the flush before an abort in
+this process."""
 
 import logging
 import time
@@ -10,8 +11,8 @@ import time
 import pytest
 
 from conftest import run_mpi, slack
-from mnopt import log
-from mnopt import stall_report
+from mnopt.common import log
+from mnopt.stall import report as stall_report
 
 # argv: how the script configures logging.  Rank 1 sleeps past rank 0's
 # stall warning time (1 s) before averaging a gradient that overflows the

@@ -149,7 +149,7 @@ def test_mean_grads_async_matches_sync(comm_name):
 @pytest.mark.parametrize('n', [1, 2, 5, 1000, 4099])
 def test_16_bit_ring_is_exact_and_the_same_on_every_rank(wire, n):
     from mnopt.transport import allreduce
-    from mnopt import grad_buffer as gb
+    from mnopt.codecs import grad_buffer as gb
     values = numpy.arange(n) % 8 * 0.25 + WORLD.rank   # exact sums
     want = numpy.arange(n) % 8 * 0.25 * WORLD.size \
         + WORLD.size * (WORLD.size - 1) / 2.0

@@ -1,12 +1,12 @@
-"""Overflow on 16-bit wires is reported (mnopt/overflow.py); NaN/Inf that
-were in the gradients pass through unreported.  Serially and under
+"""Overflow on 16-bit wires is reported (mnopt/codecs/overflow.py);
+NaN/Inf that were in the gradients pass through unreported.  Serially and under
 mpiexec -n 2 / -n 3 (one rank moves nothing, so nothing can overflow)."""
 
 import numpy
 import pytest
 
 import mnopt
-from mnopt import grad_buffer, overflow
+from mnopt.codecs import grad_buffer, overflow
 from conftest import WORLD, untagged
 
 # Also under mpiexec -n 3: one of three ranks overflows.

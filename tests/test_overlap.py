@@ -199,7 +199,7 @@ def test_a_ring_over_several_parts_gives_each_its_own_bits(wire):
     # The synchronous optimizer sums every bucket of its buffer in one
     # ring; the overlapped one sums bucket by bucket: an element must be
     # summed in the same order either way, whatever comes before its part.
-    from mnopt import grad_buffer
+    from mnopt.codecs import grad_buffer
     from mnopt.transport import ring
     dtype = grad_buffer.storage_dtype(wire)
     rng = numpy.random.RandomState(7 + WORLD.rank)
@@ -217,7 +217,7 @@ def test_a_ring_over_several_parts_gives_each_its_own_bits(wire):
 
 
 def _to_wire(values, wire):
-    from mnopt import grad_buffer
+    from mnopt.codecs import grad_buffer
     if wire == 'float16':
         return values.astype(numpy.float16)
     return grad_buffer.float32_to_bfloat16_bits(values)

@@ -152,7 +152,7 @@ from mpi4py import MPI
 
 def nothing_pending():
     # Registered before mnopt's at-exit protocol, so it runs after it.
-    from mnopt import stall_watchdog
+    from mnopt.stall import watchdog as stall_watchdog
     MPI.COMM_WORLD.Barrier()
     dog = stall_watchdog.the_watchdog()
     for m in dog._monitors + getattr(dog, '_leaving', []):

@@ -14,7 +14,7 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import grad_buffer
+from mnopt.codecs import grad_buffer
 from mnopt.gpu import codec, device
 from mnopt.communicators.reduction_server import ReductionServerCommunicator
 from mnopt.communicators.reduction_server import ServerChannel
@@ -196,7 +196,7 @@ class FakeCupyWithAsarray(FakeCupy):
 def test_sign_compressions_host_copies_go_through_pinned_buffers(pinned):
     """A device codec's bits go to the host (for the vote) and the voted
     bits back to the device through pinned buffers, kept between steps."""
-    from mnopt import sign
+    from mnopt.codecs import sign
     layout = grad_buffer.make_layout(
         [('/w', numpy.zeros(100, numpy.float32))], 'float32')
     codec = sign.SignCodec(layout, numpy, error_feedback=False)
@@ -215,7 +215,7 @@ def test_sign_compressions_host_copies_go_through_pinned_buffers(pinned):
 
 @pytest.mark.skipif(WORLD.size > 1, reason='no communication')
 def test_a_host_sign_codec_copies_nothing(pinned):
-    from mnopt import sign
+    from mnopt.codecs import sign
     layout = grad_buffer.make_layout(
         [('/w', numpy.zeros(100, numpy.float32))], 'float32')
     codec = sign.SignCodec(layout, numpy)

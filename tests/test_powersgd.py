@@ -10,8 +10,8 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import powersgd
-from mnopt.communicators import compression_guard
+from mnopt.codecs import powersgd
+from mnopt.averaging import compression_guard
 from conftest import WORLD, mnopt_records
 
 pytestmark = pytest.mark.many_ranks

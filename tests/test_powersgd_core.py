@@ -1,6 +1,6 @@
-"""PowerSGD's core (mnopt/powersgd.py): the plan, Gram-Schmidt, the step's
-arithmetic, error feedback, the same bits on every rank, the state's round
-trip and the bytes on the wire.
+"""PowerSGD's core (mnopt/codecs/powersgd.py): the plan, Gram-Schmidt, the
+step's arithmetic, error feedback, the same bits on every rank, the state's
+round trip and the bytes on the wire.
 
 Runs serially (N=1) and under mpiexec -n 2 / -n 3: the all-reduction is a
 real mpi4py Allreduce over the ranks of the job."""
@@ -10,8 +10,8 @@ import numpy
 import pytest
 from mpi4py import MPI
 
-from mnopt import powersgd
-from mnopt.benchmarking.workloads import resnet50_grad_shapes
+from mnopt.codecs import powersgd
+from mnopt.benchmark.workloads import resnet50_grad_shapes
 from conftest import WORLD
 
 # Also under mpiexec -n 3: a sum over an odd number of ranks.

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO, mpiexec, python_path, run_job as run_launcher
-from mnopt.server_protocol import PROTOCOL_VERSION
+from mnopt.server.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.spawn
 
@@ -15,7 +15,7 @@ WORKER = r'''
 import sys, numpy, mnopt
 sys.path.insert(0, 'tests')
 from param_models import make_model
-from mnopt import grad_buffer as gb
+from mnopt.codecs import grad_buffer as gb
 
 wire = sys.argv[1]
 comm = mnopt.create_communicator('reduction_server', allreduce_grad_dtype=wire,
@@ -188,7 +188,8 @@ def test_a_server_that_dies_at_start_up_ends_the_job():
 
 SERVER_DIES_AFTER_ONE_REDUCTION = '''
 import os, sys
-from mnopt import server, server_loop
+from mnopt import server
+from mnopt.server import loop as server_loop
 serve_one = server_loop._reduce
 def serve_then_die(*args, **kwargs):
     serve_one(*args, **kwargs)

@@ -30,7 +30,9 @@ import threading
 import pytest
 
 from conftest import python_path, slack
-from mnopt import report, report_rules, timeline, trace_analysis
+from mnopt.report import (__main__ as report, rules as report_rules,
+                          trace_analysis)
+from mnopt.timeline import recorder as timeline
 
 # The same at any number of ranks: the serial pass only (see the Makefile).
 pytestmark = pytest.mark.one_rank
@@ -330,7 +332,7 @@ def test_the_rows_of_a_plot_are_each_ranks_threads_on_one_axis(traces):
     """report_plot.rows: main thread first, then averaging, for each rank;
     every bar inside the window, times from its start, on the common axis
     (rank 1's clock, 250 ms ahead, moved back)."""
-    from mnopt import report_plot
+    from mnopt.report import plot as report_plot
     ranks = trace_analysis.load_traces(traces)
     trace_analysis.align(ranks)
     lo, hi, what = report_plot.window(ranks, 2, 2)
@@ -633,7 +635,7 @@ def test_the_advice_names_flags_the_example_takes():
     every flag it names is one the example's parser has."""
     import re
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, 'mnopt', 'report_rules.py')) as f:
+    with open(os.path.join(root, 'mnopt', 'report', 'rules.py')) as f:
         rules = f.read()
     with open(os.path.join(root, 'examples', 'imagenet',
                            'train_imagenet.py')) as f:

@@ -15,7 +15,7 @@ from mpi4py import MPI
 import mnopt
 from mnopt.transport import allreduce
 from mnopt.transport import buffers
-from mnopt import grad_buffer as gb
+from mnopt.codecs import grad_buffer as gb
 from mnopt.transport import ring
 from conftest import WORLD, run_mpi, slack
 
@@ -489,7 +489,7 @@ def test_a_thread_that_yields_sums_the_same_bits(wire, segments):
 
 
 def test_the_background_thread_yields_where_it_got_a_short_slice():
-    from mnopt import _sched
+    from mnopt.common import _sched
     comm = mnopt.create_communicator('flat')
     background = comm._background()
     slice_ns = background.submit(_sched.thread_slice_ns).result()

@@ -1,5 +1,5 @@
 """mnopt's communication threads ask the kernel for a short scheduler slice
-(mnopt/_sched.py): what changes, and what must not."""
+(mnopt/common/_sched.py): what changes, and what must not."""
 
 import os
 import threading
@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import _sched
+from mnopt.common import _sched
 
 
 def in_new_thread(fn):

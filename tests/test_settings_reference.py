@@ -17,7 +17,7 @@ from conftest import chainer, needs_chainer
 
 import mnopt
 from mnopt import communicators
-from mnopt import stall_settings
+from mnopt.stall import settings as stall_settings
 from mnopt.communicators import settings as settings_module
 from mnopt.communicators.base import CommunicatorBase
 
@@ -36,8 +36,10 @@ COMMAND_LINE = 'Command-line options'
 TESTS_ONLY = "For mnopt's own tests only"
 SECTIONS = (KEYWORDS, OPTIONS, OPTIMIZER, ENVIRONMENT, SET_BY_MNOPT,
             COMMAND_LINE, TESTS_ONLY)
-#: Command-line tools whose options are settings, and their modules.
-TOOLS = {'mnopt.server': 'mnopt/server.py', 'mnopt.launch': 'mnopt/launch.py'}
+#: Command-line tools whose options are settings, and the modules that
+#: parse them.
+TOOLS = {'mnopt.server': 'mnopt/server/process.py',
+         'mnopt.launch': 'mnopt/launch/__main__.py'}
 NAME = re.compile(r'MNOPT_[A-Z0-9_]+')
 CODE = re.compile(r'`([^`]*)`')
 
@@ -178,7 +180,7 @@ def command_line_options():
     import importlib
     options = {}
     for tool, path in TOOLS.items():
-        module = importlib.import_module(tool)
+        module = importlib.import_module(path[:-3].replace('/', '.'))
         with open(os.path.join(REPO, path)) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):

@@ -1,4 +1,4 @@
-"""Sign compression (mnopt/sign.py): the vote on every communicator that
+"""Sign compression (mnopt/codecs/sign.py): the vote on every communicator that
 supports it, its bytes on the wire, error feedback, warm-up, Signum.
 
 Runs serially (N=1) and under mpiexec -n 2 / -n 3; N=4 and 5 and the
@@ -10,7 +10,7 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import sign
+from mnopt.codecs import grad_buffer, sign
 from conftest import WORLD, chainer, make_model, needs_chainer, run_mpi
 
 # Also under mpiexec -n 3: votes of an odd number of ranks never tie.
@@ -124,11 +124,11 @@ def test_alltoall_bytes_per_element(comm_name):
 
 @pytest.fixture(params=['C', 'numpy'])
 def codec_loops(request, monkeypatch):
-    """The sign codec with its C loops (mnopt/_signbits.c) and with
+    """The sign codec with its C loops (mnopt/codecs/_signbits.c) and with
     numpy's; both must give the same bits."""
     if request.param == 'C':
         if sign._signbits is None:
-            pytest.skip('mnopt._signbits was not built (no C compiler)')
+            pytest.skip('mnopt.codecs._signbits was not built (no C compiler)')
     else:
         monkeypatch.setattr(sign, '_signbits', None)
     return request.param
@@ -144,10 +144,10 @@ def test_vote_is_exact_with_either_codec(comm_name, codec_loops):
 
 def test_c_loops_match_numpy(monkeypatch):
     if sign._signbits is None:
-        pytest.skip('mnopt._signbits was not built (no C compiler)')
+        pytest.skip('mnopt.codecs._signbits was not built (no C compiler)')
     rng = numpy.random.RandomState(3)
     shapes = [(13,), (0,), (7, 9), (1,), (4000,)]
-    layout = mnopt.grad_buffer.make_layout(
+    layout = grad_buffer.make_layout(
         [('p%d' % i, numpy.zeros(s, numpy.float32))
          for i, s in enumerate(shapes)], 'float32')
     grads = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
@@ -192,7 +192,7 @@ def test_device_path_brings_all_scales_to_the_host_at_once(
     bits, scales and residuals exactly (same sums, same order)."""
     rng = numpy.random.RandomState(4)
     shapes = [(13,), (0,), (7, 9), (1,), (4000,), (3, 5, 2)]
-    layout = mnopt.grad_buffer.make_layout(
+    layout = grad_buffer.make_layout(
         [('p%d' % i, numpy.zeros(s, numpy.float32))
          for i, s in enumerate(shapes)], 'float32')
     fetched = []
@@ -244,7 +244,7 @@ def test_coin_is_deterministic_and_fair():
 def test_error_feedback_returns_what_the_signs_left_out():
     """One worker: sum of the applied updates + residual = sum of the
     gradients (exactly, up to float32 rounding)."""
-    layout = mnopt.grad_buffer.make_layout(
+    layout = grad_buffer.make_layout(
         [('w', numpy.zeros(1000, numpy.float32))], 'float32')
     codec = sign.SignCodec(layout)
     g = numpy.random.RandomState(0).standard_normal(1000).astype(

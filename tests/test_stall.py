@@ -1,4 +1,4 @@
-"""Stall detection (mnopt/stall.py), as whole mpiexec jobs with short
+"""Stall detection (mnopt/stall/monitor.py), as whole mpiexec jobs with short
 times: a stopped rank is named within the warning time by every waiting
 rank, and the job ends at the timeout."""
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import run_mpi, slack, untagged
-from mnopt import stall_report, stall_settings
+from mnopt.stall import report as stall_report, settings as stall_settings
 from mnopt.transport import stall_wait
 
 pytestmark = pytest.mark.spawn
@@ -109,7 +109,8 @@ def test_background_averaging_is_watched():
 
 SERVER_STOPS_AFTER_ONE_REDUCTION = '''
 import os, signal
-from mnopt import server, server_loop
+from mnopt import server
+from mnopt.server import loop as server_loop
 serve_one = server_loop._reduce
 def serve_then_stop(*args, **kwargs):
     serve_one(*args, **kwargs)
@@ -232,7 +233,8 @@ def test_bad_settings_fail_in_create_communicator():
 
 
 SERVER_THREAD_RAISES = '''
-from mnopt import server, server_loop
+from mnopt import server
+from mnopt.server import loop as server_loop
 def broken(*args, **kwargs):
     raise RuntimeError('the server fell over')
 server_loop._reduce = broken

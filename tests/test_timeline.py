@@ -1,5 +1,5 @@
-"""mnopt.timeline: the trace file is valid trace-event JSON, written as it
-goes (a killed job leaves a readable file), and NULL records nothing.
+"""mnopt.timeline.recorder: the trace file is valid trace-event JSON, written
+as it goes (a killed job leaves a readable file), and NULL records nothing.
 
 Nothing here depends on the ranks (each process writes its own files in
 its own tmp_path), so the module runs alike serially and under mpiexec.
@@ -29,7 +29,7 @@ import time
 import pytest
 
 from conftest import mnopt_records, python_path, slack
-from mnopt import timeline
+from mnopt.timeline import recorder as timeline
 
 # The same at any number of ranks: the serial pass only (see the Makefile).
 pytestmark = pytest.mark.one_rank
@@ -288,7 +288,7 @@ def test_loader_tolerates_a_missing_bracket_and_a_cut_last_event():
 
 _RECORDER = r'''
 import sys
-from mnopt import timeline
+from mnopt.timeline import recorder as timeline
 tl = timeline.Timeline(sys.argv[1], 0, flush_every=0.05)
 step = 0
 while True:

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from conftest import run_mpi
-from mnopt import timeline, trace_analysis
+from mnopt.timeline import recorder as timeline
+from mnopt.report import trace_analysis
 from test_reduction_server import run_job
 
 pytestmark = pytest.mark.spawn

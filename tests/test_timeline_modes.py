@@ -21,7 +21,8 @@ import chainer.links as L  # NOQA
 
 import mnopt  # NOQA
 from conftest import WORLD, naive_comm, shared_directory  # NOQA
-from mnopt import timeline, trace_analysis  # NOQA
+from mnopt.timeline import recorder as timeline  # NOQA
+from mnopt.report import trace_analysis
 
 STEPS = 3
 STEP_PHASES = {'step', 'forward', 'backward', 'update'}

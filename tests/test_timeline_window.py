@@ -13,7 +13,8 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt import report, timeline, timeline_window, trace_analysis
+from mnopt.report import __main__ as report, trace_analysis
+from mnopt.timeline import recorder as timeline, window as timeline_window
 
 pytestmark = pytest.mark.one_rank
 

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from conftest import run_mpi
-from mnopt import timeline, timeline_window, trace_analysis
+from mnopt.timeline import recorder as timeline, window as timeline_window
+from mnopt.report import trace_analysis
 
 pytestmark = pytest.mark.spawn
 

@@ -15,7 +15,8 @@ import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 
 import mnopt  # noqa: E402
-from mnopt import timeline, timeline_window  # noqa: E402
+from mnopt.timeline import recorder as timeline  # noqa: E402
+from mnopt.timeline import window as timeline_window  # noqa: E402
 
 pytestmark = pytest.mark.one_rank
 

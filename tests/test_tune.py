@@ -1,5 +1,5 @@
 """Tuning in the job (``bucket_bytes='auto'``, ``segment_bytes='auto'``,
-``chunk_bytes='auto'``, ``window='auto'``; mnopt/communicators/tuning.py):
+``chunk_bytes='auto'``, ``window='auto'``; mnopt/averaging/tuning.py):
 every rank ends with the same choice even where each rank measured other
 times (made-up times, per rank: nothing here depends on the machine's
 speed), within the budget of averagings; each averaging has the bits of a
@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import mnopt
-from mnopt.communicators import tuning
+from mnopt.averaging import tuning
 from mnopt.transport import agreement
 from mnopt.transport import allreduce
 from conftest import chainer, needs_chainer

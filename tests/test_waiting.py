@@ -30,7 +30,8 @@ def kind(request, monkeypatch):
     monkeypatch.setenv('MNOPT_WAIT', request.param)
     if request.param == 'c' and waiting.kind() != 'c':
         pytest.fail('the C wait is not available here: %s' % (
-            'mnopt._mpiwait was not built' if waiting._mpiwait is None else
+            'mnopt.transport._mpiwait was not built'
+            if waiting._mpiwait is None else
             "MPI_Testsome was not found in mpi4py's MPI library"))
     return request.param
 

@@ -1,5 +1,5 @@
 """Sharded optimizer state (mnopt/optimizers/zero/) and its collectives
-(mnopt/communicators/sharded.py).  Runs serially and under mpiexec -n 2
+(mnopt/averaging/sharded.py).  Runs serially and under mpiexec -n 2
 and -n 3, as every test module."""
 
 import numpy
@@ -236,7 +236,7 @@ def test_an_overflowing_share_is_an_error_on_every_rank(comm_name, wire):
     """on_overflow='error': a mean beyond the wire's range in any rank's
     share raises on every rank (each rank unpacks only its share); NaN
     already in a gradient is not an overflow."""
-    from mnopt.overflow import GradientOverflowError
+    from mnopt.codecs.overflow import GradientOverflowError
     comm = mnopt.create_communicator(comm_name, allreduce_grad_dtype=wire,
                                      on_overflow='error')
     try:

@@ -1,4 +1,15 @@
-"""Communicators by name; ``create_communicator`` is the entry point."""
+"""Communicators by name; ``create_communicator`` is the entry point.
+
+This folder holds the communicator itself: the interface
+(communicator_base.py), the kinds (naive, flat, hierarchical, pure_nccl,
+reduction_server with colocated.py), what every kind is put together from
+(base.py with its ChainerMN-facing methods: chainer_glue.py,
+chainermn_collectives.py, timeline_calls.py), the factory's arguments and
+settings (arguments.py, settings.py), a communicator's resources and
+their release (resources.py, janitor.py), the types a comm hook sees
+(comm_hooks.py) and the agreements of pieces that take any ChainerMN-like
+communicator (any_communicator.py).  The averaging the kinds share is in
+mnopt/averaging/.  Layer 5 (communicators) of docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -85,7 +96,7 @@ def create_communicator(communicator_name: str = 'auto',
         bucket_bytes: bytes of wire data per reduction call (default 1 MiB),
             or ``'auto'`` (``flat``, ``hierarchical``): the first
             averagings time candidates and every rank takes the quickest
-            (mnopt/communicators/tuning.py, docs/tuning.md;
+            (mnopt/averaging/tuning.py, docs/tuning.md;
             ``comm.tuned_settings`` says what was chosen).
         abort_on_exception: install a hook that aborts the whole MPI job
             when any rank dies of an uncaught exception (instead of leaving
@@ -93,13 +104,13 @@ def create_communicator(communicator_name: str = 'auto',
             in a process an MPI launcher started as one of several, and
             False removes it.
         compression: None; ``'sign'``: signSGD with majority vote (see
-            mnopt/sign.py): every rank's gradients become signs and one
+            mnopt/codecs/sign.py): every rank's gradients become signs and one
             scale per array; the result is the element-wise majority sign
             times the mean scale.  Ring communicators count votes on a ring
             (ceil(log2(i+1)) bits per element), ``reduction_server`` on the
             servers (1 bit each way).  ``'powersgd'``: PowerSGD's low-rank
-            mean (mnopt/powersgd.py): each gradient matrix (a conv kernel
-            as (out, in*kh*kw)) is sent as two factors of
+            mean (mnopt/codecs/powersgd.py): each gradient matrix (a conv
+            kernel as (out, in*kh*kw)) is sent as two factors of
             ``powersgd_rank`` columns; vectors and small matrices whole.
             ``'auto'``: PowerSGD on each gradient set (bucket) where its
             first averagings, timed both ways, show that it pays, plain
@@ -116,14 +127,15 @@ def create_communicator(communicator_name: str = 'auto',
             every pair of ranks talks; see docs/sign_compression.md).
         stall_warning: seconds a rank waits in an mnopt operation before
             it prints which ranks have not arrived (default
-            $MNOPT_STALL_WARNING, else 60; 0 disables); see mnopt/stall.py.
+            $MNOPT_STALL_WARNING, else 60; 0 disables); see
+            mnopt/stall/monitor.py.
         timeout: seconds after which a rank still waiting aborts the whole
             MPI job with that report (default $MNOPT_TIMEOUT, else 600;
             0 disables).
         on_overflow: what happens when averaging on a 16-bit wire turns
-            finite gradients into inf/NaN (mnopt/overflow.py): ``'warn'``
-            (rank 0, rate-limited), ``'error'`` (GradientOverflowError on
-            every rank) or ``'ignore'``.
+            finite gradients into inf/NaN (mnopt/codecs/overflow.py):
+            ``'warn'`` (rank 0, rate-limited), ``'error'``
+            (GradientOverflowError on every rank) or ``'ignore'``.
         timeline: a file to record this rank's timeline in (Chrome trace
             / Perfetto JSON; ``{rank}`` in it is replaced by the rank in
             COMM_WORLD, else ``.rank<N>`` goes before the extension), or
@@ -162,7 +174,7 @@ def create_communicator(communicator_name: str = 'auto',
         global_except_hook.add_hook()
     else:   # the hook import mnopt installed in a launched process
         global_except_hook.remove_hook()
-    from mnopt import launched
+    from mnopt.common import launched
     # MPI's start waits for every rank (one that exited before it would
     # keep this one there for ever): under the stall warning and timeout.
     launched.start_mpi('create_communicator', stall_warning, timeout)
@@ -196,7 +208,7 @@ def create_communicator(communicator_name: str = 'auto',
         problem = None
     except (TypeError, ValueError, RuntimeError) as e:
         problem = e
-    from mnopt import server_job
+    from mnopt.server import job as server_job
     servers = server_job.job(stall_warning=stall_warning,
                              timeout=timeout).servers \
         if mpi_comm == MPI.COMM_WORLD else []
@@ -209,7 +221,7 @@ def create_communicator(communicator_name: str = 'auto',
         server_job.job().channels()[0] if servers else mpi_comm, problem,
         shared, communicator_name, stall_warning, timeout)
     if mpi_comm == MPI.COMM_WORLD:
-        from mnopt import timeline
+        from mnopt.timeline import recorder as timeline
         tl.mark_job(timeline.name_job(job))   # also start_timeline's files
     return cls(mpi_comm, **settings)
 
@@ -220,7 +232,7 @@ def _open_timeline(path):
     cannot write is a ValueError on every rank, not an exception on that
     rank alone; the communicator then finds it open."""
     from mpi4py import MPI
-    from mnopt import timeline
+    from mnopt.timeline import recorder as timeline
     try:
         return timeline.open_from_environment(MPI.COMM_WORLD.rank, path)
     except OSError as e:
@@ -238,7 +250,7 @@ def _problem_with_servers(cls, servers, kwargs):
             '(python -m mnopt.server) but asks for the %r communicator: '
             "use 'reduction_server', or launch without servers"
             % (len(servers), cls.name))
-    from mnopt import server_job
+    from mnopt.server import job as server_job
     return server_job.stall_settings_problem(kwargs.get('stall_warning'),
                                              kwargs.get('timeout'))
 

@@ -6,11 +6,11 @@ import os
 
 import numpy
 
-from mnopt import grad_buffer
-from mnopt import overflow
-from mnopt import sign
-from mnopt import stall_settings
-from mnopt.communicators import tuning
+from mnopt.codecs import grad_buffer
+from mnopt.codecs import overflow
+from mnopt.codecs import sign
+from mnopt.stall import settings as stall_settings
+from mnopt.averaging import tuning
 from mnopt.communicators.settings import environment_settings
 
 
@@ -26,7 +26,7 @@ def whole_argument(name, value, minimum):
 
 def tunable_argument(name, value, minimum, allow_none=False):
     """``whole_argument``, or ``'auto'`` (tuned in the first averagings:
-    mnopt/communicators/tuning.py), or None where ``allow_none``."""
+    mnopt/averaging/tuning.py), or None where ``allow_none``."""
     if (isinstance(value, str) and value == tuning.AUTO) or \
             (allow_none and value is None):
         return value
@@ -38,9 +38,9 @@ def tunable_argument(name, value, minimum, allow_none=False):
                                  ', None' if allow_none else '', value))
 
 
-#: ``compression``: sign votes (mnopt/sign.py), PowerSGD
-#: (mnopt/powersgd.py), or PowerSGD where it pays ('auto':
-#: mnopt/communicators/compression_guard.py).
+#: ``compression``: sign votes (mnopt/codecs/sign.py), PowerSGD
+#: (mnopt/codecs/powersgd.py), or PowerSGD where it pays ('auto':
+#: mnopt/averaging/compression_guard.py).
 COMPRESSIONS = (None, 'sign', 'powersgd', 'auto')
 LOW_RANK = ('powersgd', 'auto')
 #: The PowerSGD settings, with their defaults (PyTorch's, but for the

@@ -26,34 +26,34 @@ from typing import Any
 import numpy
 from mpi4py import MPI
 
-from mnopt import _env
+from mnopt.common import _env
 from mnopt.transport import allreduce, buffers
 from mnopt.transport import agreement
 from mnopt.transport import collective_check
-from mnopt import cores
-from mnopt import grad_buffer
-from mnopt import overflow
-from mnopt import sign
-from mnopt import stall
-from mnopt import step_stats
-from mnopt import timeline as timelines
-from mnopt.communicators.averaging import Averaging, AveragingPipeline
+from mnopt.common import cores
+from mnopt.codecs import grad_buffer
+from mnopt.codecs import overflow
+from mnopt.codecs import sign
+from mnopt.stall import monitor as stall
+from mnopt.timeline import step_stats
+from mnopt.timeline import recorder as timelines
+from mnopt.averaging.pipeline import Averaging, AveragingPipeline
 from mnopt.communicators.chainer_glue import ChainerGlue
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
 from mnopt.communicators.communicator_base import CommunicatorBase
-from mnopt.communicators.compression import SignCompression
-from mnopt.communicators.registered_hook import CommHookRegistration
-from mnopt.communicators.low_rank import PowerSGDCompression
+from mnopt.averaging.compression import SignCompression
+from mnopt.averaging.registered_hook import CommHookRegistration
+from mnopt.averaging.low_rank import PowerSGDCompression
 from mnopt.communicators.janitor import release_after_collection
 from mnopt.communicators.janitor import release_collected, start_janitor
-from mnopt.communicators.mean_handle import MeanHandle
+from mnopt.averaging.mean_handle import MeanHandle
 from mnopt.communicators.node_split import node_split
 from mnopt.communicators.resources import Resources
 from mnopt.communicators.resources import hold_timeline, let_go_of_timeline
-from mnopt.communicators.sharded import ShardedCollectives
+from mnopt.averaging.sharded import ShardedCollectives
 from mnopt.communicators.timeline_calls import TimelineCalls
-from mnopt.communicators.tuning import Tuner
-from mnopt.stall import watched
+from mnopt.averaging.tuning import Tuner
+from mnopt.stall.monitor import watched
 
 __all__ = ['CommunicatorBase', 'MeanHandle', 'MpiCommunicatorBase']
 
@@ -183,13 +183,13 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     #: double buffering or overlap hid.
     averaging_seconds = property(lambda self: self.averaging.seconds)
     #: The communication figures since they were last taken (a StepStats,
-    #: mnopt/step_stats.py): kept with the timeline on or off.
+    #: mnopt/timeline/step_stats.py): kept with the timeline on or off.
     step_stats = property(lambda self: self.averaging.stats)
 
     def communication_stats(self) -> dict[str, Any]:
         """This rank's communication figures since the last call, and
-        zero again (``step_stats.take()``; mnopt/step_stats.py says what
-        each is).  Local: no communication.  Each figure is handed out
+        zero again (``step_stats.take()``; mnopt/timeline/step_stats.py says
+        what each is).  Local: no communication.  Each figure is handed out
         once: beside a CommunicationReport, which calls this every
         iteration, a call takes what the report would have shown."""
         return self.averaging.stats.take()
@@ -312,7 +312,7 @@ class MpiCommunicatorBase(AveragingPipeline, ShardedCollectives,
     # ----------------------------------------------------------- hooks
     def _make_monitor(self, mpi_comm, label, **settings):
         """The stall-detection Monitor of this communicator's operations
-        (mnopt/stall.py)."""
+        (mnopt/stall/monitor.py)."""
         return stall.Monitor(mpi_comm, label, **settings)
 
     def _owns_monitor(self):

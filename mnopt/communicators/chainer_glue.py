@@ -9,10 +9,10 @@ import sys
 from typing import TYPE_CHECKING
 
 from mnopt.transport import buffers, layouts
-from mnopt import grad_buffer
-from mnopt.arrays import array_module, named_grads, to_host
-from mnopt.communicators.compression import warn_of_dropped_state
-from mnopt.stall import watched
+from mnopt.codecs import grad_buffer
+from mnopt.common.arrays import array_module, named_grads, to_host
+from mnopt.averaging.compression import warn_of_dropped_state
+from mnopt.stall.monitor import watched
 
 if TYPE_CHECKING:
     import chainer

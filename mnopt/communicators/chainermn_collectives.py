@@ -17,9 +17,9 @@ from mpi4py import MPI
 
 from mnopt.transport import allreduce
 from mnopt.transport import objects
-from mnopt import grad_buffer
-from mnopt.arrays import as_array_like, to_host
-from mnopt.stall import watched
+from mnopt.codecs import grad_buffer
+from mnopt.common.arrays import as_array_like, to_host
+from mnopt.stall.monitor import watched
 
 
 def host_message(data):

@@ -1,6 +1,6 @@
 """A colocated reduction_server communicator's servers: one thread per
 channel in each worker, serving its shard of every exchange
-(mnopt/server_loop.py's ``serve``; on the rank's timeline as thread
+(mnopt/server/loop.py's ``serve``; on the rank's timeline as thread
 'server'), closed once every worker said goodbye; and the timeline's spans
 of a worker's streamed chunks (``chunk_spans``)."""
 
@@ -10,8 +10,8 @@ import threading
 
 from mpi4py import MPI
 
-from mnopt import server_job
-from mnopt import server_loop
+from mnopt.server import job as server_job
+from mnopt.server import loop as server_loop
 from mnopt.global_except_hook import run_or_abort
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy
 from mpi4py import MPI
 
-from mnopt.arrays import array_module, to_host
+from mnopt.common.arrays import array_module, to_host
 from mnopt.transport import allreduce
 from mnopt.transport import buffers
 from mnopt.transport import reduce

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from mnopt import grad_buffer
-from mnopt import timeline as timelines
+from mnopt.codecs import grad_buffer
+from mnopt.timeline import recorder as timelines
 from mnopt.communicators import arguments
-from mnopt.communicators.mean_handle import MeanHandle
+from mnopt.averaging.mean_handle import MeanHandle
 from mnopt.communicators.settings import shared_settings as settings_of
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class CommunicatorBase(object):
     """
 
     name: str | None = None
-    #: Where this rank records its timeline (mnopt/timeline.py): a
+    #: Where this rank records its timeline (mnopt/timeline/recorder.py): a
     #: Timeline, or timeline.NULL (false) when off.  Per rank, not shared.
     timeline: Any = timelines.NULL
     #: MNOPT_DEBUG=detail's check of each collective across ranks before
@@ -199,7 +199,7 @@ class CommunicatorBase(object):
     # ----------------------------------------------------------- figures
     def communication_stats(self) -> dict[str, Any]:
         """This rank's communication figures since the last call (local;
-        mnopt/step_stats.py says what each is): exposed and hidden
+        mnopt/timeline/step_stats.py says what each is): exposed and hidden
         seconds, wire seconds, bytes sent and received, bus bandwidth,
         and each collective's wait (who arrived last).  Starts them
         again from zero."""

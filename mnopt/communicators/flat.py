@@ -37,7 +37,7 @@ class FlatCommunicator(MpiCommunicatorBase):
             around_part=None if wires is None else wires.bucket)
         buffer.from_host()
 
-    # The sharded optimizer's transports (mnopt/communicators/sharded.py):
+    # The sharded optimizer's transports (mnopt/averaging/sharded.py):
     # the ring's reduce-scatter and all-gather over the arrays themselves.
     # The layout was checked on every rank already: no second check.
     shard_parts = True

@@ -5,11 +5,11 @@ from mpi4py import MPI
 
 from mnopt.transport import allreduce, buffers, reduce, waiting
 from mnopt.transport import ring
-from mnopt import step_stats
+from mnopt.timeline import step_stats
 from mnopt.communicators.base import MpiCommunicatorBase
-from mnopt.communicators.group import Group
+from mnopt.averaging.group import Group
 from mnopt.communicators.node_split import node_split
-from mnopt.communicators.shard_layout import views
+from mnopt.averaging.shard_layout import views
 
 
 class NodeComms(object):
@@ -96,7 +96,7 @@ class HierarchicalCommunicator(MpiCommunicatorBase):
             buffers.bcast_bytes(intra, part, root=0)
         buffer.from_host()
 
-    # The sharded optimizer's transports (mnopt/communicators/sharded.py),
+    # The sharded optimizer's transports (mnopt/averaging/sharded.py),
     # over any list of parts: the arrays themselves (numpy) or the packed
     # copy.  Only one copy of the gradients per node crosses the links
     # between nodes, as for the allreduce.

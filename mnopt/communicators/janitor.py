@@ -16,7 +16,7 @@ import threading
 
 from mpi4py import MPI
 
-from mnopt import log
+from mnopt.common import log
 
 #: What garbage-collected communicators left to give back, released by
 #: the janitor thread or at the next of mnopt's entry points
@@ -24,7 +24,7 @@ from mnopt import log
 _collected = collections.deque()
 _collected_waiting = threading.Event()
 _janitor = None
-#: Where the janitor reports a release that failed (mnopt/log.py): the
+#: Where the janitor reports a release that failed (mnopt/common/log.py): the
 #: logger of mnopt.communicators.base, where this was said before.
 logger = log.get('mnopt.communicators.base')
 
@@ -53,8 +53,9 @@ def release_collected():
             # As Python does for an error in a finalizer: said, not
             # raised into whatever call this entry point serves, and the
             # rest is still released.
-            # (A record of logger mnopt.communicators.base, mnopt/log.py:
-            # the message, then the traceback, as before on stderr.)
+            # (A record of logger mnopt.communicators.base,
+            # mnopt/common/log.py: the message, then the traceback, as
+            # before on stderr.)
             logger.error('mnopt: releasing what a garbage-collected '
                          'communicator left failed (ignored):', exc_info=True)
 

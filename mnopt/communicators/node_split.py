@@ -2,7 +2,7 @@
 
 from mpi4py import MPI
 
-from mnopt import _env
+from mnopt.common import _env
 
 
 def node_split(comm):

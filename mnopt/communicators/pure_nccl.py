@@ -7,9 +7,9 @@ from mnopt.gpu.diagnosis import require_gpu
 from mnopt.transport.nccl import (
     nccl_allgather_bytes, nccl_allreduce_sum, nccl_communicator,
     nccl_reduce_scatter_sum)
-from mnopt import grad_buffer
+from mnopt.codecs import grad_buffer
 from mnopt.communicators.base import MpiCommunicatorBase
-from mnopt.communicators.group import Group
+from mnopt.averaging.group import Group
 
 
 def _refuse_host_arrays(xp, arrays):
@@ -90,7 +90,7 @@ class PureNcclCommunicator(MpiCommunicatorBase):
         nccl_allreduce_sum(state.nccl, buffer.wire, buffer.layout.wire,
                            state.stream)
 
-    # ZeRO's collectives (mnopt/communicators/sharded.py) on NCCL, on the
+    # ZeRO's collectives (mnopt/averaging/sharded.py) on NCCL, on the
     # group's side stream.  NCCL's reduceScatter and allGather move equal
     # counts per rank, so every rank's share is padded to the largest in
     # the device buffers (the padding stays zero); the packing kernels are

@@ -10,15 +10,15 @@ import numpy
 from mpi4py import MPI
 
 from mnopt.transport import waiting
-from mnopt import server_job
-from mnopt import server_loop
-from mnopt import server_protocol as protocol
+from mnopt.server import job as server_job
+from mnopt.server import loop as server_loop
+from mnopt.server import protocol
 from mnopt.transport.layouts import LayoutMismatchError
-from mnopt.communicators import tuning
+from mnopt.averaging import tuning
 from mnopt.communicators.arguments import tunable_argument, whole_argument
 from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.colocated import ColocatedServers, chunk_spans
-from mnopt.communicators.group import Group
+from mnopt.averaging.group import Group
 from mnopt.communicators.janitor import release_after_collection
 
 
@@ -37,7 +37,8 @@ class ServerChannel(object):
 
 class ReductionServerCommunicator(MpiCommunicatorBase):
     """Push shards of the packed gradients to reduction servers, pull back
-    their mean (see mnopt/server.py).  Each worker moves S bytes each way.
+    their mean (see mnopt/server/process.py).  Each worker moves S bytes
+    each way.
 
     ``mpi_comm``, ``rank`` and ``size`` describe the workers only.  Without
     server processes every worker also reduces one shard (colocated).

@@ -8,7 +8,7 @@ import threading
 
 from mpi4py import MPI
 
-from mnopt import timeline as timelines
+from mnopt.timeline import recorder as timelines
 
 #: Communicators holding each open Timeline (one file per rank, shared by
 #: every communicator of the rank): the last to let go closes it.

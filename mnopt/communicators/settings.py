@@ -9,14 +9,14 @@ later.  The others are each rank's own (how long it waits before a stall
 report, its BLAS threads, a colocated server's memory, ...).
 """
 
-from mnopt import _env
+from mnopt.common import _env
 from mnopt.transport import allreduce
 from mnopt.transport import collective_check
 from mnopt.transport import cpu_phases
 from mnopt.transport import waiting
-from mnopt import _sched
-from mnopt import cores
-from mnopt import timeline_window
+from mnopt.common import _sched
+from mnopt.common import cores
+from mnopt.timeline import window as timeline_window
 
 #: The settings every rank must share, and why: a mix would hang or
 #: corrupt the averaging.  Keyword arguments by name, environment

@@ -5,7 +5,7 @@ They are this rank's, as Horovod's are: no communication, so calling them
 on one rank only records that rank only.  For the same window on every
 rank, call them at the same step on every rank (or set
 MNOPT_TIMELINE_STEPS, which every rank agrees on at start-up;
-mnopt/timeline_window.py says what a step is).
+mnopt/timeline/window.py says what a step is).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import os
 
 from mpi4py import MPI
 
-from mnopt import timeline as timelines
+from mnopt.timeline import recorder as timelines
 from mnopt.communicators.resources import hold_timeline, let_go_of_timeline
 
 
 class TimelineCalls(object):
-    """Starting and stopping this rank's timeline (mnopt/timeline.py).
+    """Starting and stopping this rank's timeline (mnopt/timeline/recorder.py).
     Needs the host's ``timeline``, ``_resources`` and ``averaging``."""
 
     def start_timeline(self, path: str | None = None) -> None:

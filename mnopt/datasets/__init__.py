@@ -1,5 +1,5 @@
 """Splitting a dataset over ranks (ChainerMN's ``chainermn.datasets``,
-at its module paths)."""
+at its module paths).  Layer 6 (chainer) of docs/architecture.md."""
 
 from mnopt.datasets.empty_dataset import create_empty_dataset  # NOQA
 from mnopt.datasets.scatter import DataSizeError  # NOQA

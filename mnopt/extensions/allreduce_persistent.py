@@ -3,8 +3,8 @@ statistics) averaged over ranks."""
 
 import numpy
 
-from mnopt import any_communicator
-from mnopt.arrays import as_array_like, to_host
+from mnopt.communicators import any_communicator
+from mnopt.common.arrays import as_array_like, to_host
 
 
 class AllreducePersistent(object):

@@ -4,7 +4,7 @@
 
 Every iteration it takes the communicator's figures of that step
 (``comm.communication_stats()``: kept by the communicator as it averages,
-with no communication; mnopt/step_stats.py).  Every ``trigger`` it
+with no communication; mnopt/timeline/step_stats.py).  Every ``trigger`` it
 reports, per step of the interval, into ``trainer.observation``:
 
 ==========================  ============================================
@@ -52,8 +52,8 @@ rank that reports at another iteration (its own trigger passed to
 
 from chainer.training import extension
 
-from mnopt import any_communicator
-from mnopt import step_stats
+from mnopt.communicators import any_communicator
+from mnopt.timeline import step_stats
 
 #: The figures summed over an interval.
 _SUMMED = ('exposed', 'hidden', 'wire', 'bytes', 'bytes_sent',

@@ -3,7 +3,7 @@ alike, on the monitored value averaged over ranks."""
 
 from chainer.training import triggers
 
-from mnopt import any_communicator
+from mnopt.communicators import any_communicator
 from mnopt.extensions._values import to_float
 
 

@@ -7,7 +7,7 @@ from chainer import function
 from chainer.dataset import convert
 from chainer.training import extension
 
-from mnopt import any_communicator
+from mnopt.communicators import any_communicator
 
 
 class GenericMultiNodeEvaluator(extension.Extension):

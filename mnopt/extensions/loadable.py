@@ -7,7 +7,7 @@ import os
 import re
 import zipfile
 
-from mnopt import log
+from mnopt.common import log
 
 # The warnings' logger is multi_node_snapshot's, where they were first said.
 logger = log.get('mnopt.extensions.multi_node_snapshot')
@@ -106,7 +106,7 @@ def newest_loadable(comm, problems, key, what='snapshot', writes=None):
         for c in sorted(found, key=key):
             if newest is None or key(c) > key(newest):
                 # A report, not a fault in the user's code: logger
-                # mnopt.extensions.multi_node_snapshot (mnopt/log.py).
+                # mnopt.extensions.multi_node_snapshot (mnopt/common/log.py).
                 logger.warning('mnopt: warning: skipping %s %s, which not '
                                'every rank can load: %s', what, c,
                                '; '.join(reasons(c)))

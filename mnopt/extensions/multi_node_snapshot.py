@@ -73,7 +73,7 @@ import chainer
 import numpy
 from chainer.training import extension
 
-from mnopt import log
+from mnopt.common import log
 from mnopt.extensions.background_writer import (
     background_writer_for, complete_names, remove_partial_files)
 from mnopt.extensions.loadable import newest_loadable

@@ -13,7 +13,7 @@ rank, so a refused snapshot leaves the trainer as it was."""
 import chainer
 import numpy
 
-from mnopt import any_communicator
+from mnopt.communicators import any_communicator
 from mnopt.iterators.resize import load_resizing_iterators
 from mnopt.optimizers.local_steps import LocalStepsOptimizer
 from mnopt.optimizers.local_steps_mark import SNAPSHOT_KEY, not_local_steps

@@ -1,5 +1,5 @@
 """ChainerMN's differentiable communication functions (model
-parallelism; the Chainer layer)."""
+parallelism).  Layer 6 (chainer) of docs/architecture.md."""
 
 from mnopt.functions.collective_communication import allgather  # NOQA
 from mnopt.functions.collective_communication import alltoall  # NOQA

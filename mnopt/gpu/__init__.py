@@ -1,1 +1,3 @@
-"""The GPU pieces: CUDA stack diagnosis, device helpers, kernels."""
+"""The GPU pieces: CUDA stack diagnosis, device helpers, kernels.
+Layer 1 (gpu) of docs/architecture.md.
+"""

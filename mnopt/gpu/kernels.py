@@ -39,7 +39,7 @@ from mnopt.gpu.device import cupy
 #: division are PTX without .ftz (tests/test_cuda_kernels.py checks that
 #: no kernel's PTX flushes).  On the 16-bit wires the kernels also count,
 #: per array, the values that are not finite (gradients going in, means
-#: coming out; mnopt/overflow.py): ``counts[slots[k]]`` is incremented
+#: coming out; mnopt/codecs/overflow.py): ``counts[slots[k]]`` is incremented
 #: atomically, only for such values, so counting costs no pass of its own.
 #:
 #: tests/test_cuda_kernels.py compiles each for every dtype in KERNEL_TYPES,

@@ -54,7 +54,7 @@ import numpy
 from chainer import serializer as chainer_serializer
 from chainer.serializers import DictionarySerializer
 
-from mnopt import log
+from mnopt.common import log
 from mnopt.datasets.scatter import ScatteredDataset, share_bounds
 
 logger = log.get(__name__)
@@ -178,7 +178,7 @@ def _warn_apart(iterator, group, epochs):
         return
     _apart.add(iterator)
     # A report, not a fault in the user's code: logger
-    # mnopt.iterators.epoch_position (mnopt/log.py).
+    # mnopt.iterators.epoch_position (mnopt/common/log.py).
     logger.warning(
         'mnopt: warning: %s: the ranks are in epochs %d to %d (shares of '
         'unequal length: scatter_dataset(force_equal_length=False)): '

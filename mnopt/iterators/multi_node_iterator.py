@@ -15,7 +15,7 @@ import numbers
 import chainer
 from chainer.dataset import iterator as iterator_module
 
-from mnopt.any_communicator import same_on_every_rank
+from mnopt.communicators.any_communicator import same_on_every_rank
 
 
 def _is_array_example(example):

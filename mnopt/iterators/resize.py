@@ -33,7 +33,7 @@ trainer's ``updater/iterator:NAME`` or an updater's ``iterator:NAME``.
 import numpy
 from chainer.serializers import NpzDeserializer
 
-from mnopt import log
+from mnopt.common import log
 from mnopt.iterators.epoch_position import SEEN_KEY, resume_epochs
 
 logger = log.get(__name__)
@@ -148,7 +148,7 @@ def load_resizing_iterators(path, target, comm, what):
                for n in ns]
     if rebuilt and comm.rank == 0:
         # A report, not a fault in the user's code: logger
-        # mnopt.iterators.resize (mnopt/log.py).
+        # mnopt.iterators.resize (mnopt/common/log.py).
         logger.warning(
             'mnopt: warning: %s: the iterators read shards of another length '
             'than when it was saved (another number of ranks); each goes on '

@@ -5,7 +5,7 @@ import numpy
 from chainer.dataset import iterator as iterator_module
 from chainer.iterators import ShuffleOrderSampler
 
-from mnopt.any_communicator import same_on_every_rank
+from mnopt.communicators.any_communicator import same_on_every_rank
 
 
 class _SynchronizedIterator(iterator_module.Iterator):

@@ -1,4 +1,4 @@
-"""ChainerMN's links (the Chainer layer)."""
+"""ChainerMN's links.  Layer 6 (chainer) of docs/architecture.md."""
 
 from mnopt.links.batch_normalization import MultiNodeBatchNormalization  # NOQA
 from mnopt.links.create_mnbn_model import create_mnbn_model  # NOQA

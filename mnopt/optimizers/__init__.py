@@ -1,5 +1,6 @@
 """The multi-node optimizers (ChainerMN's ``chainermn.optimizers``):
-``create_multi_node_optimizer`` and ``Signum``.
+``create_multi_node_optimizer`` and ``Signum``.  Layer 6 (chainer) of
+docs/architecture.md.
 
 Layout, each module below the ones that import it: protocol.py (the
 multi-node step every variant follows, and the plain optimizer),

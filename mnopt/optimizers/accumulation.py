@@ -21,7 +21,7 @@ exchange checks that every rank restored as many micro-steps."""
 import chainer
 import numpy
 
-from mnopt import log
+from mnopt.common import log
 
 logger = log.get(__name__)
 

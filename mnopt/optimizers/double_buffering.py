@@ -4,7 +4,7 @@ gradients while iteration k's are averaged in the background."""
 import chainer
 import numpy
 
-from mnopt.arrays import named_grads
+from mnopt.common.arrays import named_grads
 from mnopt.optimizers.protocol import BROADCAST, RESUME, MultiNodeOptimizer
 from mnopt.optimizers.protocol import stepped
 

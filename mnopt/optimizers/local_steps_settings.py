@@ -13,7 +13,7 @@ Names: ``local_steps`` is DiLoCo's H (torchft's ``sync_every``, PyTorch's
 import chainer
 import numpy
 
-from mnopt.communicators.tuning import REKEY_AFTER
+from mnopt.averaging.tuning import REKEY_AFTER
 from mnopt.optimizers.outer_nesterov import OuterNesterov
 
 

@@ -44,7 +44,7 @@ import collections
 
 import chainer
 
-from mnopt import timeline as timelines
+from mnopt.timeline import recorder as timelines
 
 
 class _Ready(chainer.FunctionNode):

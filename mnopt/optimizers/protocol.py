@@ -9,7 +9,7 @@ import time
 import chainer
 import numpy
 
-from mnopt import timeline as timelines
+from mnopt.timeline import recorder as timelines
 from mnopt.optimizers import uneven
 from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.accumulation import Accumulation
@@ -166,8 +166,8 @@ class MultiNodeOptimizer(object):
                                + time.perf_counter() - start)
 
     def _timeline(self):
-        """The communicator's timeline (mnopt/timeline.py; NULL when off
-        or for a communicator without one)."""
+        """The communicator's timeline (mnopt/timeline/recorder.py; NULL when
+        off or for a communicator without one)."""
         return getattr(self.communicator, 'timeline', timelines.NULL)
 
     def _apply(self, *args, **kwds):

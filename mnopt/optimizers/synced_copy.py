@@ -21,9 +21,9 @@ import copy
 import chainer
 import numpy
 
-from mnopt import step_stats
-from mnopt import timeline as timelines
-from mnopt.arrays import as_array_like, to_host
+from mnopt.timeline import step_stats
+from mnopt.timeline import recorder as timelines
+from mnopt.common.arrays import as_array_like, to_host
 from mnopt.optimizers.fragments import split_by_bytes
 from mnopt.optimizers.protocol import StatesMayBeAbsent
 

@@ -3,7 +3,7 @@ by $MNOPT_ALLREDUCE and the buffer's size and span (``uses_ring``)."""
 
 import contextlib
 
-from mnopt import _env
+from mnopt.common import _env
 from mnopt.transport import buffers
 from mnopt.transport import cpu_phases
 from mnopt.transport import reduce

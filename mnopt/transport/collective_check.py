@@ -33,7 +33,7 @@ import threading
 
 import numpy
 
-from mnopt import _env
+from mnopt.common import _env
 from mnopt.transport import agreement
 
 #: MNOPT_DEBUG's values.

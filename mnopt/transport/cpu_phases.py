@@ -20,7 +20,7 @@ per collective); otherwise their CPU is the wire's."""
 
 import time
 
-from mnopt import _env
+from mnopt.common import _env
 from mnopt.transport import wait_tallies
 
 #: The phases, in an averaging's order: 'check' (the layout check,

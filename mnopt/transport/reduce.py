@@ -3,14 +3,14 @@ the 16-bit sum loops that MPI's user ops and the ring share.
 
 MPI has no 16-bit float types: float16 and bfloat16 travel as 16-bit
 integers and are summed by mnopt's loops (the C loops of
-mnopt/_halfcast.c where built, else numpy), each pairwise sum computed in
+mnopt/wire/_halfcast.c where built, else numpy), each pairwise sum computed in
 float32 and rounded once.
 """
 
 import numpy
 from mpi4py import MPI
 
-from mnopt import wire_dtypes
+from mnopt.wire import dtypes as wire_dtypes
 
 
 def _float16_sum(inbuf, inoutbuf, datatype):

@@ -23,7 +23,7 @@ GIL released and the core left free (MPICH busy-polls inside its blocking
 calls, taking the cores that the summing, the other ranks, the kernel's
 TCP stack and, beside an overlapped backward, the training need), coming
 back at least every 50 ms, so a rank stays responsive to mnopt's stall
-detection (mnopt/stall.py) when a peer never sends.
+detection (mnopt/stall/monitor.py) when a peer never sends.
 
 Every element of chunk c is summed exactly once, in one fixed order
 (x[c+1] + x[c+2] + ... + x[c], rank numbers mod N), by the rank it
@@ -241,7 +241,7 @@ def yield_while_waiting(on=True):
     between polls (``sched_yield``) instead of napping.
 
     For mnopt's background thread once it has a short scheduler slice
-    (mnopt/_sched.py): there it shares a core with the rank's compute,
+    (mnopt/common/_sched.py): there it shares a core with the rank's compute,
     and each nap's wake-up waits for that core, while a yield keeps the
     thread runnable and costs it one short slice.  The C wait (the
     default) naps without the GIL instead, and polls again at once while

@@ -7,7 +7,7 @@ import zlib
 
 import numpy
 
-from mnopt import wire_dtypes
+from mnopt.wire import dtypes as wire_dtypes
 from mnopt.transport import agreement
 from mnopt.transport import waiting
 

@@ -7,9 +7,9 @@ import time
 
 from mpi4py import MPI
 
-from mnopt import log
-from mnopt import stall_report
-from mnopt.stall_settings import settings_or_defaults
+from mnopt.common import log
+from mnopt.stall import report as stall_report
+from mnopt.stall.settings import settings_or_defaults
 from mnopt.transport import waiting
 
 logger = log.get(stall_report.LOGGER_NAME)

@@ -4,7 +4,7 @@ MPI's blocking waits spin (MPICH and Open MPI poll their progress
 engines), and a wait that polls from Python takes the GIL for every poll.
 mnopt's averaging thread waits beside the training loop, whose backward
 is Python (Chainer): either cost is taken from the compute.  ``wait_some``
-polls in C (mnopt/_mpiwait.c) with the GIL released, napping between
+polls in C (mnopt/transport/_mpiwait.c) with the GIL released, napping between
 polls, and comes back to Python only when a request has completed (or
 after ``max_wait``, so the caller can look at the clock: stall detection
 stays in Python).
@@ -28,11 +28,11 @@ import time
 
 from mpi4py import MPI
 
-from mnopt import _env
+from mnopt.common import _env
 from mnopt.transport import wait_tallies
 
 try:
-    from mnopt import _mpiwait
+    from mnopt.transport import _mpiwait
 except ImportError:  # built without a C compiler
     _mpiwait = None
 

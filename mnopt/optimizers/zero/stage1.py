@@ -4,7 +4,7 @@ optimizer state sharded; each rank updates its pieces of the parameters
 
 import chainer
 
-from mnopt.arrays import named_grads
+from mnopt.common.arrays import named_grads
 from mnopt.optimizers.hook_agreement import check_hooks_agree, hook_settings
 from mnopt.optimizers.local_steps_mark import not_local_steps
 from mnopt.optimizers.protocol import AVERAGE, BROADCAST, RESUME

@@ -4,7 +4,7 @@ during backward (overlap's machinery, extended)."""
 
 import collections
 
-from mnopt.arrays import array_module
+from mnopt.common.arrays import array_module
 from mnopt.optimizers.overlap import Overlap
 from mnopt.optimizers.protocol import BROADCAST, RESUME, stepped
 from mnopt.optimizers.zero.partition import piece_label

@@ -1,1 +1,0 @@
-"""The benchmark library: workloads, the timing harness and the cases."""

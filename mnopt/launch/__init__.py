@@ -1,0 +1,7 @@
+"""``python -m mnopt.launch``: relaunch a training job that died
+(__main__.py), one attempt at a time (attempt.py); with ``--hosts``, the
+elastic relaunch: which hosts (hosts.py), which of them answer
+(probe.py), which run the next attempt (elastic.py) and which snapshots
+are complete (snapshots.py).  Layer 7 (entry points) of
+docs/architecture.md: nothing in mnopt imports it.
+"""

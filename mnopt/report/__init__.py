@@ -1,0 +1,7 @@
+"""``python -m mnopt.report TRACE...``: where each step's time went, read
+from the timelines a job wrote (mnopt/timeline/).  The text report and
+the command line (__main__.py), the reading of the traces
+(trace_analysis.py), the advice (rules.py) and the picture (plot.py).
+Layer 7 (entry points) of docs/architecture.md: nothing in mnopt imports
+it.
+"""
