@@ -15,8 +15,10 @@ run's rounds of the hidden share (overlap.py's definition) and the step
 saving, 1 - overlapped step / synchronous step (median step times); then
 their min / median / max over the cycles.  The table also gives each
 cycle's spread over its rounds (min-max), the averaging threads' CPU per
-step and per MB averaged, and the CPU idle share beside the overlapped
-steps.
+step and per MB averaged, the CPU idle share beside the overlapped
+steps, and the share of the CPU that other processes used during the
+run ('others': each run first waits up to ``--quiet-wait`` seconds for
+a machine 90% idle, rerun.py's rule).
 """
 
 import argparse
@@ -27,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from rerun import children_cpu_s, cpu_jiffies, wait_for_quiet
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -62,16 +66,29 @@ def run(args):
         shift = k % len(args.variants)
         for variant in args.variants[shift:] + args.variants[:shift]:
             path = os.path.join(out, 'cycle%d_%s.json' % (k, variant))
+            if args.quiet_wait:
+                wait_for_quiet(0.9, args.quiet_wait)
             started = time.time()
+            i0, b0, t0 = cpu_jiffies()
+            c0 = children_cpu_s()
             done = subprocess.run(command(args, variant, path), cwd=ROOT,
                                   stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True,
                                   timeout=args.timeout)
-            print('cycle %d %-8s rc=%d %.0f s' % (
-                k, variant, done.returncode, time.time() - started),
-                flush=True)
+            i1, b1, t1 = cpu_jiffies()
+            ours = (children_cpu_s() - c0) * os.sysconf('SC_CLK_TCK')
+            others = max(0.0, (b1 - b0) - ours) / max(1, t1 - t0)
+            print('cycle %d %-8s rc=%d %.0f s, others %.0f%% of the CPU' % (
+                k, variant, done.returncode, time.time() - started,
+                100 * others), flush=True)
             if done.returncode != 0 or not os.path.exists(path):
                 sys.stderr.write(done.stderr[-3000:])
+                continue
+            with open(path) as f:
+                result = json.load(f)
+            result['others_cpu'] = others
+            with open(path, 'w') as f:
+                json.dump(result, f, indent=1)
     return out
 
 
@@ -110,25 +127,28 @@ def report(out):
             for mode, values in per_cycle(result, framework).items():
                 rows.setdefault((variant, mode), []).append(
                     (int(cycle), values, cpu_of(result, mode),
-                     result['cpu_idle'].get(mode, {}).get('median')))
+                     result['cpu_idle'].get(mode, {}).get('median'),
+                     result.get('others_cpu')))
     lines = ['%s: %s' % (out, 'per cycle: hidden median (round min to '
                          'max), step saving; then over the cycles'),
              '| run | mode | hidden, per cycle | step saving, per cycle | '
              'hidden min / median / max | saving min / median / max | '
-             'CPU ms/step | ms/MB | CPU idle |', '|---' * 9 + '|']
+             'CPU ms/step | ms/MB | CPU idle | others |', '|---' * 10 + '|']
     for (variant, mode), got in sorted(rows.items()):
         got.sort()
-        hid = [v[0] for _, v, _, _ in got]
-        sav = [v[3] for _, v, _, _ in got]
-        cpus = [c for _, _, c, _ in got if c]
-        idle = [i for _, _, _, i in got if i is not None]
-        lines.append('| %s | %s | %s | %s | %s | %s | %s | %s | %s |' % (
-            variant, mode,
-            ', '.join('%.2f (%.2f-%.2f)' % v[:3] for _, v, _, _ in got),
+        hid = [v[0] for _, v, _, _, _ in got]
+        sav = [v[3] for _, v, _, _, _ in got]
+        cpus = [c for _, _, c, _, _ in got if c]
+        idle = [i for _, _, _, i, _ in got if i is not None]
+        others = [o for _, _, _, _, o in got if o is not None]
+        lines.append('| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |'
+                     % (variant, mode, ', '.join(
+                         '%.2f (%.2f-%.2f)' % v[:3] for _, v, _, _, _ in got),
             ', '.join('%.3f' % s for s in sav), three(hid), three(sav),
             '%.1f' % statistics.median(c[0] for c in cpus) if cpus else '',
             '%.2f' % statistics.median(c[1] for c in cpus) if cpus else '',
-            '%.2f' % statistics.median(idle) if idle else ''))
+            '%.2f' % statistics.median(idle) if idle else '',
+            '%.2f' % max(others) if others else ''))
     text = '\n'.join(lines)
     with open(os.path.join(out, 'summary.md'), 'w') as f:
         f.write(text + '\n')
@@ -154,6 +174,9 @@ def main():
     p.add_argument('--steps', type=int, default=3)
     p.add_argument('--batch', type=int, default=1024)
     p.add_argument('--timeout', type=float, default=900)
+    p.add_argument('--quiet-wait', type=float, default=120,
+                   help='seconds to wait for a quiet machine before each '
+                   'run (0: do not wait)')
     p.add_argument('--out', default='docs/results/overlap_cycles')
     p.add_argument('--report', metavar='DIR',
                    help="only the tables of DIR's saved runs")
