@@ -54,11 +54,11 @@ if editable_wheel is not None:
 #:   (numpy fallback, bit-exact).
 #: - mnopt/transport/_mpiwait.c: MPI waits that hold neither the GIL nor a
 #:   core (fallback: polling from Python).
-#: - mnopt/common/_startwatch.c: the watch of MPI's start and of an early
+#: - mnopt/stall/_startwatch.c: the watch of MPI's start and of an early
 #:   failing exit (fallback: Python's fault handler ends a wait in MPI's
 #:   start at the timeout, with no warning before it).
 C_EXTENSIONS = ('mnopt/wire/_halfcast', 'mnopt/codecs/_signbits',
-                'mnopt/transport/_mpiwait', 'mnopt/common/_startwatch')
+                'mnopt/transport/_mpiwait', 'mnopt/stall/_startwatch')
 
 # Everything declarative (name, version, dependencies, extras, packages)
 # is in pyproject.toml; here only what needs code.

@@ -51,7 +51,7 @@ import glob, subprocess, sys, sysconfig
 suffix = sysconfig.get_config_var('EXT_SUFFIX')
 include = sysconfig.get_paths()['include']
 for path in ('mnopt/wire/_halfcast', 'mnopt/codecs/_signbits',
-             'mnopt/transport/_mpiwait', 'mnopt/common/_startwatch'):
+             'mnopt/transport/_mpiwait', 'mnopt/stall/_startwatch'):
     subprocess.check_call(['gcc', '-O3', '-fPIC', '-shared', '-I' + include,
                            path + '.c', '-o', path + suffix])
 EOF

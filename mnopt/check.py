@@ -53,7 +53,7 @@ C_LOOPS = (
 C_LOOP_MODULES = {'_halfcast': 'mnopt.wire._halfcast',
                   '_signbits': 'mnopt.codecs._signbits',
                   '_mpiwait': 'mnopt.transport._mpiwait',
-                  '_startwatch': 'mnopt.common._startwatch'}
+                  '_startwatch': 'mnopt.stall._startwatch'}
 HOW_TO_BUILD = ('pip builds them where it finds a C compiler: install one '
                 '(gcc: apt install build-essential, or dnf install gcc) and '
                 "reinstall mnopt from its source without pip's cache (pip "
@@ -320,7 +320,7 @@ def main(argv=None):
     cli.parse_args(parser(), argv)
     from mpi4py import MPI
     import mnopt
-    from mnopt.common import launched
+    from mnopt.stall import launched
     world = MPI.COMM_WORLD
     comm = mnopt.create_communicator('flat')
     info = describe_process()

@@ -21,7 +21,7 @@ import time
 import traceback
 
 from mnopt.common import failure_summary
-from mnopt.common import launched
+from mnopt.stall import launched
 from mnopt.common import log
 
 logger = log.get(__name__)
@@ -91,7 +91,7 @@ def _multiprocessing_child():
 def install_at_import(environ=None):
     """Install the hook (``add_hook``) where ``environ`` (os.environ) says
     that a launcher started this process as one of several (MPI's
-    variables: mnopt/common/launched.py), unless multiprocessing or a rank
+    variables: mnopt/stall/launched.py), unless multiprocessing or a rank
     started it (a helper inherits the variables: ``os.system``,
     ``subprocess``), and watch for a failing exit before MPI starts.
     Starts nothing: MPI starts only if an exception reaches the hook."""
@@ -111,7 +111,7 @@ def _watch_exit():
     """End the job when this process exits with a non-zero status before
     MPI started (sys.exit(3), raise SystemExit, argparse's errors: no
     exception reaches sys.excepthook), by a signal, as a launcher needs
-    (the C watch: mnopt/common/_startwatch.c; where it is not built, such an
+    (the C watch: mnopt/stall/_startwatch.c; where it is not built, such an
     exit leaves the others waiting until their timeout in MPI's start).
     Once MPI runs, a rank that exits is the communicators' to report."""
     watch = launched.exit_watch()

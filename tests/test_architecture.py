@@ -55,7 +55,7 @@ MAX_LINES = 400
 #: mnopt's C extensions, each beside the module that loads it: leaves
 #: (they import nothing of mnopt).
 C_EXTENSIONS = ('mnopt.wire._halfcast', 'mnopt.codecs._signbits',
-                'mnopt.transport._mpiwait', 'mnopt.common._startwatch')
+                'mnopt.transport._mpiwait', 'mnopt.stall._startwatch')
 
 
 def _modules():
@@ -173,6 +173,26 @@ def test_no_import_circle():
         if module not in state:
             visit(module, [module])
     assert circles == []
+
+
+def _folder(module):
+    """The folder of mnopt/ that ``module`` lies in (None: the top)."""
+    parts = module.split('.')
+    return parts[1] if len(parts) > 2 or (
+        len(parts) == 2 and _is_package(module)) else None
+
+
+def _folder_pairs(edges):
+    """Pairs of folders that import each other (one layer's folders too:
+    within a layer one folder is put together from the other, never
+    both ways)."""
+    links = {(_folder(m), _folder(t)) for m, t, _, _ in edges
+             if _folder(m) and _folder(t) and _folder(m) != _folder(t)}
+    return sorted((a, b) for a, b in links if (b, a) in links and a < b)
+
+
+def test_no_two_folders_import_each_other():
+    assert _folder_pairs(EDGES) == []
 
 
 def test_no_import_of_another_modules_private_name():
@@ -338,6 +358,10 @@ def drawn_layers(page):
 def test_the_architecture_page_draws_each_layers_folders():
     """The picture and LAYERS tell the same story: each layer's folders,
     and its modules at the top of mnopt/, in its rows."""
+    assert _folder_pairs([
+        ('mnopt.averaging.pipeline', 'mnopt.communicators.base', None, 1),
+        ('mnopt.communicators.flat', 'mnopt.averaging.group', None, 1)]) \
+        == [('averaging', 'communicators')]
     drawn = drawn_layers(open(ARCHITECTURE).read())
     assert sorted(drawn) == list(range(len(LAYERS)))
     for index, (name, folders, tops) in enumerate(LAYERS):

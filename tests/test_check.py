@@ -154,7 +154,7 @@ import sys
 # As where pip found no C compiler: importing them fails, so every user of
 # them falls back (to numpy, or to waits polled from Python).
 for name in ('wire._halfcast', 'codecs._signbits', 'transport._mpiwait',
-             'common._startwatch'):
+             'stall._startwatch'):
     sys.modules['mnopt.' + name] = None
 runpy.run_module('mnopt.check', run_name='__main__')
 '''

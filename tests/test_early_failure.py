@@ -283,11 +283,11 @@ def test_a_rank_waiting_in_mpis_start_ends_the_job_at_the_timeout():
 
 
 def test_without_the_c_watch_the_fault_handler_ends_the_wait():
-    # mnopt.common._startwatch not built: said before MPI's start, and Python's
+    # mnopt.stall._startwatch not built: said before MPI's start, and Python's
     # fault handler ends the wait at the timeout.
     start = time.monotonic()
     proc = run_mpi(2, "import sys\n"
-                   "sys.modules['mnopt.common._startwatch'] = None\n"
+                   "sys.modules['mnopt.stall._startwatch'] = None\n"
                    + RANK_1_LEAVES, timeout=180, module_runner=False,
                    env={'MNOPT_STALL_WARNING': '2', 'MNOPT_TIMEOUT': '10'})
     elapsed = time.monotonic() - start

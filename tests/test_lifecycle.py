@@ -234,7 +234,7 @@ def test_a_collection_frees_no_mpi_communicator_itself(monkeypatch, name):
     import gc
     import threading
     from mpi4py import MPI
-    from mnopt.communicators import janitor
+    from mnopt.averaging import janitor
     # The janitor waits on the original event: it is not woken here.
     monkeypatch.setattr(janitor, '_collected_waiting', threading.Event())
     held = _collected_communicator(name)
@@ -262,7 +262,7 @@ def test_a_failing_release_is_said_and_the_rest_released(monkeypatch,
     what was collected after it is still released."""
     import threading
     from mpi4py import MPI
-    from mnopt.communicators import janitor
+    from mnopt.averaging import janitor
     released = []
 
     def failing():

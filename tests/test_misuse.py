@@ -13,7 +13,7 @@ import numpy
 import pytest
 
 import mnopt
-from mnopt.common import launched
+from mnopt.stall import launched
 from conftest import REPO, WORLD, chainer, needs_chainer, python_path, slack
 
 # Also under mpiexec -n 3: a middle rank misuses.

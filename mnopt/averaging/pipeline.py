@@ -31,12 +31,12 @@ from mnopt.transport import agreement
 from mnopt.transport import cpu_phases
 from mnopt.transport import waiting
 from mnopt.common.arrays import array_module
-from mnopt.communicators.arguments import named_pairs
+from mnopt.averaging.grad_pairs import named_pairs
 from mnopt.averaging.background import caller_ready, on_side_stream
 from mnopt.averaging.background import thread_setup
 from mnopt.averaging.devices import device_of
 from mnopt.averaging.group import Group
-from mnopt.communicators.janitor import release_collected
+from mnopt.averaging.janitor import release_collected
 from mnopt.averaging.mean_handle import MeanHandle
 from mnopt.averaging.wires import Wires, current_wires
 from mnopt.stall.monitor import watched

@@ -2,8 +2,7 @@
 logging (log.py), the MNOPT_* settings read from the environment
 (_env.py), its threads' scheduling (_sched.py), a node's cores shared
 between its ranks (cores.py), numpy/CuPy array helpers (arrays.py), the
-argument types of the command lines (cli.py), a process started without
-its launcher and the C watch of MPI's start (launched.py, _startwatch.c),
-and the one failure summary of a failed job (failure_summary.py).
+argument types of the command lines (cli.py) and the one failure summary
+of a failed job (failure_summary.py).
 Layer 0 (leaves) of docs/architecture.md.
 """

@@ -5,9 +5,9 @@ This folder holds the communicator itself: the interface
 reduction_server with colocated.py), what every kind is put together from
 (base.py with its ChainerMN-facing methods: chainer_glue.py,
 chainermn_collectives.py, timeline_calls.py), the factory's arguments and
-settings (arguments.py, settings.py), a communicator's resources and
-their release (resources.py, janitor.py), the types a comm hook sees
-(comm_hooks.py) and the agreements of pieces that take any ChainerMN-like
+settings (arguments.py, settings.py), a communicator's resources
+(resources.py), your own comm hook: the types it sees (comm_hooks.py)
+and the registered hook at work (registered_hook.py), and the agreements of pieces that take any ChainerMN-like
 communicator (any_communicator.py).  The averaging the kinds share is in
 mnopt/averaging/.  Layer 5 (communicators) of docs/architecture.md."""
 
@@ -174,7 +174,7 @@ def create_communicator(communicator_name: str = 'auto',
         global_except_hook.add_hook()
     else:   # the hook import mnopt installed in a launched process
         global_except_hook.remove_hook()
-    from mnopt.common import launched
+    from mnopt.stall import launched
     # MPI's start waits for every rank (one that exited before it would
     # keep this one there for ever): under the stall warning and timeout.
     launched.start_mpi('create_communicator', stall_warning, timeout)

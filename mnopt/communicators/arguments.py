@@ -1,6 +1,6 @@
 """The checks of the keyword arguments every communicator takes: refused
 without communicating, so that the factory can check them on every rank
-before any collective; and of the gradient list ``mean_grads`` takes."""
+before any collective."""
 
 import os
 
@@ -155,15 +155,3 @@ def check_arguments(kind, options, allreduce_grad_dtype, bucket_bytes,
     environment_settings()
     return settings
 
-
-def named_pairs(named_grads, what):
-    """``named_grads`` as a list of (name, array) pairs, else a TypeError
-    saying what ``what`` takes (before any collective)."""
-    named = None if isinstance(named_grads, dict) else list(named_grads)
-    bad = 'a dict' if named is None else next((
-        'item %d, a %s' % (i, type(p).__name__) for i, p in enumerate(named)
-        if not isinstance(p, (tuple, list)) or len(p) != 2), None)
-    if bad:
-        raise TypeError('%s takes a list of (name, array) pairs: pass '
-                        'sorted(grads.items()), not %s' % (what, bad))
-    return named

@@ -42,10 +42,10 @@ from mnopt.communicators.chainer_glue import ChainerGlue
 from mnopt.communicators.chainermn_collectives import ChainerMNCollectives
 from mnopt.communicators.communicator_base import CommunicatorBase
 from mnopt.averaging.compression import SignCompression
-from mnopt.averaging.registered_hook import CommHookRegistration
+from mnopt.communicators.registered_hook import CommHookRegistration
 from mnopt.averaging.low_rank import PowerSGDCompression
-from mnopt.communicators.janitor import release_after_collection
-from mnopt.communicators.janitor import release_collected, start_janitor
+from mnopt.averaging.janitor import release_after_collection
+from mnopt.averaging.janitor import release_collected, start_janitor
 from mnopt.averaging.mean_handle import MeanHandle
 from mnopt.communicators.node_split import node_split
 from mnopt.communicators.resources import Resources

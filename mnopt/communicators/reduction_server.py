@@ -19,7 +19,7 @@ from mnopt.communicators.arguments import tunable_argument, whole_argument
 from mnopt.communicators.base import MpiCommunicatorBase
 from mnopt.communicators.colocated import ColocatedServers, chunk_spans
 from mnopt.averaging.group import Group
-from mnopt.communicators.janitor import release_after_collection
+from mnopt.averaging.janitor import release_after_collection
 
 
 class ServerChannel(object):

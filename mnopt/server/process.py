@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from mnopt.common import launched
+from mnopt.stall import launched
 
 # MPI's start waits for every rank (a worker that exited before it would
 # keep the servers there for ever): under the stall warning and timeout.

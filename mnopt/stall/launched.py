@@ -17,7 +17,7 @@ Two more things only the process a launcher started has to know:
   ``subprocess``) inherits the launcher's variables but is no rank, and
   must neither start MPI nor abort the job;
 - how long it waits in MPI's start (``start_mpi``), which holds Python's
-  GIL until every rank has started it: a C thread (mnopt/common/_startwatch.c)
+  GIL until every rank has started it: a C thread (mnopt/stall/_startwatch.c)
   warns at the stall warning and ends the process at the timeout, so
   that a rank that exited before it does not leave the others waiting
   for ever.
@@ -119,7 +119,7 @@ def mark_launched_process():
 
 # ------------------------------------------------------------ MPI's start
 try:
-    from mnopt.common import _startwatch
+    from mnopt.stall import _startwatch
 except ImportError:   # not built (no C compiler): see _start_unwatched
     _startwatch = None
 
@@ -129,7 +129,7 @@ _start_entered = False
 
 
 def exit_watch():
-    """The C watch of a failing exit (mnopt/common/_startwatch.c), or None
+    """The C watch of a failing exit (mnopt/stall/_startwatch.c), or None
     where it is not built."""
     return _startwatch
 

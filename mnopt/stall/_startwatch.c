@@ -263,7 +263,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_startwatch",
     "Ending a rank that would wait for ever at MPI's start "
-    "(mnopt/common/_startwatch.c).", -1, methods
+    "(mnopt/stall/_startwatch.c).", -1, methods
 };
 
 PyMODINIT_FUNC PyInit__startwatch(void)
