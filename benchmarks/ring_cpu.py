@@ -7,9 +7,12 @@ every poll that moved data, as before the pace), beside gloo's allreduce
         --rate 1gbit --servers 0 -- python benchmarks/ring_cpu.py
 
 Each variant: ``--reps`` allreduces of ``--mb`` MB (4 MiB float32
-arrays, one ring, as overlap's buckets) per cycle, variants alternating,
-``--cycles`` cycles; per allreduce the wall time and the process's CPU
-time (getrusage: every thread, gloo's included).  Rank 0 prints min /
+arrays) per cycle, variants alternating, ``--cycles`` cycles; mnopt's as
+one ring per array, one after another, as overlap's averaging thread
+averages 4 MiB buckets (``--one-ring``: one ring for them all); per
+allreduce the wall time and the process's CPU time (getrusage: every
+thread, gloo's included).  ``--longest MS``: also the measured pace with
+naps of at most MS (ring_pace.LONGEST; repeatable).  Rank 0 prints min /
 median / max.  Needs torch (the .venv/gloo environment of
 benchmarks/gloo_bench.py)."""
 
@@ -45,6 +48,12 @@ def main():
     p.add_argument('--mb', type=int, default=24, help='a multiple of 4')
     p.add_argument('--reps', type=int, default=3)
     p.add_argument('--cycles', type=int, default=3)
+    p.add_argument('--one-ring', action='store_true')
+    p.add_argument('--longest', type=float, action='append', default=[],
+                   metavar='MS')
+    p.add_argument('--segment-kib', type=int, action='append', default=[],
+                   metavar='KIB', help='also the measured pace with '
+                   'segments of KIB (repeatable)')
     p.add_argument('--json')
     args = p.parse_args()
     world = MPI.COMM_WORLD
@@ -59,21 +68,31 @@ def main():
         for h in [dist.all_reduce(t, async_op=True) for t in tensors]:
             h.wait()
 
-    measured_pace = ring_pace.pace
+    measured_pace, longest = ring_pace.pace, ring_pace.LONGEST
 
-    def ring_with(pace):
+    def ring_with(pace, longest_s=longest, segment_bytes=None):
         def run():
-            ring_pace.pace = pace
+            ring_pace.pace, ring_pace.LONGEST = pace, longest_s
             try:
-                ring.allreduce_sum_parts(comm, parts, 'float32', check=False)
+                for bucket in [parts] if args.one_ring else [
+                        [a] for a in parts]:
+                    ring.allreduce_sum_parts(comm, bucket, 'float32',
+                                             check=False,
+                                             segment_bytes=segment_bytes)
             finally:
-                ring_pace.pace = measured_pace
+                ring_pace.pace, ring_pace.LONGEST = measured_pace, longest
         return run
 
-    variants = {'mnopt ring, measured pace': ring_with(measured_pace),
-                'mnopt ring, PROMPT pace': ring_with(
-                    lambda comm, window: waiting.PROMPT),
-                'gloo allreduce': gloo}
+    variants = {'mnopt ring, measured pace': ring_with(measured_pace)}
+    for ms in args.longest:
+        variants['mnopt ring, naps <= %g ms' % ms] = ring_with(
+            measured_pace, ms * 1e-3)
+    for kib in args.segment_kib:
+        variants['mnopt ring, %d KiB segments' % kib] = ring_with(
+            measured_pace, segment_bytes=kib << 10)
+    variants['mnopt ring, PROMPT pace'] = ring_with(
+        lambda per_byte, in_flight: waiting.PROMPT)
+    variants['gloo allreduce'] = gloo
     for fn in variants.values():   # warm: connections, the first rate
         fn()
     got = {name: [] for name in variants}
@@ -81,7 +100,8 @@ def main():
         for name, fn in variants.items():
             got[name] += timed(world, args.reps, fn)
     if world.rank == 0:
-        result = {'ranks': world.size, 'bytes': nbytes, 'variants': {}}
+        result = {'ranks': world.size, 'bytes': nbytes,
+                  'one_ring': args.one_ring, 'variants': {}}
         for name, runs in got.items():
             wall = sorted(w for w, _ in runs)
             cpu = sorted(c for _, c in runs)
@@ -90,7 +110,7 @@ def main():
                 'wall_s': [wall[0], wall[mid], wall[-1]],
                 'cpu_s': [cpu[0], cpu[mid], cpu[-1]],
                 'cpu_ms_per_mb': cpu[mid] * 1e3 / (nbytes * 1e-6)}
-            print('%-28s wall %.3f / %.3f / %.3f s   CPU %.1f / %.1f / %.1f '
+            print('%-30s wall %.3f / %.3f / %.3f s   CPU %.1f / %.1f / %.1f '
                   'ms   %.2f ms per MB' % ((name,) + tuple(wall[i] for i in (
                       0, mid, -1)) + tuple(1e3 * cpu[i] for i in (0, mid, -1))
                       + (cpu[mid] * 1e3 / (nbytes * 1e-6),)), flush=True)

@@ -24,37 +24,43 @@ def fresh():
 
 
 def test_before_any_ring_the_pace_is_prompts():
-    assert ring_pace.pace(WORLD, 1 << 20) == waiting.PROMPT
+    assert ring_pace.seconds_per_byte(WORLD) is None
+    assert ring_pace.pace(None, 1 << 20) == waiting.PROMPT
 
 
-def test_naps_are_half_the_window_at_the_measured_rate():
-    # 1 Gbit/s: 8 ns a byte; a 2 MiB window takes 16.8 ms, half is
-    # beyond LONGEST; a 64 KiB one takes 0.52 ms, half 0.26 ms.
+def test_naps_are_half_the_time_the_bytes_in_flight_take():
+    # 1 Gbit/s: 8 ns a byte; 2 MiB in flight take 16.8 ms, half is
+    # beyond LONGEST; 64 KiB take 0.52 ms, half 0.26 ms; as the ring
+    # drains, its last bytes bring the naps down to SHORTEST.
     ring_pace.measured(WORLD, 125 << 20, 1.05)
-    nap, busy = ring_pace.pace(WORLD, 2 << 20)
+    per_byte = ring_pace.seconds_per_byte(WORLD)
+    assert per_byte == pytest.approx(1.05 / (125 << 20))
+    nap, busy = ring_pace.pace(per_byte, 2 << 20)
     assert nap == ring_pace.LONGEST and busy is None
-    nap, busy = ring_pace.pace(WORLD, 64 << 10)
-    assert nap == pytest.approx(0.5 * (64 << 10) * 1.05 / (125 << 20))
+    nap, busy = ring_pace.pace(per_byte, 64 << 10)
+    assert nap == pytest.approx(0.5 * (64 << 10) * per_byte)
     assert busy is None
+    assert ring_pace.pace(per_byte, 1024)[0] == ring_pace.SHORTEST
 
 
 def test_a_fast_link_keeps_the_naps_short():
     ring_pace.measured(WORLD, 1 << 30, 0.01)   # 100 GB/s
-    assert ring_pace.pace(WORLD, 2 << 20)[0] == ring_pace.SHORTEST
+    per_byte = ring_pace.seconds_per_byte(WORLD)
+    assert ring_pace.pace(per_byte, 2 << 20)[0] == ring_pace.SHORTEST
 
 
 def test_a_small_ring_says_nothing_about_the_rate():
     ring_pace.measured(WORLD, ring_pace.MIN_BYTES - 1, 10.0)
     ring_pace.measured(WORLD, 1 << 20, 0.0)
-    assert ring_pace.pace(WORLD, 1 << 20) == waiting.PROMPT
+    assert ring_pace.seconds_per_byte(WORLD) is None
 
 
 def test_each_communicator_keeps_its_own_rate():
     other = WORLD.Dup()
     try:
         ring_pace.measured(WORLD, 1 << 20, 1.0)
-        assert ring_pace.pace(other, 1 << 20) == waiting.PROMPT
-        assert ring_pace.pace(WORLD, 1 << 20)[0] == ring_pace.LONGEST
+        assert ring_pace.seconds_per_byte(other) is None
+        assert ring_pace.seconds_per_byte(WORLD) == 1.0 / (1 << 20)
     finally:
         other.Free()
 
@@ -64,10 +70,25 @@ def test_each_thread_keeps_its_own_rate():
     ring_pace.measured(WORLD, 1 << 20, 1.0)
     seen = []
     t = threading.Thread(target=lambda: seen.append(
-        ring_pace.pace(WORLD, 1 << 20)))
+        ring_pace.seconds_per_byte(WORLD)))
     t.start()
     t.join()
-    assert seen == [waiting.PROMPT]
+    assert seen == [None]
+
+
+def test_the_larger_direction_in_flight_sets_the_naps(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ring_pace.waiting, 'wait_some',
+                        lambda reqs, stats, **kw: calls.append((reqs, kw)))
+    per_byte = 1e-8
+    ring_pace.wait_some(per_byte, [('r1', 's1', 1000), ('r2', 's2', 3000)],
+                        [('r3', 's3', 5000)])
+    (reqs, kw), = calls
+    assert reqs == ['r1', 'r2', 'r3']
+    assert kw['max_nap'] == ring_pace.pace(per_byte, 5000)[0]
+    assert kw['busy_poll'] is None
+    ring_pace.wait_some(per_byte, [], [])      # nothing in flight
+    assert len(calls) == 1
 
 
 def test_a_ring_measures_its_rate_and_sums_the_same_at_any_pace():
@@ -82,7 +103,7 @@ def test_a_ring_measures_its_rate_and_sums_the_same_at_any_pace():
         first = [p.copy() for p in parts]
         ring.allreduce_sum_parts(comm, first, 'float32')
         if n > 1:   # the ring moved 1.2 MB: a rate is known
-            assert ring_pace.pace(comm, 1 << 20)[1] is None
+            assert ring_pace.seconds_per_byte(comm) is not None
         # The slowest pace there is: naps of LONGEST throughout.
         ring_pace.measured(comm, 1 << 20, 100.0)
         second = [p.copy() for p in parts]

@@ -315,8 +315,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     scratch_of = {}
     posted_sends = posted_recvs = recvs_done = sends_done = 0
     by_yield = waits_by_yielding()
-    window = WINDOW * seg_elems * parts[0].itemsize
-    nap, busy = ring_pace.pace(comm, window)
+    per_byte = ring_pace.seconds_per_byte(comm)
     started = time.perf_counter()
     try:
         while recvs_done < n_recvs or sends_done < n_sends:
@@ -370,16 +369,13 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
             if not moved:
                 # Everything still in flight, GIL and core left free until
                 # one of them completes (mnopt/transport/waiting.py).
-                pending = [(r, recv_status[k]) for k, r in enumerate(
-                    recv_req[recvs_done:posted_recvs], recvs_done)
-                    if r != MPI.REQUEST_NULL]
-                pending += [(r, sent) for r in
-                            send_req[sends_done:posted_sends]
-                            if r != MPI.REQUEST_NULL]
-                if pending:
-                    waiting.wait_some([r for r, _ in pending],
-                                      [s for _, s in pending], max_nap=nap,
-                                      busy_poll=busy, by_yield=by_yield)
+                ring_pace.wait_some(per_byte, [
+                    (r, recv_status[k], recvs[k].nbytes) for k, r in
+                    enumerate(recv_req[recvs_done:posted_recvs], recvs_done)
+                    if r != MPI.REQUEST_NULL], [
+                    (r, sent, sends[k].nbytes) for k, r in
+                    enumerate(send_req[sends_done:posted_sends], sends_done)
+                    if r != MPI.REQUEST_NULL], by_yield)
         ring_pace.measured(comm, sum(v.nbytes for v in recvs),
                            time.perf_counter() - started)
     except MPI.Exception as e:
