@@ -184,7 +184,12 @@ def plot(paths, out):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    # Runs of mnopt (--only ddp ones have no parts of mnopt's to draw).
     results = [json.load(open(p)) for p in paths]
+    if not any(r.get('parts_s') for r in results):
+        raise SystemExit('--plot: no run of mnopt among %s' % paths)
+    paths = [p for p, r in zip(paths, results) if r.get('parts_s')]
+    results = [r for r in results if r.get('parts_s')]
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4),
                              squeeze=False)
     for ax, res, path in zip(axes[0], results, paths):
@@ -231,8 +236,9 @@ def main(argv=None):
                    "(benchmarks/ddp_peer.py; needs torch)")
     p.add_argument('--only', choices=('mnopt', 'ddp'),
                    help="one framework only, as a user runs it (--only ddp "
-                   "implies --ddp); default: mnopt, and DDP too with --ddp, "
-                   "in the same processes")
+                   "implies --ddp; mnopt's communicator is still made, for "
+                   "the barriers between rounds); default: mnopt, and DDP "
+                   "too with --ddp, in the same processes")
     p.add_argument('--json')
     args = p.parse_args(argv)
     if args.plot:

@@ -32,7 +32,7 @@ ARCHITECTURE = os.path.join(REPO, 'docs', 'architecture.md')
 #: same table.
 LAYERS = [
     ('leaves', ['common', 'stall', 'timeline', 'wire'],
-     ['mnopt.global_except_hook']),
+     ['mnopt.global_except_hook', 'mnopt.wire_dtypes']),
     ('gpu', ['gpu'], []),
     ('transport', ['transport'], []),
     ('codecs', ['codecs'], []),
@@ -40,7 +40,7 @@ LAYERS = [
     ('communicators', ['communicators', 'averaging'], []),
     ('chainer', ['optimizers', 'extensions', 'links', 'functions',
                  'iterators', 'datasets'], ['mnopt.zero']),
-    ('entry points', ['benchmark', 'launch', 'report'],
+    ('entry points', ['benchmark', 'benchmarking', 'launch', 'report'],
      ['mnopt', 'mnopt.__main__', 'mnopt.check', 'mnopt.netsim']),
 ]
 #: folder -> its layer; top-level module -> its layer.

@@ -113,3 +113,88 @@ def test_a_ring_measures_its_rate_and_sums_the_same_at_any_pace():
             numpy.testing.assert_array_equal(a, w)
     finally:
         comm.Free()
+
+
+def test_a_freed_communicators_rate_is_not_a_new_ones():
+    other = WORLD.Dup()
+    ring_pace.measured(other, 1 << 20, 1.0)
+    other.Free()
+    del other
+    again = WORLD.Dup()     # MPI may hand out the same handle again
+    try:
+        assert ring_pace.seconds_per_byte(again) is None
+    finally:
+        again.Free()
+
+
+def test_one_slow_ring_slows_the_rate_by_at_most_half():
+    ring_pace.measured(WORLD, 1 << 20, 0.001)
+    ring_pace.measured(WORLD, 1 << 20, 1.0)     # 1000x slower
+    assert ring_pace.seconds_per_byte(WORLD) == pytest.approx(
+        ring_pace.MOST_SLOWER * 0.001 / (1 << 20))
+    ring_pace.measured(WORLD, 1 << 20, 0.0001)  # faster: taken at once
+    assert ring_pace.seconds_per_byte(WORLD) == pytest.approx(
+        0.0001 / (1 << 20))
+
+
+def test_the_rate_is_the_median_time_between_messages():
+    # 10 messages of 1 MiB, 1 ms apart, then one 1 s pause.
+    arrived = [(0.001 * k, 1 << 20) for k in range(10)]
+    arrived.append((arrived[-1][0] + 1.0, 1 << 20))
+    ring_pace.measured_arrivals(WORLD, arrived)
+    assert ring_pace.seconds_per_byte(WORLD) == pytest.approx(
+        0.001 / (1 << 20))
+    ring_pace.forget()
+    ring_pace.measured_arrivals(WORLD, arrived[:1])   # one message: no rate
+    assert ring_pace.seconds_per_byte(WORLD) is None
+
+
+def _parts(comm):
+    return [numpy.arange(300000, dtype=numpy.float32) * (comm.rank + 1)]
+
+
+def test_the_ring_naps_at_the_measured_pace(monkeypatch):
+    if WORLD.size == 1:
+        pytest.skip('needs two ranks: one rank runs no ring')
+    comm = WORLD.Dup()
+    naps = []
+    real = waiting.wait_some
+
+    def recorded(requests, statuses=None, **kw):
+        naps.append((kw['max_nap'], kw['busy_poll']))
+        return real(requests, statuses, **kw)
+
+    monkeypatch.setattr(waiting, 'wait_some', recorded)
+    late = comm.rank == comm.size - 1
+    try:
+        ring_pace.measured(comm, 1 << 20, 1.0)   # a slow link: 1 MB/s
+        if late:   # so that the others wait for it
+            import time
+            time.sleep(0.2)
+        ring.allreduce_sum_parts(comm, _parts(comm), 'float32', check=False)
+    finally:
+        comm.Free()
+    # Every wait of the ring at the measured pace, none at PROMPT's; with
+    # 150 kB or more in flight at 1 MB/s the naps are the longest.
+    assert all(busy is None for _, busy in naps)
+    if not late:
+        assert naps and max(nap for nap, _ in naps) == ring_pace.LONGEST
+
+
+def test_a_late_peer_is_not_taken_for_a_slow_link():
+    if WORLD.size == 1:
+        pytest.skip('needs two ranks: one rank runs no ring')
+    import time
+    comm = WORLD.Dup()
+    try:
+        if comm.rank == comm.size - 1:
+            time.sleep(0.5)
+        ring.allreduce_sum_parts(comm, _parts(comm), 'float32', check=False)
+        per_byte = ring_pace.seconds_per_byte(comm)
+    finally:
+        comm.Free()
+    # The ring received about 1.2 MB * (N-1)/N * 2: at the median time
+    # between its messages, far less than the 0.5 s the last rank was
+    # late (on every rank: at 3 ranks the middle one waits mid-ring).
+    received = 2 * 4 * 300000 * (WORLD.size - 1) // WORLD.size
+    assert per_byte is not None and per_byte * received < 0.25

@@ -28,3 +28,9 @@ def __getattr__(name):
     warnings.warn('mnopt.benchmark.%s is %s.%s now' % (name, where, name),
                   DeprecationWarning, stacklevel=2)
     return getattr(importlib.import_module(where), name)
+
+
+def main(argv=None):
+    """``python -m mnopt.benchmark`` (__main__.py), for a script that wraps it."""
+    from mnopt.benchmark.__main__ import main as command
+    return command(argv)

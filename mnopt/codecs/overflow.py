@@ -56,6 +56,10 @@ class GradientOverflowError(FloatingPointError):
     """Averaging on a 16-bit wire turned finite gradients into inf/NaN."""
 
 
+# Tracebacks name it where users import it from.
+GradientOverflowError.__module__ = 'mnopt'
+
+
 def normalize(on_overflow):
     if on_overflow not in CHOICES:
         raise ValueError('on_overflow must be one of %s, not %r'

@@ -170,7 +170,7 @@ def report(how, what, traceback='', others=None, who=None):
         if not _write_record(rec, 'failure'):
             log.say(logger, logging.ERROR, '%s', '\n'.join(lines(rec)),
                     last_words=True, on_stderr=True)
-            log.flush(__name__)
+            log.flush(logger.name)
         return True
     except Exception:
         return False

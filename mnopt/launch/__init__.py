@@ -5,3 +5,9 @@ elastic relaunch: which hosts (hosts.py), which of them answer
 are complete (snapshots.py).  Layer 7 (entry points) of
 docs/architecture.md: nothing in mnopt imports it.
 """
+
+
+def main(argv=None):
+    """``python -m mnopt.launch`` (__main__.py), for a script that wraps it."""
+    from mnopt.launch.__main__ import main as command
+    return command(argv)

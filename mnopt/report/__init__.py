@@ -5,3 +5,9 @@ the command line (__main__.py), the reading of the traces
 Layer 7 (entry points) of docs/architecture.md: nothing in mnopt imports
 it.
 """
+
+
+def main(argv=None):
+    """``python -m mnopt.report`` (__main__.py), for a script that wraps it."""
+    from mnopt.report.__main__ import main as command
+    return command(argv)

@@ -244,8 +244,8 @@ def yield_while_waiting(on=True):
     (mnopt/common/_sched.py): there it shares a core with the rank's compute,
     and each nap's wake-up waits for that core, while a yield keeps the
     thread runnable and costs it one short slice.  The C wait (the
-    default) naps without the GIL instead, and polls again at once while
-    data is moving."""
+    default) naps without the GIL instead, at the pace of
+    mnopt/transport/ring_pace.py."""
     _waits.by_yield = bool(on) and hasattr(os, 'sched_yield')
 
 
@@ -316,7 +316,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
     posted_sends = posted_recvs = recvs_done = sends_done = 0
     by_yield = waits_by_yielding()
     per_byte = ring_pace.seconds_per_byte(comm)
-    started = time.perf_counter()
+    arrived = []   # (when, bytes) of each receive: the rate (ring_pace.py)
     try:
         while recvs_done < n_recvs or sends_done < n_sends:
             moved = False
@@ -361,6 +361,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                     add(got[:recvs[i].size], recvs[i])
                     scratch.append(got)
                 recvs_done += 1
+                arrived.append((time.perf_counter(), recvs[i].nbytes))
                 moved = True
             while sends_done < posted_sends and waiting.completed(
                     send_req[sends_done]):
@@ -376,8 +377,7 @@ def _ring(comm, parts, wire, counts, first, last, chunk_each_part=False,
                     (r, sent, sends[k].nbytes) for k, r in
                     enumerate(send_req[sends_done:posted_sends], sends_done)
                     if r != MPI.REQUEST_NULL], by_yield)
-        ring_pace.measured(comm, sum(v.nbytes for v in recvs),
-                           time.perf_counter() - started)
+        ring_pace.measured_arrivals(comm, arrived)
     except MPI.Exception as e:
         if e.Get_error_class() == MPI.ERR_TRUNCATE:
             raise RuntimeError(

@@ -13,17 +13,22 @@ most ``WINDOW`` receives and their sends) take at the rate the thread's
 previous ring over the same communicator measured: the posted messages,
 not the naps, keep the link busy; as a ring drains, its naps shorten, so
 its end (and the next bucket's start) is seen promptly; and on a fast
-link (shared memory, InfiniBand) the naps stay short.  Bounded by
-``SHORTEST`` and ``LONGEST``; before a rate is known, PROMPT's pace.  Per
-communicator, since one thread may run rings over shared memory and over
-the network (hierarchical); per thread, since the threads of one process
-may share a communicator's links differently.  docs/overlap.md ("Waiting
-for the network") has the measurements (benchmarks/ring_cpu.py).
+link (InfiniBand, shared memory at some GB/s) the naps stay short.
+Bounded by ``SHORTEST`` and ``LONGEST``; before a rate is known,
+PROMPT's pace.  The rate is the median of the times between a ring's
+messages arriving, so a peer that came late, or paused once, is not
+taken for a slow link; and it slows by at most ``MOST_SLOWER`` from one
+ring to the next, so that one odd ring cannot make the naps long for
+good (a slower rate makes longer naps, which could make the next ring
+slower).  Per communicator object, since one thread may
+run rings over shared memory and over the network (hierarchical); per
+thread, since the threads of one process may share a communicator's
+links differently.  Measured: docs/results/ring_cpu/README.md
+(benchmarks/ring_cpu.py) and docs/overlap.md.
 """
 
 import threading
-
-from mpi4py import MPI
+import weakref
 
 from mnopt.transport import waiting
 
@@ -33,6 +38,8 @@ SHORTEST = 20e-6
 LONGEST = waiting.PATIENT.max_nap
 #: A ring that received fewer bytes says little about the rate.
 MIN_BYTES = 64 << 10
+#: The most one ring may slow the rate by (a factor).
+MOST_SLOWER = 2.0
 
 _local = threading.local()
 
@@ -40,7 +47,10 @@ _local = threading.local()
 def seconds_per_byte(comm):
     """The rate this thread's last ring over ``comm`` measured (seconds a
     byte received), or None."""
-    return _rates().get(MPI._handleof(comm))
+    known = _rates().get(id(comm))
+    # Keyed by the object: a freed communicator's handle (and a collected
+    # object's id) may come back for another one.
+    return known[1] if known and known[0]() is comm else None
 
 
 def pace(per_byte, in_flight_bytes):
@@ -66,11 +76,32 @@ def wait_some(per_byte, receiving, sending, by_yield=False):
                       max_nap=nap, busy_poll=busy, by_yield=by_yield)
 
 
+def measured_arrivals(comm, arrived):
+    """A ring of this thread over ``comm`` received its messages at
+    ``arrived``: (time.perf_counter(), bytes) of each, in order.  The
+    rate: the median over its messages of the time since the one before,
+    per byte."""
+    gaps = sorted((t - before) / nbytes for (before, _), (t, nbytes)
+                  in zip(arrived, arrived[1:]) if nbytes)
+    if gaps:
+        total = sum(nbytes for _, nbytes in arrived[1:])
+        measured(comm, total, gaps[len(gaps) // 2] * total)
+
+
 def measured(comm, nbytes, seconds):
     """A ring of this thread over ``comm`` received ``nbytes`` in
-    ``seconds``."""
-    if nbytes >= MIN_BYTES and seconds > 0:
-        _rates()[MPI._handleof(comm)] = seconds / nbytes
+    ``seconds`` (from its first received message to its end)."""
+    if nbytes < MIN_BYTES or seconds <= 0:
+        return
+    per_byte = seconds / nbytes
+    before = seconds_per_byte(comm)
+    if before is not None:
+        per_byte = min(per_byte, MOST_SLOWER * before)
+    rates = _rates()
+    if len(rates) > 64:   # communicators gone
+        for key in [k for k, (ref, _) in rates.items() if ref() is None]:
+            del rates[key]
+    rates[id(comm)] = (weakref.ref(comm), per_byte)
 
 
 def forget():
@@ -79,7 +110,8 @@ def forget():
 
 
 def _rates():
-    """This thread's {communicator handle: seconds per byte}."""
+    """This thread's {id of a communicator: (weak reference to it,
+    seconds per byte)}."""
     rates = getattr(_local, 'rates', None)
     if rates is None:
         rates = _local.rates = {}

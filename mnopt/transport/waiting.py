@@ -44,7 +44,8 @@ WAITS = ('c', 'python')
 #: the naps bound how fast a transfer goes when no thread polls.
 Pace = collections.namedtuple('Pace', 'max_nap busy_poll')
 #: Where threads of one process share the work (a colocated reduction
-#: server's two threads and its worker's exchange, the ring): measured on
+#: server's two threads and its worker's exchange; the ring's first ring
+#: over a communicator, the others at ring_pace.py's pace): measured on
 #: 4 simulated nodes at 1 Gbit/s (docs/results/netsim/waits.md),
 #: colocated servers averaged 1.00-1.14x flat's time this way, 2.7x with
 #: naps up to 1 ms and no busy rule.  An empty poll took 1.2-1.7 us there.
