@@ -1,12 +1,35 @@
 """ChainerMN's trainer extensions, one small module each, and the
-multi-node evaluator.  Layer 6 (chainer) of docs/architecture.md."""
+multi-node evaluator.  Layer 6 (chainer) of docs/architecture.md.
 
-from mnopt.extensions.allreduce_persistent import AllreducePersistent  # NOQA
-from mnopt.extensions.communication_report import CommunicationReport  # NOQA
-from mnopt.extensions.checkpoint import create_multi_node_checkpointer  # NOQA
-from mnopt.extensions.early_stopping import MultiNodeEarlyStoppingTrigger  # NOQA
-from mnopt.extensions.generic_evaluator import GenericMultiNodeEvaluator  # NOQA
-from mnopt.extensions.multi_node_snapshot import multi_node_snapshot  # NOQA
-from mnopt.extensions.multi_node_evaluator import (  # NOQA  (ChainerMN's path)
-    create_multi_node_evaluator)
-from mnopt.extensions.observation_aggregator import ObservationAggregator  # NOQA
+Each name is imported on first use: the multi-node evaluator needs no
+Chainer (it averages what any object's ``evaluate()`` returns), and
+importing it must not import the extensions that do."""
+
+import importlib
+
+#: name -> the module of this folder that defines it.
+_NAMES = {
+    'AllreducePersistent': 'allreduce_persistent',
+    'CommunicationReport': 'communication_report',
+    'create_multi_node_checkpointer': 'checkpoint',
+    'MultiNodeEarlyStoppingTrigger': 'early_stopping',
+    'GenericMultiNodeEvaluator': 'generic_evaluator',
+    'multi_node_snapshot': 'multi_node_snapshot',
+    'create_multi_node_evaluator': 'multi_node_evaluator',  # ChainerMN's
+    'ObservationAggregator': 'observation_aggregator',
+}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError('module %r has no attribute %r'
+                             % (__name__, name))
+    value = getattr(importlib.import_module(
+        __name__ + '.' + _NAMES[name]), name)
+    globals()[name] = value   # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES))
