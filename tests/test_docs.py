@@ -431,7 +431,7 @@ def test_a_stale_figure_is_found():
     """The checker itself: an older run's overlap figure beside the
     current one (0.55 at 1 Gbit/s, from before mnopt's C waits), and an
     older float16 wire figure (1.89x), fail."""
-    stale = ('Overlap hides 0.67 of the averaging at 500 Mbit/s and 0.55 '
+    stale = ('Overlap hides 0.62 of the averaging at 500 Mbit/s and 0.55 '
              'at 1 Gbit/s on 2 simulated nodes.  The float16 wire pays '
              'wherever the link is slower than memory: 1.89x faster than '
              'float32 at 1 Gbit/s.')
