@@ -1,35 +1,28 @@
 """ChainerMN's trainer extensions, one small module each, and the
 multi-node evaluator.  Layer 6 (chainer) of docs/architecture.md.
 
-Each name is imported on first use: the multi-node evaluator needs no
-Chainer (it averages what any object's ``evaluate()`` returns), and
-importing it must not import the extensions that do."""
+The multi-node evaluator needs no Chainer (it averages what any object's
+``evaluate()`` returns), so it imports without Chainer; the trainer
+extensions need it, and without it naming one says so."""
 
-import importlib
+from mnopt.extensions.multi_node_evaluator import (  # NOQA  (ChainerMN's path)
+    create_multi_node_evaluator)
 
-#: name -> the module of this folder that defines it.
-_NAMES = {
-    'AllreducePersistent': 'allreduce_persistent',
-    'CommunicationReport': 'communication_report',
-    'create_multi_node_checkpointer': 'checkpoint',
-    'MultiNodeEarlyStoppingTrigger': 'early_stopping',
-    'GenericMultiNodeEvaluator': 'generic_evaluator',
-    'multi_node_snapshot': 'multi_node_snapshot',
-    'create_multi_node_evaluator': 'multi_node_evaluator',  # ChainerMN's
-    'ObservationAggregator': 'observation_aggregator',
-}
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name):
-    if name not in _NAMES:
-        raise AttributeError('module %r has no attribute %r'
-                             % (__name__, name))
-    value = getattr(importlib.import_module(
-        __name__ + '.' + _NAMES[name]), name)
-    globals()[name] = value   # later lookups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES))
+try:
+    import chainer  # NOQA: what the trainer extensions below are for
+except ImportError:
+    def __getattr__(name):
+        if name.startswith('__'):
+            raise AttributeError(name)
+        raise ImportError(
+            "mnopt.extensions.%s is a Chainer trainer extension and needs "
+            "Chainer, which is not installed: pip install 'mnopt[chainer]' "
+            "(see docs/install.md)" % name, name='chainer')
+else:
+    from mnopt.extensions.allreduce_persistent import AllreducePersistent  # NOQA
+    from mnopt.extensions.communication_report import CommunicationReport  # NOQA
+    from mnopt.extensions.checkpoint import create_multi_node_checkpointer  # NOQA
+    from mnopt.extensions.early_stopping import MultiNodeEarlyStoppingTrigger  # NOQA
+    from mnopt.extensions.generic_evaluator import GenericMultiNodeEvaluator  # NOQA
+    from mnopt.extensions.multi_node_snapshot import multi_node_snapshot  # NOQA
+    from mnopt.extensions.observation_aggregator import ObservationAggregator  # NOQA
