@@ -90,8 +90,8 @@ def measured_arrivals(comm, arrived):
 
 
 def measured(comm, nbytes, seconds):
-    """A ring of this thread over ``comm`` received ``nbytes`` in
-    ``seconds`` (from its first received message to its end)."""
+    """A ring of this thread over ``comm`` moved ``nbytes`` at a rate of
+    ``nbytes`` in ``seconds`` (measured_arrivals' estimate)."""
     if nbytes < MIN_BYTES or seconds <= 0:
         return
     per_byte = seconds / nbytes
